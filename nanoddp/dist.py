@@ -1,0 +1,274 @@
+"""The distributed environment: who am I, how many are we, and how do we talk.
+
+`DistEnv` is the one object that carries distributed facts through the code. It is built
+once from the torchrun environment variables (this is the only module that reads
+`os.environ`) or directly by `nanoddp.launch`, and passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# The variables torchrun sets for every worker; the first five describe the process layout.
+TORCHRUN_LAYOUT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+TORCHRUN_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
+DEFAULT_PG_TIMEOUT = timedelta(minutes=5)
+
+
+def default_backend(local_world_size: int = 1) -> str:
+    """nccl when every local rank can own a GPU, gloo otherwise (CPU, or too few GPUs)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """One GPU per local rank under nccl; everything on the CPU under gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. Immutable: pass it down, never re-read env vars."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    """How many times torchrun has restarted this worker group (TORCHELASTIC_RESTART_COUNT)."""
+    torchrun: bool = field(default=False)
+    """True when the process was started by torchrun's elastic agent."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank must be in [0, local_world_size={self.local_world_size}), "
+                f"got {self.local_rank}"
+            )
+        if self.backend not in ("gloo", "nccl", "mpi", "ucc"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+
+    @property
+    def is_master(self) -> bool:
+        """Rank 0: the one process that logs, prints and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_local_master(self) -> bool:
+        """Local rank 0: one per node, e.g. for per-node downloads."""
+        return self.local_rank == 0
+
+    @classmethod
+    def single_process(cls, backend: str | None = None) -> DistEnv:
+        """The environment of a plain `python script.py` run: one rank, one node."""
+        backend = backend or default_backend(1)
+        return cls(0, 0, 1, 1, 0, device_for(backend, 0), backend)
+
+    @classmethod
+    def from_environ(
+        cls, environ: Mapping[str, str] | None = None, backend: str | None = None
+    ) -> DistEnv:
+        """Build from torchrun's variables; with none of them set, a single-process env.
+
+        A partial set (say RANK without WORLD_SIZE) is an error rather than a guess, because a
+        guessed world size is how jobs hang at the first collective.
+        """
+        environ = os.environ if environ is None else environ
+        present = [name for name in ("RANK", "WORLD_SIZE") if name in environ]
+        if not present:
+            return cls.single_process(backend)
+        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
+        if missing:
+            raise ValueError(
+                f"incomplete distributed environment: {', '.join(present)} set but "
+                f"{', '.join(missing)} missing; launch with torchrun (or `nanoddp train`), "
+                "which sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+            )
+        rank = _int_var(environ, "RANK")
+        world_size = _int_var(environ, "WORLD_SIZE")
+        local_rank = _int_var(environ, "LOCAL_RANK", default=rank)
+        local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE", default=world_size)
+        node_rank = _int_var(environ, "GROUP_RANK", default=0)
+        if world_size > 1:
+            unset = [name for name in TORCHRUN_RENDEZVOUS_VARS if name not in environ]
+            if unset:
+                raise ValueError(
+                    f"WORLD_SIZE={world_size} but {', '.join(unset)} not set: the ranks cannot "
+                    "find each other; set MASTER_ADDR and MASTER_PORT (torchrun does this)"
+                )
+        master_port = _int_var(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None
+        backend = backend or default_backend(local_world_size)
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            device=device_for(backend, local_rank),
+            backend=backend,
+            master_addr=environ.get("MASTER_ADDR"),
+            master_port=master_port,
+            restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+            torchrun="TORCHELASTIC_RUN_ID" in environ,
+        )
+
+
+def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in environ:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set")
+        return default
+    raw = environ[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name} must be >= 0, got {value}")
+    return value
+
+
+def inside_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a worker started by torchrun's elastic agent (it sets TORCHELASTIC_RUN_ID)."""
+    environ = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free right now on loopback (never a hard-coded one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init(
+    env: DistEnv | None = None,
+    init_method: str | None = None,
+    timeout: timedelta = DEFAULT_PG_TIMEOUT,
+) -> DistEnv:
+    """Initialise the default process group for `env` (from the environment when None).
+
+    `timeout` bounds torch's own collectives so that a lost peer becomes an error, not a hang.
+    A single-process env without MASTER_ADDR gets a private loopback rendezvous so that code
+    written for N ranks (DDP, collectives) runs unchanged with one.
+    """
+    env = env or DistEnv.from_environ()
+    if dist.is_initialized():
+        return env
+    if init_method is None:
+        if env.master_addr is not None and env.master_port is not None:
+            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        elif env.world_size == 1:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            raise ValueError(f"world_size={env.world_size} needs MASTER_ADDR/MASTER_PORT or init_method")
+    if env.backend == "nccl":
+        torch.cuda.set_device(env.device)
+    dist.init_process_group(
+        backend=env.backend,
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    logger.debug("rank %d/%d joined via %s (%s)", env.rank, env.world_size, init_method, env.backend)
+    return env
+
+
+def cleanup() -> None:
+    """Barrier, then destroy the process group. Safe to call twice or when never initialised."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int, rank: int = 0, same_across_ranks: bool = False) -> int:
+    """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
+
+    With `same_across_ranks=False` each rank gets `seed + rank`: different dropout masks and
+    data augmentation per rank, which is what data parallelism wants. Model init must then come
+    from a broadcast (DDP does it), not from the RNG.
+    """
+    effective = seed if same_across_ranks else seed + rank
+    random.seed(effective)
+    try:
+        import numpy as np
+
+        np.random.seed(effective % 2**32)
+    except ImportError:  # numpy is optional for torch
+        pass
+    torch.manual_seed(effective)  # also seeds every CUDA device
+    return effective
+
+
+def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup | None:
+    """A process group of `ranks`; call it on EVERY rank, members or not (torch requires it).
+
+    Returns None on ranks outside the group, so `if group is not None:` reads naturally.
+    """
+    world_size = dist.get_world_size()
+    wanted = sorted(set(int(r) for r in ranks))
+    if not wanted:
+        raise ValueError("new_group needs at least one rank, got an empty list")
+    bad = [r for r in wanted if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"ranks {bad} are outside the world [0, {world_size})")
+    group = dist.new_group(wanted, backend=backend)
+    return group if dist.get_rank() in wanted else None
+
+
+def subgroups_by(key: Callable[[int], Hashable]) -> dist.ProcessGroup:
+    """Split the world by `key(rank)` and return this rank's group.
+
+    Every rank creates every group in the same (sorted) order, which hides torch's trap: a rank
+    that skips a `new_group` call, or calls them in another order, deadlocks the others.
+    """
+    world_size = dist.get_world_size()
+    by_label: dict[Hashable, list[int]] = {}
+    for r in range(world_size):
+        by_label.setdefault(key(r), []).append(r)
+    mine = None
+    for label in sorted(by_label, key=repr):
+        group = new_group(by_label[label])
+        if group is not None:
+            mine = group
+    assert mine is not None  # every rank has a label, so it is in some group
+    return mine
+
+
+def even_ranks_group() -> dist.ProcessGroup | None:
+    """The group of even ranks (seed 004's example); None on odd ranks. Call on every rank."""
+    return new_group(range(0, dist.get_world_size(), 2))
+
+
+def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """Global ranks of `group`'s members, in group-rank order."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)

@@ -1,0 +1,200 @@
+"""Local launch: run `fn(env, *args)` on N processes, like `mp.spawn`, but fail fast and loud.
+
+Why not plain `mp.spawn`? When one rank dies the others sit in a collective forever, and the
+parent learns nothing useful. Here the parent watches every child; the first failure (an
+exception, a non-zero exit, a signal) stops the rest within seconds and is re-raised in the
+parent with the rank and its traceback. Children also die with the parent (PR_SET_PDEATHSIG),
+so no orphan is left even if the parent is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from nanoddp import dist as nd
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this long
+POLL_S = 0.05
+SETTLE_S = 1.0  # after a failure, how long to wait for the others' reports
+
+
+class LaunchError(RuntimeError):
+    """A rank failed. `rank` is the first failure seen; `details` is its traceback or exit."""
+
+    def __init__(self, rank: int, details: str, exitcode: int | None = None):
+        self.rank = rank
+        self.details = details
+        self.exitcode = exitcode
+        self.other_failures: dict[int, str] = {}  # usually consequences: peers losing rank `rank`
+        super().__init__(f"rank {rank} failed: {details}")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _worker(
+    env: nd.DistEnv,
+    init_method: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: mp.Queue,
+    pg_timeout_s: float,
+) -> None:
+    """Child entry point: join the group, run the user's function, report back."""
+    _die_with_parent()
+    try:
+        nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
+        value = fn(env, *args)
+        results.put((env.rank, "ok", value))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
+        results.put((env.rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()
+        os._exit(1)  # skip cleanup: a barrier with a failed peer would hang
+    nd.cleanup()
+    results.close()
+    results.join_thread()
+
+
+def _describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def _stop_all(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """SIGTERM every live child, then SIGKILL whoever is still there after the grace period."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    timeout: float | None = None,
+    pg_timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run `fn(env, *args)` on `nprocs` local processes; return each rank's return value.
+
+    `fn` must be importable (a module-level function): children are started with `spawn`, so
+    CUDA state in the parent does not matter. Rendezvous is a `file://` store in a private temp
+    dir, so no port is ever fixed. Raises `LaunchError` naming the first rank that failed, and
+    `TimeoutError` if the whole job outlives `timeout` seconds; children are stopped either way.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    backend = backend or nd.default_backend(nprocs)
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    rendezvous_dir = tempfile.mkdtemp(prefix="nanoddp-rdzv-")
+    init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
+    base_env = nd.DistEnv(0, 0, nprocs, nprocs, 0, nd.device_for(backend, 0), backend)
+    procs = []
+    try:
+        for rank in range(nprocs):
+            env = replace(base_env, rank=rank, local_rank=rank, device=nd.device_for(backend, rank))
+            proc = ctx.Process(
+                target=_worker,
+                args=(env, init_method, fn, tuple(args), results, pg_timeout_s),
+                name=f"nanoddp-rank{rank}",
+                daemon=False,
+            )
+            proc.start()
+            procs.append(proc)
+        return _collect(procs, results, timeout)
+    finally:
+        _stop_all(procs)
+        results.close()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.Queue, timeout: float | None) -> list[Any]:
+    """Wait for every rank's report; raise on the first failure or when time runs out."""
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}  # rank -> traceback, in arrival order
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(values) < len(procs):
+        _read_reports(results, values, errors, wait_s=POLL_S)
+        if errors or any(p.exitcode not in (None, 0) for p in procs):
+            _raise_root_cause(procs, results, values, errors)
+        if deadline is not None and time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - set(values))
+            raise TimeoutError(f"launch timed out after {timeout}s; ranks {missing} still running")
+        for rank, proc in enumerate(procs):
+            if proc.exitcode == 0 and rank not in values:
+                _read_reports(results, values, errors, wait_s=1.0)  # its report may lag its exit
+                if rank not in values and not errors:
+                    raise LaunchError(rank, _describe_exit(0), 0)
+    for proc in procs:
+        proc.join()
+    return [values[r] for r in range(len(procs))]
+
+
+def _read_reports(results: mp.Queue, values: dict[int, Any], errors: dict[int, str], wait_s: float) -> None:
+    """Move every queued report into `values`/`errors`, waiting up to `wait_s` for the first."""
+    timeout = wait_s
+    while True:
+        try:
+            rank, status, payload = results.get(timeout=timeout)
+        except queue.Empty:
+            return
+        (errors if status == "error" else values)[rank] = payload
+        timeout = 0.01
+
+
+def _raise_root_cause(procs, results, values, errors) -> None:
+    """One failure drags the others down (their peers vanish mid-collective), so wait a moment
+    for the dust to settle and blame the root cause: a rank that died without a word (signal,
+    os._exit) if there is one, else the first rank that reported an exception."""
+    settle_until = time.monotonic() + SETTLE_S
+    while time.monotonic() < settle_until:
+        _read_reports(results, values, errors, wait_s=POLL_S)
+    silent_deaths = [
+        (rank, p.exitcode)
+        for rank, p in enumerate(procs)
+        if p.exitcode not in (None, 0) and rank not in errors and rank not in values
+    ]
+    if silent_deaths:
+        rank, exitcode = silent_deaths[0]
+        error = LaunchError(rank, _describe_exit(exitcode), exitcode)
+    else:
+        rank = next(iter(errors))
+        error = LaunchError(rank, errors[rank], procs[rank].exitcode)
+    error.other_failures = {r: e for r, e in errors.items() if r != rank}
+    raise error
