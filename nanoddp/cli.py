@@ -17,6 +17,7 @@ import nanoddp
 # (module, attribute) pairs, imported lazily so `nanoddp --help` stays fast.
 SUBCOMMAND_REGISTRARS = (
     ("nanoddp.cli", "register_check_cli"),
+    ("nanoddp.bench", "register_cli"),
 )
 
 
