@@ -1,0 +1,188 @@
+"""Hang watchdog: turn a stuck collective into a clear error and a non-zero exit.
+
+A collective that one rank never joins blocks the others silently (for gloo, until the
+process-group timeout; for nccl, possibly forever). Every collective nanoddp issues is
+bracketed by `begin(...)`/`end(...)` on this process's watchdog. A background thread:
+
+1. publishes this rank's progress (per group: the sequence number of the last collective it
+   entered) to the c10d store every `poll_s` — off the hot path, so a tracked collective costs
+   a dict update, not a store round trip;
+2. checks the oldest in-flight collective; past `timeout_s` it reads every rank's progress from
+   the store, logs which ranks have and have not arrived at that collective, and exits the
+   process with `HANG_EXIT_CODE`, so torchrun (or `nanoddp.launch`) can tear down and restart
+   the group.
+
+Disabled (the default), `track`/`begin`/`end` are no-ops that cost one global lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HANG_EXIT_CODE = 86
+STORE_PREFIX = "nanoddp/watchdog"
+
+
+@dataclass
+class InFlight:
+    """A collective this rank has entered and not yet finished."""
+
+    op: str
+    seq: int
+    numel: int
+    group_ranks: tuple[int, ...]
+    started: float
+
+
+def _group_key(group_ranks: tuple[int, ...]) -> str:
+    return "world" if group_ranks == tuple(range(dist.get_world_size())) else "-".join(map(str, group_ranks))
+
+
+class CollectiveWatchdog:
+    """Per-process monitor of in-flight collectives (see the module docstring)."""
+
+    def __init__(self, timeout_s: float, store: dist.Store | None = None, poll_s: float = 1.0,
+                 exit_on_hang: bool = True):
+        if timeout_s <= 0:
+            raise ValueError(f"collective timeout must be > 0 seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.poll_s = min(poll_s, timeout_s / 4)
+        self.exit_on_hang = exit_on_hang
+        self.rank = dist.get_rank()
+        # The default store is the one every rank already shares (file, TCP or torchrun's).
+        self.store = store or dist.distributed_c10d._get_default_store()
+        self._lock = threading.Lock()
+        self._seq: dict[tuple[int, ...], int] = {}  # group -> last sequence number entered
+        self._in_flight: dict[int, InFlight] = {}
+        self._tokens = itertools.count()
+        self._published: dict[tuple[int, ...], int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nanoddp-watchdog", daemon=True)
+        self.last_report: str | None = None
+
+    def start(self) -> CollectiveWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def begin(self, op: str, numel: int, group_ranks: tuple[int, ...]) -> int:
+        """Record that this rank entered collective `op`; returns a token for `end`."""
+        with self._lock:
+            seq = self._seq.get(group_ranks, 0) + 1
+            self._seq[group_ranks] = seq
+            token = next(self._tokens)
+            self._in_flight[token] = InFlight(op, seq, numel, group_ranks, time.monotonic())
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._in_flight.pop(token, None)
+
+    def _publish_progress(self) -> None:
+        with self._lock:
+            changed = {g: s for g, s in self._seq.items() if self._published.get(g) != s}
+        for group_ranks, seq in changed.items():
+            self.store.set(f"{STORE_PREFIX}/{_group_key(group_ranks)}/{self.rank}", str(seq))
+            self._published[group_ranks] = seq
+
+    def _progress_of(self, group_ranks: tuple[int, ...]) -> dict[int, int]:
+        """Last sequence number each member of the group published (0 if none yet)."""
+        keys = [f"{STORE_PREFIX}/{_group_key(group_ranks)}/{r}" for r in group_ranks]
+        progress = {}
+        for rank, key in zip(group_ranks, keys):
+            progress[rank] = int(self.store.get(key)) if self.store.check([key]) else 0
+        return progress
+
+    def hang_report(self, stuck: InFlight) -> str:
+        waited = time.monotonic() - stuck.started
+        progress = self._progress_of(stuck.group_ranks)
+        arrived = sorted(r for r, s in progress.items() if s >= stuck.seq)
+        missing = sorted(r for r, s in progress.items() if s < stuck.seq)
+        behind = ", ".join(f"rank {r} at #{progress[r]}" for r in missing)
+        return (
+            f"collective hang on rank {self.rank}: {stuck.op} #{stuck.seq} ({stuck.numel} elements, "
+            f"group {list(stuck.group_ranks)}) has waited {waited:.0f}s > timeout {self.timeout_s:g}s; "
+            f"arrived: ranks {arrived}; not arrived: ranks {missing} ({behind or 'none'}). "
+            "Those ranks are stuck elsewhere (a skipped collective, a data-dependent branch, a crash)."
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._publish_progress()
+                with self._lock:
+                    oldest = min(self._in_flight.values(), key=lambda f: f.started, default=None)
+                if oldest is None or time.monotonic() - oldest.started <= self.timeout_s:
+                    continue
+                time.sleep(self.poll_s)  # give the others one more beat to publish
+                self.last_report = self.hang_report(oldest)
+            except Exception:  # a broken store must not kill training; log and keep watching
+                logger.exception("watchdog poll failed")
+                continue
+            logger.error(self.last_report)
+            if self.exit_on_hang:
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(HANG_EXIT_CODE)
+            return
+
+
+_active: CollectiveWatchdog | None = None
+
+
+def enable(timeout_s: float, poll_s: float = 1.0, exit_on_hang: bool = True) -> CollectiveWatchdog:
+    """Start this process's watchdog (call after the process group is initialised)."""
+    global _active
+    disable()
+    _active = CollectiveWatchdog(timeout_s, poll_s=poll_s, exit_on_hang=exit_on_hang).start()
+    return _active
+
+
+def disable() -> None:
+    global _active
+    if _active is not None:
+        _active.stop()
+        _active = None
+
+
+def active() -> CollectiveWatchdog | None:
+    return _active
+
+
+def begin(op: str, numel: int, group_ranks: tuple[int, ...]) -> int | None:
+    """Mark the start of a collective (async ones end at `wait()`); None when disabled."""
+    return None if _active is None else _active.begin(op, numel, group_ranks)
+
+
+def end(token: int | None) -> None:
+    if token is not None and _active is not None:
+        _active.end(token)
+
+
+@contextlib.contextmanager
+def track(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Bracket a blocking collective: `with watchdog.track("all_reduce", t.numel()): ...`."""
+    if _active is None:
+        yield
+        return
+    ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+    token = _active.begin(op, numel, ranks)
+    try:
+        yield
+    finally:
+        _active.end(token)
