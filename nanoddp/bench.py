@@ -10,7 +10,8 @@ import argparse
 import importlib
 
 BENCHMARK_MODULES = (
-    # "nanoddp.bench_collectives",  (registered as the benchmarks land)
+    "nanoddp.bench_collectives",
+    # more benchmarks are registered here as they land
 )
 
 

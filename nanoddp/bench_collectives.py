@@ -1,0 +1,255 @@
+"""`nanoddp bench collectives`: nanoddp.comm against torch.distributed, side by side.
+
+For every collective, message size and world size, both implementations run in the same
+processes on the same tensors, iteration by iteration in alternation, so machine noise hits
+both alike. Each iteration is timed on every rank after a barrier; an iteration's time is the
+slowest rank's, and the median over iterations is reported.
+
+Bandwidth follows the nccl-tests convention: algbw = size / time and busbw = algbw * factor,
+with factor 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter (whose size is
+the whole gathered/scattered buffer) and 1 for broadcast. busbw is comparable across world
+sizes: it is the bandwidth each link would need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import nanoddp
+from nanoddp import comm
+
+logger = logging.getLogger(__name__)
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB, powers of 4
+BUSBW_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+SMALL_BYTES = 1 << 20  # below this, run 5x the iterations: small timings are noisier
+
+
+def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)  # the new name (torch >= 2.13)
+    (single or dist.reduce_scatter_tensor)(output, input)
+
+
+def _op_pair(op: str, size: int, n: int, rank: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(nanoddp call, torch call) for one op on float32 tensors totalling `size` bytes."""
+    numel = max(1, size // 4)
+    if op == "all_reduce":
+        x = torch.randn(numel)
+        return lambda: comm.all_reduce(x), lambda: dist.all_reduce(x)
+    if op == "broadcast":
+        x = torch.randn(numel)
+        return lambda: comm.broadcast(x, src=0), lambda: dist.broadcast(x, src=0)
+    part = max(1, numel // n)
+    small, big = torch.randn(part), torch.empty(part * n)
+    if op == "all_gather":
+        return (
+            lambda: comm.all_gather_into_tensor(big, small),
+            lambda: dist.all_gather_into_tensor(big, small),
+        )
+    big.normal_()
+    return lambda: comm.reduce_scatter_tensor(small, big), lambda: _torch_reduce_scatter(small, big)
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _bench_worker(
+    env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int
+) -> list[dict]:
+    """Runs on every rank; returns (on every rank) one row per (op, size) with both timings."""
+    torch.set_num_threads(1)  # one core per rank at most: ranks share the host's cores
+    n, rows = env.world_size, []
+    for op in ops:
+        for size in sizes:
+            ours, theirs = _op_pair(op, size, n, env.rank)
+            for _ in range(warmup):
+                ours(), theirs()
+            count = iters * 5 if size < SMALL_BYTES else iters
+            times = torch.tensor([[_time_once(ours), _time_once(theirs)] for _ in range(count)])  # (I, 2)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+            rows.append(_row(op, size, n, times))
+            if env.is_master:
+                logger.info("%s ws=%d %s done", op, n, _human(size))
+    return rows
+
+
+def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
+    med_ours, med_torch = (statistics.median(times[:, i].tolist()) for i in range(2))
+    factor = BUSBW_FACTOR[op](n)
+    row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0]}
+    for impl, t in (("nanoddp", med_ours), ("torch", med_torch)):
+        row[f"{impl}_time_us"] = t * 1e6
+        row[f"{impl}_algbw_gbps"] = size / t / 1e9
+        row[f"{impl}_busbw_gbps"] = size / t / 1e9 * factor
+    row["busbw_ratio"] = row["nanoddp_busbw_gbps"] / row["torch_busbw_gbps"]
+    return row
+
+
+def run_benchmark(nprocs: list[int], ops: list[str], sizes: list[int], iters: int, warmup: int) -> list[dict]:
+    rows = []
+    for n in nprocs:
+        rows += nanoddp.launch(_bench_worker, n, args=(ops, sizes, iters, warmup), backend="gloo")[0]
+    return rows
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        f"{'op':<15}{'ws':>3}{'size':>8}{'nanoddp us':>12}{'torch us':>11}"
+        f"{'nanoddp busbw':>15}{'torch busbw':>13}{'ratio':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['op']:<15}{r['world_size']:>3}{_human(r['size_bytes']):>8}{r['nanoddp_time_us']:>12.0f}"
+            f"{r['torch_time_us']:>11.0f}{r['nanoddp_busbw_gbps']:>15.3f}{r['torch_busbw_gbps']:>13.3f}"
+            f"{r['busbw_ratio']:>7.2f}"
+        )
+    lines.append("busbw in GB/s (nccl-tests convention); ratio = nanoddp busbw / torch busbw")
+    return "\n".join(lines)
+
+
+def _write_atomic(path: str, write: Callable[[str], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: str, rows: list[dict], meta: dict) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=2)
+
+    _write_atomic(path, write)
+
+
+def write_plot(path: str, rows: list[dict]) -> None:
+    """busbw vs size, one panel per op, a solid (nanoddp) and dashed (torch) line per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.8), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=True):
+        for n in sorted({r["world_size"] for r in rows}):
+            sel = sorted(
+                (r for r in rows if r["op"] == op and r["world_size"] == n), key=lambda r: r["size_bytes"]
+            )
+            sizes = [r["size_bytes"] for r in sel]
+            line = ax.plot(sizes, [r["nanoddp_busbw_gbps"] for r in sel], "o-", label=f"nanoddp ws={n}")[0]
+            ax.plot(
+                sizes,
+                [r["torch_busbw_gbps"] for r in sel],
+                "s--",
+                color=line.get_color(),
+                label=f"torch ws={n}",
+            )
+        ax.set(xscale="log", title=op, xlabel="message size (bytes)", ylabel="busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _size_list(text: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    sizes = []
+    for item in text.replace(",", " ").split():
+        scale = units.get(item[-1].lower(), 1) if item[-1].isalpha() else 1
+        number = item[:-1] if item[-1].isalpha() else item
+        try:
+            sizes.append(int(float(number) * scale))
+        except ValueError:
+            raise ValueError(
+                f"--sizes: cannot read {item!r}; use bytes or K/M suffixes, e.g. 4K,1M"
+            ) from None
+    return sizes
+
+
+def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "collectives",
+        help="nanoddp.comm vs torch.distributed: time, algbw, busbw",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("--nproc", default="2,4", help="comma-separated world sizes (default: 2,4)")
+    parser.add_argument(
+        "--sizes", nargs="+", default=None, help="bytes, K/M suffixes allowed (default: 4K..64M, powers of 4)"
+    )
+    parser.add_argument(
+        "--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})"
+    )
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write a busbw-vs-size PNG")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    nprocs = _int_list(args.nproc)
+    sizes = _size_list(" ".join(args.sizes)) if args.sizes else list(DEFAULT_SIZES)
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    if not nprocs or any(n < 2 for n in nprocs):
+        raise ValueError(f"--nproc needs world sizes >= 2, got {args.nproc!r}")
+    if not sizes or any(s < 4 for s in sizes):
+        raise ValueError(f"--sizes must be >= 4 bytes (one float32), got {sizes}")
+    if unknown := [op for op in ops if op not in OPS]:
+        raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup)
+    print(format_table(rows))
+    meta = {
+        "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
+        "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
+        "threads_per_rank": 1, "inline_max_bytes": comm.INLINE_MAX_BYTES,
+    }  # fmt: skip
+    if args.json:
+        write_json(args.json, rows, meta)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, rows)
+        print(f"wrote {args.plot}")
+    return 0

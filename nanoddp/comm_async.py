@@ -1,0 +1,129 @@
+"""Asynchronous execution for `nanoddp.comm`: the `Work` handle and one worker per group.
+
+Each process group gets one `GroupRunner`; it runs that group's collectives one at a time in
+submission (FIFO) order, on a worker thread for `async_op=True` and inline for blocking calls
+when nothing is queued. See `nanoddp.comm` for the threading model this gives callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from nanoddp.ring import Peers
+
+logger = logging.getLogger(__name__)
+
+
+class Work:
+    """Handle of a collective, like torch's `Work`: `wait()`, `is_completed()`, `get_future()`."""
+
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._result = result
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done; re-raise the collective's error (same on every rank) if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"collective not finished after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future resolving to the output tensors (what DDP comm hooks return)."""
+        return self._future
+
+
+class GroupRunner:
+    """Runs one group's collectives strictly one after another, in submission order."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.peers = Peers(group)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._mutex = threading.Lock()  # guards _pending and thread start
+        self._running = threading.Lock()  # held while a collective runs
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, body: Callable[[], None], result: list[torch.Tensor], async_op: bool) -> Work | None:
+        work = Work(result)
+        with self._mutex:
+            inline = not async_op and self._pending == 0
+            self._pending += 1
+            if not inline:
+                self._start_thread()
+                self._queue.put((body, work))
+        if inline:  # nothing queued ahead of us: skip the thread hand-off
+            self._execute(body, work)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            name = f"nanoddp-comm-rank{self.peers.rank}of{self.peers.size}"
+            self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            body, work = self._queue.get()
+            self._execute(body, work)
+
+    def _execute(self, body: Callable[[], None], work: Work) -> None:
+        error = None
+        with self._running:
+            try:
+                body()
+            except BaseException as exc:  # handed to the waiter, raised by Work.wait()
+                error = exc
+        with self._mutex:
+            self._pending -= 1
+        work._finish(error)
+
+
+_RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
+_RUNNERS_LOCK = threading.Lock()
+
+
+def runner_for(group: dist.ProcessGroup | None) -> GroupRunner | None:
+    """This group's runner, or None (with a warning, like torch) on a rank outside the group."""
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        logger.warning("this rank is not a member of the group; the collective is skipped")
+        return None
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(group)
+        if runner is None:
+            runner = _RUNNERS[group] = GroupRunner(group)
+    return runner
