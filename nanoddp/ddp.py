@@ -1,0 +1,378 @@
+"""nanoddp.DistributedDataParallel: a bucketed, overlapped, drop-in replacement for torch's DDP.
+
+The life of one synchronised iteration, in the order things happen:
+
+1. `forward` (`_prepare_for_forward`): rebuild buckets once if due, broadcast buffers from
+   rank 0, and note whether the coming backward must synchronise (not under `no_sync`).
+2. backward, per parameter (`_on_grad_ready`, a post-accumulate-grad hook): the gradient is
+   copied into its bucket's flat buffer (or already lives there with gradient_as_bucket_view).
+   When a bucket's last gradient lands, its all-reduce is launched asynchronously
+   (`_launch_ready_buckets`) and backward goes on computing earlier layers meanwhile.
+   Buckets are launched strictly in index order so every rank issues the same collectives.
+3. end of backward (`_finalize_backward`, an autograd-engine callback that runs before
+   `backward()` returns): parameters that got no gradient contribute zeros, the usage of every
+   parameter is summed over ranks (to report or tolerate unused parameters), every bucket is
+   waited on, and the averaged gradients are written into `param.grad`.
+
+With world size 1 the wrapper is a plain pass-through: no hooks, no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanoddp.buckets import COMM_BACKENDS, Bucket, GradBucket, assign_buckets, collectives_for
+from nanoddp.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+
+logger = logging.getLogger(__name__)
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+def _grad_ready_trampoline(engine_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    """The hook autograd holds: a weak reference, so a discarded wrapper leaves no live hooks."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._on_grad_ready(index, param)
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    """Inputs onto the module's device (tensors inside tuples, lists and dicts too)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        moved = [_move_to(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
+    return obj
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper with torch DDP's constructor, attributes and gradients.
+
+    `comm_backend="nanoddp"` reduces with `nanoddp.comm` (collectives over point-to-point);
+    `"torch"` with torch.distributed's built-ins, for comparison. Everything else is the same code.
+    `output_device` is accepted for compatibility; like torch DDP for single-device modules,
+    outputs stay where the module puts them.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
+        comm_backend: str = "nanoddp",
+    ):
+        super().__init__()
+        self._validate_args(module, device_ids, bucket_cap_mb, comm_backend)
+        self.module = module
+        self.device_ids = list(device_ids) if device_ids is not None else None
+        self.output_device = output_device
+        self.broadcast_buffers = broadcast_buffers
+        self.process_group = process_group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.comm_backend = comm_backend
+        self.require_backward_grad_sync = True
+        self.record_timeline = False  # set True to fill `last_timeline` with (event, seconds, detail)
+        self.last_timeline: list[tuple[str, float, Any]] = []
+        self._device = torch.device(self.device_ids[0]) if self.device_ids else None
+        self._collectives = collectives_for(comm_backend)
+        self._comm_hook: CommHook | None = None
+        self._comm_hook_state: Any = None
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._param_names = [names[id(p)] for p in self._params]
+        self._buckets: list[Bucket] = []
+        self._sync_iterations = 0
+        if not dist.is_initialized():
+            self._world_size, self._rank, self._src = 1, 0, 0
+        else:
+            self._world_size, self._rank, self._src = group_size_rank_src(process_group)
+        if self._world_size == 1:
+            return
+        check_same_structure(module, self._collectives, process_group)
+        broadcast_coalesced(
+            list(module.parameters()) + list(module.buffers()), self._collectives, process_group, self._src
+        )
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._reset_sync_state()
+        self._used_since_sync = [False] * len(self._params)
+        self._ready_order: list[int] | None = []  # first synced iteration's arrival order
+        self._rebuild_due = False
+        self._known_unused: list[int] | None = None  # static_graph: globally unused after iteration 1
+        engine_ref = weakref.ref(self)
+        handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_trampoline, engine_ref, i))
+            for i, p in enumerate(self._params)
+        ]
+        weakref.finalize(self, lambda: [h.remove() for h in handles])
+
+    @staticmethod
+    def _validate_args(module, device_ids, bucket_cap_mb, comm_backend) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+        if not is_number or not bucket_cap_mb > 0:
+            raise ValueError(
+                f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}"
+            )
+        if comm_backend not in COMM_BACKENDS:
+            raise ValueError(f"comm_backend must be one of {COMM_BACKENDS}, got {comm_backend!r}")
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError(
+                f"device_ids must name at most one device (one process per device), got {list(device_ids)}"
+            )
+
+    # ---- buckets ------------------------------------------------------------------------------
+
+    def _build_buckets(self, order: Sequence[int]) -> None:
+        """(Re)create the buckets for parameters in `order` (expected gradient arrival order).
+
+        Existing gradients are carried over: with gradient_as_bucket_view they are copied into
+        the new buffers and `.grad` is repointed at the new views.
+        """
+        cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
+        groups = assign_buckets([self._params[i] for i in order], cap_bytes)
+        self._buckets, self._slot_of = [], [None] * len(self._params)
+        for bucket_index, positions in enumerate(groups):
+            indices = [order[pos] for pos in positions]
+            bucket = Bucket(bucket_index, [self._params[i] for i in indices], indices)
+            for slot, i in enumerate(indices):
+                self._slot_of[i] = (bucket, slot)
+            if self.gradient_as_bucket_view:
+                with torch.no_grad():
+                    for param, view in zip(bucket.params, bucket.views, strict=True):
+                        if param.grad is not None:
+                            view.copy_(param.grad)
+                            param.grad = view
+            self._buckets.append(bucket)
+        logger.debug("built %d buckets of sizes %s", len(self._buckets), [b.nbytes for b in self._buckets])
+
+    def _rebuild_buckets(self) -> None:
+        """Once, before the second synchronised forward: regroup by the observed arrival order.
+
+        Reverse registration order is only a guess at when gradients become ready; the real order
+        (e.g. a tied embedding arrives last) is recorded during the first backward. Rank 0's order
+        is broadcast so that every rank builds identical buckets.
+        """
+        order = torch.tensor(self._ready_order, dtype=torch.int64)  # (P,)
+        self._collectives.broadcast(order, src=self._src, group=self.process_group)
+        new_order = order.tolist()
+        current = [i for bucket in self._buckets for i in bucket.param_indices]
+        if new_order != current:
+            self._build_buckets(new_order)
+        self._rebuild_due, self._ready_order = False, None
+
+    @property
+    def bucket_param_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in reduction order (for inspection and tests)."""
+        return [[self._param_names[i] for i in b.param_indices] for b in self._buckets]
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._device is not None:
+            inputs, kwargs = _move_to(inputs, self._device), _move_to(kwargs, self._device)
+        if self._world_size > 1:
+            self._prepare_for_forward()
+        return self.module(*inputs, **kwargs)
+
+    def _prepare_for_forward(self) -> None:
+        """Before the forward: rebuild buckets if due, sync buffers, arm (or not) the backward."""
+        if self.record_timeline:
+            self.last_timeline = [("forward", time.perf_counter(), None)]
+        if self._rebuild_due:
+            self._rebuild_buckets()
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_coalesced(buffers, self._collectives, self.process_group, self._src)
+        self._reset_sync_state()
+        self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+
+    def _reset_sync_state(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._next_bucket = 0
+        self._backward_started = False
+        self._sync_this_backward = False
+        for bucket in self._buckets:
+            bucket.reset()
+
+    def _trace(self, event: str, detail: Any = None) -> None:
+        if self.record_timeline:
+            self.last_timeline.append((event, time.perf_counter(), detail))
+
+    # ---- backward: per-gradient hook and bucket launch ----------------------------------------
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Runs inside backward as soon as `param.grad` holds this parameter's gradient."""
+        self._used_since_sync[index] = True
+        if not self._sync_this_backward:
+            return  # no_sync: gradients simply accumulate in .grad
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            for unused in self._known_unused or ():  # static graph: no need to wait for them
+                self._mark_ready(unused)
+        if self._ready[index]:
+            raise RuntimeError(
+                f"parameter '{self._param_names[index]}' received a gradient twice in one synchronised "
+                "backward; DistributedDataParallel supports one backward per forward (wrap extra "
+                "backward passes in no_sync(), or run a new forward)"
+            )
+        self._trace("grad_ready", index)
+        self._mark_ready(index)
+
+    @torch.no_grad()
+    def _mark_ready(self, index: int) -> None:
+        """Put `index`'s gradient in its bucket; launch every bucket that is now complete."""
+        self._ready[index] = True
+        if self._ready_order is not None:
+            self._ready_order.append(index)
+        bucket, slot = self._slot_of[index]
+        param, view = self._params[index], bucket.views[slot]
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # no gradient here: contribute zeros
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch complete buckets in index order; a complete bucket behind an incomplete one
+        waits, because every rank must issue its collectives in the same order."""
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            self._trace("launch", bucket.index)
+            if self._comm_hook is None:
+                bucket.buffer.div_(self._world_size)  # average as we sum: (N,)
+                bucket.handle = self._collectives.all_reduce(
+                    bucket.buffer, group=self.process_group, async_op=True
+                )
+            else:
+                grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
+                bucket.handle = self._comm_hook(self._comm_hook_state, grad_bucket)
+            self._next_bucket += 1
+
+    # ---- end of backward ------------------------------------------------------------------------
+
+    def _finalize_backward(self) -> None:
+        """Autograd-engine callback, after every gradient hook and before backward() returns:
+        handle parameters without gradients, wait for every bucket, write `.grad`."""
+        self._trace("finalize")
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        for i in missing:
+            self._mark_ready(i)  # launches the remaining buckets, in order
+        use_counts = self._global_use_counts()
+        for bucket in self._buckets:
+            self._wait_and_write_back(bucket, use_counts)
+        self._trace("done")
+        if self._ready_order is not None:
+            self._rebuild_due = True
+        if self.static_graph and self._known_unused is None:
+            self._known_unused = [i for i, n in enumerate(use_counts) if n == 0]
+        self._sync_iterations += 1
+        self._used_since_sync = [False] * len(self._params)
+        self._reset_sync_state()
+        if use_counts is not None and not self.find_unused_parameters:
+            self._raise_if_unused(use_counts)
+
+    def _global_use_counts(self) -> list[int] | None:
+        """How many ranks produced a gradient for each parameter since the last sync.
+
+        Costs one tiny all-reduce per synchronised iteration; with static_graph it is done in
+        the first iteration only (the set of unused parameters cannot change).
+        """
+        if self.static_graph and self._known_unused is not None:
+            return None
+        used = torch.tensor(self._used_since_sync, dtype=torch.int32)  # (P,)
+        self._collectives.all_reduce(used, group=self.process_group, async_op=True).wait()
+        return used.tolist()
+
+    @torch.no_grad()
+    def _wait_and_write_back(self, bucket: Bucket, use_counts: list[int] | None) -> None:
+        """Block until `bucket` is reduced, then make each parameter's `.grad` the average."""
+        if self._comm_hook is None:
+            bucket.handle.wait()
+        else:
+            result = bucket.handle.wait()
+            if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+                raise RuntimeError(
+                    f"comm hook must return a Future holding a tensor of {bucket.buffer.numel()} elements "
+                    f"(the bucket buffer), got {type(result).__name__}"
+                )
+            if result.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(result)
+        unused = set(self._known_unused or ())
+        for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
+            if index in unused or (use_counts is not None and use_counts[index] == 0):
+                continue  # unused on every rank: leave .grad alone, like torch DDP
+            if self.gradient_as_bucket_view:
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
+    def _raise_if_unused(self, use_counts: list[int]) -> None:
+        """Raised on every rank (all see the same counts), after all collectives completed."""
+        missing = [(self._param_names[i], n) for i, n in enumerate(use_counts) if n < self._world_size]
+        if not missing:
+            return
+        ws = self._world_size
+        listed = ", ".join(f"{name} (no gradient on {ws - n} of {ws} ranks)" for name, n in missing)
+        raise RuntimeError(
+            f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this backward: "
+            f"{listed}. Either make every parameter take part in the loss on every rank, or construct the "
+            "wrapper with find_unused_parameters=True (unused parameters then contribute zero gradient)."
+        )
+
+    # ---- user API -------------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient synchronisation for backward passes whose forward runs inside the block;
+        gradients accumulate locally and the next synchronised backward reduces their sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Replace the default all-reduce with `hook(state, bucket) -> Future[Tensor]` (torch's
+        contract; see nanoddp.hooks). Register once, before the first backward."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
+        if self._sync_iterations > 0:
+            raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
+        self._comm_hook, self._comm_hook_state = hook, state
