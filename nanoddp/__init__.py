@@ -10,6 +10,7 @@ from nanoddp.dp import DataParallel
 from nanoddp.launch import LaunchError, launch
 from nanoddp.replicas import verify_replicas
 from nanoddp.strategies import SimpleDDP
+from nanoddp.zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "DistributedDataParallel",
     "LaunchError",
     "SimpleDDP",
+    "ZeroRedundancyOptimizer",
     "__version__",
     "cleanup",
     "hooks",

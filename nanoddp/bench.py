@@ -11,6 +11,7 @@ import importlib
 
 BENCHMARK_MODULES = (
     "nanoddp.bench_collectives",
+    "nanoddp.bench_zero",
     # more benchmarks are registered here as they land
 )
 

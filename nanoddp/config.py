@@ -40,7 +40,7 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, following in zip(body, body[1:]):
+        for node, following in zip(body, body[1:], strict=False):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

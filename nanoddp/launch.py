@@ -13,6 +13,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -67,7 +68,9 @@ def _worker(
     try:
         nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
         value = fn(env, *args)
-        results.put((env.rank, "ok", value))
+        # Plain pickle copies tensors into the message; the queue's own pickler would share
+        # their storage through this process, which may have exited before the parent reads.
+        results.put((env.rank, "ok", pickle.dumps(value)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((env.rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         results.close()
@@ -174,7 +177,10 @@ def _read_reports(results: mp.Queue, values: dict[int, Any], errors: dict[int, s
             rank, status, payload = results.get(timeout=timeout)
         except queue.Empty:
             return
-        (errors if status == "error" else values)[rank] = payload
+        if status == "error":
+            errors[rank] = payload
+        else:
+            values[rank] = pickle.loads(payload)
         timeout = 0.01
 
 

@@ -114,7 +114,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
-        if T > self.cfg.seq_len:
+        if self.cfg.seq_len < T:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
         x = self.tok_emb(idx) + self.pos_emb[:T].unsqueeze(0)  # (B, T, C)
         for block in self.blocks:

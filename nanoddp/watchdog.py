@@ -104,7 +104,7 @@ class CollectiveWatchdog:
         """Last sequence number each member of the group published (0 if none yet)."""
         keys = [f"{STORE_PREFIX}/{_group_key(group_ranks)}/{r}" for r in group_ranks]
         progress = {}
-        for rank, key in zip(group_ranks, keys):
+        for rank, key in zip(group_ranks, keys, strict=True):
             progress[rank] = int(self.store.get(key)) if self.store.check([key]) else 0
         return progress
 

@@ -1,0 +1,206 @@
+"""Datasets for the trainer: byte-level text, synthetic tokens, and scikit-learn's digits.
+
+Every dataset returns `(input, target)` pairs so that the trainer can call `model(x, y)` the
+same way for all of them, and exposes `tokens_per_sample` for throughput figures.
+
+The default text is the Python standard library's own `.py` source, read from the running
+interpreter: it is always there, needs no download, and is real text with structure a small
+model can learn (indentation, keywords, identifiers). Files are read in sorted order and the
+byte stream is split into train/val by position, so every rank and every run sees the same
+data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+BYTE_VOCAB = 256
+STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"})
+BUILTIN_DATA = ("text", "synthetic", "copy", "digits")
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a 1-D token stream: sample i is (x, y) with y = x shifted by 1."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens.to(torch.int64)
+        self.seq_len = seq_len
+        self.tokens_per_sample = seq_len
+
+    def __len__(self) -> int:
+        return max(len(self.tokens) - 1, 0) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1]  # (T + 1,)
+        return window[:-1], window[1:]
+
+
+class TokenRows(Dataset):
+    """Rows of a (N, T + 1) token matrix as next-token pairs (x, y)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows.to(torch.int64)
+        self.tokens_per_sample = rows.shape[1] - 1
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.rows[index]  # (T + 1,)
+        return row[:-1], row[1:]
+
+
+class TensorPairs(Dataset):
+    """(features, label) pairs for classification."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor):
+        self.features = features
+        self.labels = labels
+        self.tokens_per_sample = 1
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.features[index], self.labels[index]
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def stdlib_source_files(root: Path | None = None) -> list[Path]:
+    """The standard library's `.py` files in a fixed order (tests and third-party code skipped)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP_DIRS and not d.startswith(".")]
+        files += [Path(directory, name) for name in names if name.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_files(files: list[Path], max_bytes: int) -> bytes:
+    """Concatenate files until `max_bytes` (0 = no limit); skip binary ones (a NUL byte)."""
+    chunks, total = [], 0
+    for path in files:
+        data = path.read_bytes()
+        if b"\0" in data[:4096]:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if max_bytes and total >= max_bytes:
+            break
+    blob = b"\n".join(chunks)
+    return blob[:max_bytes] if max_bytes else blob
+
+
+def read_text_source(source: str, max_bytes: int = 0) -> bytes:
+    """Bytes of the default stdlib text (`source == "text"`) or of a file or directory path."""
+    if source == "text":
+        return _read_files(stdlib_source_files(), max_bytes)
+    path = Path(source)
+    if path.is_file():
+        data = path.read_bytes()
+        return data[:max_bytes] if max_bytes else data
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        return _read_files(files, max_bytes)
+    raise FileNotFoundError(
+        f"data path {source!r} does not exist; give a text file, a directory of text files, "
+        f"or one of {list(BUILTIN_DATA)}"
+    )
+
+
+def byte_text_splits(source: str, seq_len: int, val_fraction: float, max_bytes: int = 0):
+    """Byte-level LM datasets (train, val); val is the last `val_fraction` of the bytes."""
+    blob = read_text_source(source, max_bytes)
+    tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # (N,)
+    split = int(len(tokens) * (1.0 - val_fraction))
+    train, val = TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len)
+    if len(train) == 0:
+        raise ValueError(
+            f"data {source!r} has {len(blob)} bytes: too few for even one training sequence of "
+            f"seq_len={seq_len}; give more text or a smaller --seq-len"
+        )
+    logger.debug("text %s: %d bytes, %d train / %d val sequences", source, len(blob), len(train), len(val))
+    return train, val
+
+
+# --- synthetic ----------------------------------------------------------------------------
+
+
+def random_tokens(num_samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> TokenRows:
+    """Seed 000's toy data: uniformly random tokens. Nothing to learn; loss stays near ln(V)."""
+    generator = torch.Generator().manual_seed(seed)
+    return TokenRows(torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=generator))
+
+
+def copy_task(num_samples: int, seq_len: int, vocab_size: int = 16, period: int = 8,
+              seed: int = 1234) -> TokenRows:
+    """A learnable task: each row is a random block of `period` tokens (ids < `vocab_size`)
+    repeated to fill the row.
+
+    Learning happens in two visible phases: first which ids occur (loss from ~ln(256) down to
+    ln(vocab_size)), then copying: after the first block every token is predictable by looking
+    `period` positions back, which drives the loss towards (period / seq_len) * ln(vocab_size).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, vocab_size, (num_samples, period), generator=generator)  # (N, P)
+    repeats = -(-(seq_len + 1) // period)
+    return TokenRows(blocks.repeat(1, repeats)[:, : seq_len + 1])  # (N, T + 1)
+
+
+def digits_splits(val_fraction: float, seed: int = 0) -> tuple[TensorPairs, TensorPairs]:
+    """scikit-learn's bundled 8x8 digit images (1797 of them), scaled to [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ValueError("--data digits needs scikit-learn: pip install 'nanoddp[data]'") from None
+    bunch = load_digits()
+    features = torch.tensor(bunch.data, dtype=torch.float32) / 16.0  # (N, 64)
+    labels = torch.tensor(bunch.target, dtype=torch.int64)  # (N,)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    split = int(len(labels) * (1.0 - val_fraction))
+    train, val = order[:split], order[split:]
+    return TensorPairs(features[train], labels[train]), TensorPairs(features[val], labels[val])
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the model needs to know about the data."""
+
+    kind: str  # "lm" or "classification"
+    vocab_size: int  # tokens for LM, classes for classification
+    in_features: int = 0
+
+
+def build_datasets(
+    data: str, seq_len: int, val_fraction: float, max_bytes: int = 0, synthetic_samples: int = 8192
+) -> tuple[Dataset, Dataset, DataSpec]:
+    """(train, val, spec) for a `--data` value: text, synthetic, copy, digits, or a path."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if data == "digits":
+        train, val = digits_splits(val_fraction)
+        return train, val, DataSpec("classification", 10, in_features=train.features.shape[1])
+    if data in ("synthetic", "copy"):
+        if data == "synthetic":
+            rows = random_tokens(synthetic_samples, seq_len, BYTE_VOCAB)
+        else:
+            rows = copy_task(synthetic_samples, seq_len)
+        split = int(len(rows) * (1.0 - val_fraction))
+        train, val = TokenRows(rows.rows[:split]), TokenRows(rows.rows[split:])
+        return train, val, DataSpec("lm", BYTE_VOCAB)
+    train, val = byte_text_splits(data, seq_len, val_fraction, max_bytes)
+    return train, val, DataSpec("lm", BYTE_VOCAB)

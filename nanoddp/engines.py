@@ -1,0 +1,152 @@
+"""Engines: the ways to keep N model replicas in step, behind one small interface.
+
+| engine      | wraps the model in                  | gradient sync                          |
+|-------------|-------------------------------------|----------------------------------------|
+| `nanoddp`   | `nanoddp.DistributedDataParallel`   | bucketed all-reduce hooked into backward |
+| `torch`     | `torch.nn.parallel.DistributedDataParallel` | the same, torch's C++ reducer   |
+| `allreduce` | nothing                             | one all-reduce per parameter after backward |
+| `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
+| `single`    | nothing (one process)               | none                                   |
+
+Gradient accumulation differs by kind: the DDP engines run the non-final micro-steps inside
+`no_sync()` so that backward skips the all-reduce; the manual engines simply do not call their
+sync function until the last micro-step. `Engine.micro_step(sync)` hides the difference.
+
+The nanoddp modules are imported lazily, so this file works on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanoddp.dist import DistEnv
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("nanoddp", "torch", "allreduce", "rs_ag", "single")
+
+
+class CommTimer:
+    """How long gradient communication was in flight during a step (first launch to last done)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._first: float | None = None
+        self._last: float | None = None
+
+    def launched(self) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def finished(self) -> None:
+        self._last = time.perf_counter()
+
+    def close_step(self) -> None:
+        """Fold the current step's window into the total (called once per optimizer step)."""
+        if self._first is not None and self._last is not None:
+            self.total_s += max(self._last - self._first, 0.0)
+        self._first = self._last = None
+
+    def pop_total(self) -> float:
+        total, self.total_s = self.total_s, 0.0
+        return total
+
+
+def _timed_allreduce_hook(state: tuple[CommTimer, dist.ProcessGroup | None], bucket):
+    """torch DDP comm hook: average the bucket like the built-in one, and time it."""
+    timer, group = state
+    timer.launched()
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size(group))
+    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def done(fut):
+        timer.finished()
+        return fut.value()[0]
+
+    return future.then(done)
+
+
+class Engine:
+    """A model plus the rule for syncing its gradients.
+
+    `model` is what the trainer calls forward on; `module` is the bare model (for saving,
+    evaluation and the optimizer). `comm` times gradient communication where it can be seen.
+    """
+
+    def __init__(self, name: str, model: nn.Module, module: nn.Module,
+                 sync_grads: Callable[[nn.Module], None] | None = None, comm: CommTimer | None = None):
+        self.name = name
+        self.model = model
+        self.module = module
+        self._sync_grads = sync_grads
+        self.comm = comm
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool) -> Iterator[None]:
+        """Run one forward+backward inside this; gradients are averaged over ranks iff `sync`.
+
+        DDP engines: `no_sync()` around the non-final micro-steps. Manual engines: the sync
+        function runs after backward, on the final micro-step only.
+        """
+        no_sync = getattr(self.model, "no_sync", None)
+        context = no_sync() if (not sync and no_sync is not None) else contextlib.nullcontext()
+        with context:
+            yield
+        if sync and self._sync_grads is not None:
+            if self.comm is not None:
+                self.comm.launched()
+            self._sync_grads(self.module)
+            if self.comm is not None:
+                self.comm.finished()
+
+    def end_step(self) -> None:
+        if self.comm is not None:
+            self.comm.close_step()
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every replica start from rank 0's weights (DDP does this itself; manual engines don't)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
+    """Wrap `module` (already on `env.device`) for engine `name`."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
+    if name == "single":
+        if env.world_size != 1:
+            raise ValueError(
+                f"engine 'single' runs one process, but the world size is {env.world_size}; "
+                "use --nproc 1 or another engine"
+            )
+        return Engine(name, module, module)
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    if name == "torch":
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        model = TorchDDP(module, device_ids=device_ids)
+        timer = CommTimer()
+        model.register_comm_hook((timer, None), _timed_allreduce_hook)
+        return Engine(name, model, module, comm=timer)
+    if name == "nanoddp":
+        from nanoddp.ddp import DistributedDataParallel
+
+        return Engine(name, DistributedDataParallel(module, device_ids=device_ids), module)
+    from nanoddp import strategies  # allreduce / rs_ag
+
+    sync = {
+        "allreduce": strategies.allreduce_gradients,
+        "rs_ag": strategies.reduce_scatter_all_gather_gradients,
+    }[name]
+    _broadcast_from_rank0(module)
+    return Engine(name, module, module, sync_grads=sync, comm=CommTimer())

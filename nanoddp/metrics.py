@@ -1,0 +1,79 @@
+"""Training metrics: `metrics.jsonl` (one JSON object per log step), optional TensorBoard, and
+the one-line console summary. Used by rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from nanoddp.snapshot import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_KEYS = (
+    "step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "world_size",
+)
+
+
+def _si(value: float) -> str:
+    """155 -> '155', 9900 -> '9.9k', 2.5e6 -> '2.5M'."""
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def format_log_line(record: dict[str, Any]) -> str:
+    """`step 120 | loss 2.31 | lr 3.0e-04 | 41.2 ms | 155 samples/s | 9.9k tok/s | comm 12%`."""
+    parts = [
+        f"step {record['step']}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.1e}",
+        f"{record['step_time_s'] * 1e3:.1f} ms",
+        f"{_si(record['samples_per_s'])} samples/s",
+        f"{_si(record['tokens_per_s'])} tok/s",
+    ]
+    if record.get("comm_time_s") is not None:
+        parts.append(f"comm {100 * record['comm_time_s'] / record['step_time_s']:.0f}%")
+    if record.get("val_loss") is not None:
+        parts.append(f"val {record['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Append records to `run_dir/metrics.jsonl` (and TensorBoard scalars if asked)."""
+
+    def __init__(self, run_dir: str | Path, kind: str = "jsonl"):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tensorboard = None
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        elif kind != "jsonl":
+            raise ValueError(f"metrics must be 'jsonl' or 'tensorboard', got {kind!r}")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step`: a resumed run re-does those steps and logs them again."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            atomic_write_bytes(self.path, "".join(kept).encode())
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, record["step"])
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,164 @@
+"""Atomic, checksummed training snapshots, keep-last-K, and finding the newest valid one.
+
+A snapshot file is a short text header followed by a `torch.save` payload::
+
+    NANODDP-SNAPSHOT 1\\n
+    <sha256 of payload> <payload length>\\n
+    <payload bytes>
+
+Written to a temp file in the same directory, flushed, fsynced and `os.replace`d over the final
+name, so a reader sees either the old file or the complete new one, never half of one. The
+header lets `load` reject a truncated or corrupted file before unpickling anything, which is
+what lets `--resume auto` skip a bad snapshot (a job killed mid-write, a full disk) and fall
+back to the previous one instead of crashing or, worse, resuming from garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"NANODDP-SNAPSHOT 1\n"
+SNAPSHOT_RE = re.compile(r"^step-(\d+)\.pt$")
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot file is missing, truncated, corrupted, or not a snapshot."""
+
+
+def snapshot_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}.pt"
+
+
+def atomic_write_bytes(path: str | Path, data: bytes | list[bytes]) -> None:
+    """Write `data` to `path` via temp file + fsync + os.replace (+ fsync of the directory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in [data] if isinstance(data, bytes) else data:
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(path: str | Path, state: dict[str, Any]) -> Path:
+    """Serialise `state` with a checksum header and write it atomically."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    header = MAGIC + f"{hashlib.sha256(payload).hexdigest()} {len(payload)}\n".encode()
+    atomic_write_bytes(path, [header, payload])
+    return Path(path)
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read and verify a snapshot; raise `SnapshotError` saying what is wrong with it."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read snapshot {path}: {exc}") from exc
+    if not raw.startswith(MAGIC):
+        raise SnapshotError(f"{path} is not a nanoddp snapshot (bad header)")
+    header_end = raw.find(b"\n", len(MAGIC))
+    try:
+        digest, length = raw[len(MAGIC) : header_end].decode().split()
+        length = int(length)
+    except ValueError:
+        raise SnapshotError(f"{path} has a damaged header") from None
+    payload = raw[header_end + 1 :]
+    if len(payload) != length:
+        raise SnapshotError(f"{path} is truncated: {len(payload)} of {length} payload bytes")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise SnapshotError(f"{path} is corrupted: checksum mismatch")
+    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
+def list_snapshots(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every snapshot file in `directory`, newest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = SNAPSHOT_RE.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def find_latest_valid(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest snapshot that verifies, with its state; bad ones are skipped with a warning."""
+    for _, path in list_snapshots(directory):
+        try:
+            return path, load(path)
+        except SnapshotError as exc:
+            logger.warning("skipping snapshot: %s", exc)
+    return None
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` snapshots; return the deleted paths."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    removed = []
+    for _, path in list_snapshots(directory)[keep:]:
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+# --- RNG state, in a form that torch.load(weights_only=True) accepts -----------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from: python, numpy, torch CPU and CUDA."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,247 @@
+"""`nanoddp train` and `nanoddp sample`, and the torchrun worker entry point.
+
+`nanoddp train` is two programs in one:
+
+- outside torchrun (a user's shell) it is the *launcher*: it builds and checks the config
+  (so bad input fails here, before any process group exists), fixes the run directory, and
+  hands the job to torchrun's elastic agent (`torch.distributed.run`), which starts the
+  workers and restarts them on failure (`--max-restarts`) or joins other nodes (`--nnodes`,
+  `--rdzv-endpoint`);
+- inside a torchrun worker it *trains*: the same flags, run on this rank.
+
+So these are equivalent::
+
+    nanoddp train --nproc 2 --steps 200
+    torchrun --standalone --nproc-per-node 2 -m nanoddp.train_cli --steps 200
+
+(with plain torchrun and `--max-restarts`, pass `--out DIR` so that every restart finds the
+same run directory and resumes from its snapshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from nanoddp import dist as nd
+from nanoddp.config import add_dataclass_args, build_config, config_from_args, load_config_file
+from nanoddp.train_config import TrainConfig, validate
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "nanoddp.train_cli"
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML or JSON file of TrainConfig keys")
+    add_dataclass_args(parser, TrainConfig)
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launch (torchrun's meaning)")
+    group.add_argument("--nproc", type=int, default=None,
+                       help="processes per node (default: all GPUs, else 2; 1 for --engine single)")
+    group.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs (default: 1)")
+    group.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
+    group.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
+    group.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default: c10d)")
+    group.add_argument("--rdzv-id", default="none", help="job id shared by all nodes")
+    group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
+    group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="train a model with data parallelism (torchrun under the hood)",
+        description="Train GPT (or an MLP) data-parallel. With no flags: GPT tiny on the Python "
+        "standard library's source, 2 processes, outputs in runs/<timestamp>/.",
+    )
+    add_train_args(train)
+    add_launch_args(train)
+    train.set_defaults(run=run_train)
+    sample = subparsers.add_parser("sample", help="generate text from a trained run")
+    sample.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="run directory of `nanoddp train`")
+    sample.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    sample.add_argument("--tokens", type=int, default=300, help="bytes to generate (default: 300)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
+    sample.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest (default: 40)")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sample.set_defaults(run=run_sample)
+
+
+# --- launcher -----------------------------------------------------------------------------
+
+
+def default_nproc(engine: str) -> int:
+    import torch
+
+    if engine == "single":
+        return 1
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _max_nodes(nnodes: str) -> int:
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or MIN:MAX, got {nnodes!r}") from None
+
+
+def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int]:
+    """Build and check the config in the launcher process; return it and the world size."""
+    from nanoddp.datasets import build_datasets
+    from nanoddp.train_config import check_data
+    from nanoddp.trainer import default_run_dir
+
+    config = config_from_args(TrainConfig, args, args.config)
+    nproc = args.nproc if args.nproc is not None else default_nproc(config.engine)
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    world_size = nproc * _max_nodes(args.nnodes)
+    validate(config, world_size)
+    train_set, _, _ = build_datasets(config.data, config.seq_len, config.val_fraction, config.text_max_bytes)
+    check_data(config, world_size, len(train_set))
+    if config.out is None:  # fixed here, so that every worker and every restart agree on it
+        config = dataclasses.replace(config, out=default_run_dir())
+    return config, nproc
+
+
+def config_to_argv(config: TrainConfig) -> list[str]:
+    """Flags that reproduce `config` (fields left at their default are omitted)."""
+    argv: list[str] = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value == field.default or value is None:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> list[str]:
+    """The `torchrun ...` command line (without the program name) for this launch."""
+    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+            "--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id,
+            "--max-restarts", str(args.max_restarts)]
+    single_node = _max_nodes(args.nnodes) == 1 and not args.rdzv_endpoint
+    if args.standalone or single_node:
+        argv.append("--standalone")
+    elif args.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", args.rdzv_endpoint]
+    return [*argv, "-m", WORKER_MODULE, *config_to_argv(config)]
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
+        return worker_main(config_from_args(TrainConfig, args, args.config))
+    config, nproc = prepare_launch(args)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = torchrun_argv(args, config, nproc)
+    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        return 1
+    print(f"nanoddp: done; outputs in {config.out}/ (try: nanoddp sample --run {config.out})", file=sys.stderr)
+    return 0
+
+
+# --- worker -------------------------------------------------------------------------------
+
+
+class _RankFormatter(logging.Formatter):
+    """Info lines plain (`step 120 | loss ...`), everything else tagged with level and rank."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno == logging.INFO:
+            return message
+        return f"[rank {self.rank}] {record.levelname.lower()} {record.name}: {message}"
+
+
+def _setup_worker_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_RankFormatter(rank))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def worker_main(config: TrainConfig) -> int:
+    """Train on this rank (the process group comes from torchrun's environment)."""
+    from nanoddp.trainer import Trainer
+
+    env = nd.DistEnv.from_environ()
+    _setup_worker_logging(env.rank)
+    nd.init(env)
+    try:
+        Trainer(config, env).train()
+    finally:
+        nd.cleanup()
+    return 0
+
+
+def _worker_entry(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}",
+                                     description="nanoddp train, one rank (run me under torchrun)")
+    add_train_args(parser)
+    args = parser.parse_args(argv)
+    return worker_main(config_from_args(TrainConfig, args, args.config))
+
+
+# --- sample -------------------------------------------------------------------------------
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from nanoddp import snapshot
+    from nanoddp.datasets import BYTE_VOCAB, DataSpec
+    from nanoddp.train_config import build_model
+
+    run_dir = Path(args.run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: --run must be a `nanoddp train` output directory")
+    config = build_config(TrainConfig, load_config_file(config_path), source=str(config_path))
+    if config.model != "gpt" or config.data in ("synthetic", "copy", "digits"):
+        raise ValueError(f"sample generates text, but run {run_dir} was trained on {config.data!r}")
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    model = build_model(config, DataSpec("lm", BYTE_VOCAB))
+    if (run_dir / "model.pt").is_file():
+        state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+    else:
+        found = snapshot.find_latest_valid(run_dir / "snapshots")
+        if found is None:
+            raise FileNotFoundError(f"no model.pt and no valid snapshot in {run_dir}")
+        state = found[1]["model"]
+    model.load_state_dict(state)
+    model.eval()
+    prompt = torch.tensor([list((args.prompt or "\n").encode())], dtype=torch.long)  # (1, T)
+    generator = torch.Generator().manual_seed(args.seed)
+    out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator)
+    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(_worker_entry)())

@@ -1,0 +1,168 @@
+"""`TrainConfig`: every knob of `nanoddp train`, its checks, and the model it describes.
+
+The `--flags` of `nanoddp train` and the keys of its TOML/JSON config files are generated from
+this dataclass (see `nanoddp.config`), so a field here is a flag there. `validate` runs in the
+launcher before any worker starts *and* on every rank, so bad input is one clear error, never
+a process group waiting for a rank that already exited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch.nn as nn
+
+from nanoddp.datasets import BUILTIN_DATA, DataSpec
+from nanoddp.engines import ENGINES
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    engine: Literal["nanoddp", "torch", "allreduce", "rs_ag", "single"] = "nanoddp"
+    """How replicas sync gradients: our DDP, torch DDP, manual all-reduce, manual reduce-scatter +
+    all-gather, or one process."""
+    model: Literal["gpt", "mlp"] = "gpt"
+    """gpt for token data (text, synthetic, copy), mlp for digits."""
+    preset: Literal["tiny", "small"] = "tiny"
+    """GPT size preset (tiny ~3.4 M parameters, small ~25 M)."""
+    d_model: int | None = None
+    """Override the preset's width (MLP: hidden width)."""
+    n_layers: int | None = None
+    """Override the preset's number of blocks (MLP: hidden layers)."""
+    n_heads: int | None = None
+    """Override the preset's attention heads."""
+    d_ff: int | None = None
+    """Override the preset's MLP hidden width."""
+    data: str = "text"
+    """text (the Python stdlib's source), synthetic (random tokens), copy (a learnable repeat
+    task), digits (sklearn), or a PATH to a text file or directory."""
+    seq_len: int = 64
+    """Tokens per training sequence (bytes for text)."""
+    text_max_bytes: int = 4_000_000
+    """Read at most this many bytes of text (0 = all)."""
+    val_fraction: float = 0.05
+    """Share of the data held out for validation."""
+    steps: int = 300
+    """Optimizer steps to train for."""
+    batch_size: int = 16
+    """GLOBAL batch in samples per optimizer step; split over processes x grad_accum."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (all but the last skip the gradient all-reduce)."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr x this."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this after averaging (0 = off)."""
+    seed: int = 1337
+    """Seed for weights, data order and per-rank RNG streams."""
+    bf16: bool = False
+    """Run forward/backward under bfloat16 autocast."""
+    compile: bool = False
+    """torch.compile the model (slow to start; mostly pays off on GPU)."""
+    zero: bool = False
+    """Shard the optimizer state over ranks (ZeRO-1)."""
+    log_every: int = 10
+    """Print and record metrics every this many steps."""
+    eval_every: int = 100
+    """Validation loss every this many steps (0 = only at the end)."""
+    eval_samples: int = 1024
+    """Validation samples per evaluation (0 = the whole validation set)."""
+    snapshot_every: int = 100
+    """Snapshot every this many steps (0 = only at the end)."""
+    keep_snapshots: int = 3
+    """How many recent snapshots to keep."""
+    out: str | None = None
+    """Run directory (default: runs/<timestamp>)."""
+    resume: str = "auto"
+    """auto (newest valid snapshot in OUT), never, or a snapshot file / run directory."""
+    metrics: Literal["jsonl", "tensorboard"] = "jsonl"
+    """metrics.jsonl always; tensorboard additionally writes OUT/tensorboard."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (when stderr is a terminal)."""
+
+
+def _positive(name: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """Checks that need no data: raise ValueError naming the value, the rule and the fix."""
+    if config.steps <= 0:
+        raise ValueError(f"steps must be > 0, got {config.steps}")
+    for name in ("batch_size", "grad_accum", "seq_len", "log_every", "keep_snapshots"):
+        _positive(name, getattr(config, name))
+    for name in ("eval_every", "eval_samples", "snapshot_every", "warmup_steps", "text_max_bytes"):
+        _positive(name, getattr(config, name), minimum=0)
+    if config.lr <= 0:
+        raise ValueError(f"lr must be > 0, got {config.lr}")
+    if not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if config.grad_clip < 0:
+        raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {config.grad_clip}")
+    per_step = world_size * config.grad_accum
+    if config.batch_size % per_step:
+        suggestion = max(per_step, round(config.batch_size / per_step) * per_step)
+        raise ValueError(
+            f"batch_size={config.batch_size} (global) must be divisible by world_size x grad_accum = "
+            f"{world_size} x {config.grad_accum} = {per_step}; use e.g. --batch-size {suggestion}"
+        )
+    if config.engine not in ENGINES:
+        raise ValueError(f"unknown engine {config.engine!r}; choose one of {list(ENGINES)}")
+    if config.engine == "single" and world_size != 1:
+        raise ValueError(f"engine 'single' runs one process, got world size {world_size}; use --nproc 1")
+    if (config.model == "mlp") != (config.data == "digits"):
+        raise ValueError(
+            f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "
+            "--data digits, and --model gpt with text, synthetic, copy or a text path"
+        )
+    if config.data not in BUILTIN_DATA and not Path(config.data).exists():
+        raise FileNotFoundError(
+            f"data path {config.data!r} does not exist; give a text file, a directory of text files, "
+            f"or one of {list(BUILTIN_DATA)}"
+        )
+    if config.resume not in ("auto", "never") and not Path(config.resume).exists():
+        raise FileNotFoundError(
+            f"--resume {config.resume!r}: no such snapshot file or run directory (or use auto / never)"
+        )
+
+
+def check_data(config: TrainConfig, world_size: int, train_len: int) -> None:
+    """Checks that need the dataset's size: enough samples for every rank and one batch each."""
+    if train_len < world_size:
+        raise ValueError(
+            f"the training set has {train_len} samples but the world size is {world_size}: every "
+            "rank needs at least one sample; use more data, a shorter --seq-len, or fewer processes"
+        )
+    micro_batch = config.batch_size // (world_size * config.grad_accum)
+    if train_len // world_size < micro_batch:
+        raise ValueError(
+            f"the training set has {train_len} samples, {train_len // world_size} per rank, fewer than "
+            f"one micro-batch of {micro_batch}; lower --batch-size or use more data"
+        )
+
+
+def build_model(config: TrainConfig, spec: DataSpec) -> nn.Module:
+    """The model `config` describes, sized for the data (vocab or classes)."""
+    from nanoddp.models import GPT, MLPClassifier, gpt_config
+
+    if config.model == "mlp":
+        return MLPClassifier(
+            in_features=spec.in_features,
+            hidden=config.d_model or 128,
+            num_classes=spec.vocab_size,
+            depth=config.n_layers or 2,
+        )
+    overrides = {
+        name: getattr(config, name)
+        for name in ("d_model", "n_layers", "n_heads", "d_ff")
+        if getattr(config, name) is not None
+    }
+    return GPT(gpt_config(config.preset, vocab_size=spec.vocab_size, seq_len=config.seq_len, **overrides))

@@ -1,0 +1,392 @@
+"""The training loop: the `Trainer` shape of pytorch/examples, made exact and fault tolerant.
+
+`_run_batch` (one forward/backward), `_run_step` (K micro-batches = one optimizer step),
+`_run_epoch`-style data streaming, `_save_snapshot` and `_load_snapshot` are where users expect
+them. What the tutorial version lacks and this one has:
+
+- snapshots hold everything a step depends on (model, optimizer, scheduler, step, sampler
+  position, every rank's RNG states), are written atomically with a checksum, and resume
+  *mid-epoch* from the exact sample where the run stopped, so stopping at step k and resuming
+  gives bitwise the same parameters at step n as never stopping;
+- gradient accumulation that skips the all-reduce on all but the last micro-step;
+- clipping on the *averaged* gradients (after the sync; clipping per rank before it would
+  clip each rank's noisy gradient by a different factor);
+- the logged loss is the global mean (all_reduce), validation covers every rank's shard with
+  the uneven tail weighted correctly, and only rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Subset
+
+from nanoddp import snapshot
+from nanoddp.config import to_dict
+from nanoddp.data import ResumableDistributedSampler
+from nanoddp.datasets import build_datasets
+from nanoddp.dist import DistEnv, seed_everything
+from nanoddp.engines import build_engine
+from nanoddp.metrics import MetricsLogger, format_log_line
+from nanoddp.train_config import TrainConfig, build_model, check_data, validate
+
+logger = logging.getLogger(__name__)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_ratio` at `total` steps."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min((step - self.warmup) / max(self.total - self.warmup, 1), 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if _distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def _broadcast_object(value: Any, env: DistEnv) -> Any:
+    """Rank 0's `value` on every rank (a plain return when there is only one)."""
+    if not _distributed():
+        return value
+    box = [value if env.is_master else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+class Trainer:
+    """Data-parallel training of `config` on this rank. Build it on every rank, then `train()`."""
+
+    def __init__(self, config: TrainConfig, env: DistEnv):
+        validate(config, env.world_size)
+        self.env = env
+        if config.out is None:  # every rank must agree on one directory: rank 0 picks it
+            config = replace(config, out=_broadcast_object(default_run_dir(), env))
+        self.config = config
+        self.run_dir = Path(config.out)
+        self.train_set, self.val_set, self.spec = build_datasets(
+            config.data, config.seq_len, config.val_fraction, config.text_max_bytes
+        )
+        check_data(config, env.world_size, len(self.train_set))
+        self.micro_batch = config.batch_size // (env.world_size * config.grad_accum)
+
+        torch.manual_seed(config.seed)  # identical initial weights on every rank
+        self.module = build_model(config, self.spec).to(env.device)
+        self.optimizer = self._make_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
+        )
+        self.sampler = ResumableDistributedSampler(
+            self.train_set, env.world_size, env.rank, shuffle=True, seed=config.seed
+        )
+        # Our own generator, so that starting an epoch never draws from the global RNG.
+        self.loader = DataLoader(self.train_set, batch_size=self.micro_batch, sampler=self.sampler,
+                                 drop_last=True, generator=torch.Generator().manual_seed(config.seed))
+        self.step = 0
+        seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
+        self.resumed_from = self._maybe_resume()
+
+        self.engine = build_engine(config.engine, self.module, env)
+        self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
+        self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
+        if self.metrics is not None:
+            self.metrics.truncate_after(self.step)
+            snapshot.atomic_write_bytes(self.run_dir / "config.json", _config_json(config))
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; weight decay on matrices only (not on biases, norms). ZeRO shards its state."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.config.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        kwargs = {"lr": self.config.lr, "betas": (0.9, 0.95)}
+        if self.config.zero:
+            from nanoddp.zero import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def _maybe_resume(self) -> Path | None:
+        """Apply `--resume`; after a torchrun restart always pick up the newest snapshot."""
+        mode = self.config.resume
+        if self.env.restart_count > 0:
+            mode = "auto"
+        if mode == "never":
+            return None
+        if mode == "auto" or Path(mode).is_dir():
+            directory = self.run_dir / "snapshots" if mode == "auto" else Path(mode)
+            if (directory / "snapshots").is_dir():
+                directory = directory / "snapshots"
+            found = snapshot.find_latest_valid(directory) if self.env.is_master else None
+            path = _broadcast_object(str(found[0]) if found else None, self.env)
+            if path is None:
+                if self.env.restart_count > 0 and self.env.is_master:
+                    logger.warning("restart %d: no valid snapshot in %s, starting from step 0",
+                                   self.env.restart_count, directory)
+                return None
+            state = found[1] if found else snapshot.load(path)
+        else:
+            path, state = mode, snapshot.load(mode)
+        self._load_snapshot(state)
+        if self.env.is_master:
+            why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
+            logger.info("%sresumed from %s (step %d, epoch %d)", why, path, self.step, self.sampler.epoch)
+        return Path(path)
+
+    # --- snapshots --------------------------------------------------------------------------
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        """The full optimizer state on rank 0 (ZeRO: every rank must take part in gathering it)."""
+        if self.config.zero:
+            self.optimizer.consolidate_state_dict(to=0)
+        return self.optimizer.state_dict() if self.env.is_master else None
+
+    def _save_snapshot(self) -> None:
+        """Collective: every rank contributes its RNG state; rank 0 writes the file."""
+        rng = snapshot.capture_rng_state()
+        rng_per_rank = [rng]
+        if _distributed():
+            rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
+            dist.gather_object(rng, rng_per_rank, dst=0)
+        optimizer_state = self._optimizer_state()
+        if not self.env.is_master:
+            return
+        state = {
+            "step": self.step,
+            "epoch": self.sampler.epoch,
+            "sampler": self.sampler.state_dict(),
+            "model": self.module.state_dict(),
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_per_rank,
+            "world_size": self.env.world_size,
+            "config": to_dict(self.config),
+        }
+        directory = self.run_dir / "snapshots"
+        path = snapshot.save(snapshot.snapshot_path(directory, self.step), state)
+        snapshot.prune(directory, self.config.keep_snapshots)
+        logger.debug("snapshot %s", path)
+
+    def _load_snapshot(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        saved = state["rng"]
+        if len(saved) == self.env.world_size:
+            snapshot.restore_rng_state(saved[self.env.rank])
+        else:  # the data order stays exact; only per-rank random streams start afresh
+            if self.env.is_master:
+                logger.warning("world size changed from %d to %d: RNG states re-seeded",
+                               len(saved), self.env.world_size)
+            seed_everything(self.config.seed + self.step, self.env.rank)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches forever, epoch after epoch, starting at the sampler's position."""
+        while True:
+            self.sampler.set_epoch(self.sampler.epoch)  # keeps a resumed mid-epoch position
+            yield from self.loader
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _autocast(self):
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients averaged over ranks iff `sync`."""
+        with self.engine.micro_step(sync):
+            with self._autocast():
+                _, loss = self.model(x, y)
+            (loss / self.config.grad_accum).backward()
+        self.sampler.advance(len(x))
+        return loss.detach()
+
+    def _run_step(self, batches: Iterator) -> torch.Tensor:
+        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.env.device)
+        for micro in range(self.config.grad_accum):
+            x, y = next(batches)
+            x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
+            total += self._run_batch(x, y, sync=micro == self.config.grad_accum - 1)
+        if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.engine.end_step()
+        self.step += 1
+        return total / self.config.grad_accum
+
+    def train(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to `config.steps` (or stop early after `stop_after`, with a snapshot there).
+
+        Returns the last logged metrics record (useful in tests and notebooks).
+        """
+        cfg, last = self.config, {}
+        end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
+        batches = self._batches()
+        self.module.train()
+        progress = self._progress_bar(end)
+        window = _Window(self.step)
+        with _redirect_logging(progress):
+            while self.step < end:
+                window.add_loss(self._run_step(batches))
+                progress.update(1)
+                final = self.step == end
+                val_loss = None
+                if final or _every(self.step, cfg.eval_every):
+                    with window.paused():  # throughput figures count training time only
+                        val_loss = self.evaluate()
+                if val_loss is not None or final or self.step == 1 or _every(self.step, cfg.log_every):
+                    last = self._log(window, val_loss)
+                    window = _Window(self.step)
+                if final or _every(self.step, cfg.snapshot_every):
+                    with window.paused():
+                        self._save_snapshot()
+            progress.close()
+        if self.step >= cfg.steps:
+            self._export_final_model()
+        if self.metrics is not None:
+            self.metrics.close()
+        return last
+
+    def _progress_bar(self, end: int):
+        import sys
+
+        from tqdm import tqdm
+
+        enabled = self.env.is_master and self.config.progress and sys.stderr.isatty()
+        return tqdm(total=end, initial=self.step, disable=not enabled, dynamic_ncols=True, leave=False)
+
+    def _log(self, window: _Window, val_loss: float | None) -> dict[str, Any]:
+        """Global mean loss and throughput over the steps since the last log (a collective)."""
+        stats = torch.stack([window.loss_sum, torch.tensor(float(window.steps), device=self.env.device)])
+        _all_reduce_sum(stats)
+        steps = max(window.steps, 1)
+        train_s = window.elapsed_s()
+        comm_s = self.engine.comm.pop_total() if self.engine.comm is not None else None
+        step_time = train_s / steps
+        record = {
+            "step": self.step,
+            "loss": (stats[0] / stats[1]).item(),
+            "lr": self.scheduler.get_last_lr()[0],
+            "step_time_s": step_time,
+            "samples_per_s": self.config.batch_size / step_time,
+            "tokens_per_s": self.config.batch_size * self.train_set.tokens_per_sample / step_time,
+            "comm_time_s": None if comm_s is None else comm_s / steps,
+            "world_size": self.env.world_size,
+        }
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        if self.metrics is not None:
+            self.metrics.write(record)
+            logger.info(format_log_line(record))
+        return record
+
+    # --- evaluation and export --------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over every rank's shard (a collective; ranks may hold unequal
+        shards, so each sums loss x count and the sums are all-reduced)."""
+        dataset = self.val_set
+        if self.config.eval_samples:
+            dataset = Subset(dataset, range(min(self.config.eval_samples, len(dataset))))
+        shard = Subset(dataset, range(self.env.rank, len(dataset), self.env.world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # (loss sum, count)
+        self.module.eval()
+        for x, y in DataLoader(shard, batch_size=max(self.micro_batch, 16)):
+            x, y = x.to(self.env.device), y.to(self.env.device)
+            with self._autocast():
+                _, loss = self.module(x, y)  # the bare model: no DDP collectives in eval
+            totals += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=totals.device)
+        self.module.train()
+        _all_reduce_sum(totals)
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def _export_final_model(self) -> None:
+        """`model.pt`: a plain state_dict of the bare model (no `module.` prefix), rank 0 only."""
+        if not self.env.is_master:
+            return
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(self.module.state_dict(), buffer)
+        snapshot.atomic_write_bytes(self.run_dir / "model.pt", buffer.getvalue())
+        logger.info("saved %s", self.run_dir / "model.pt")
+
+
+class _Window:
+    """Loss and wall time accumulated between two log lines."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.steps = 0
+        self.loss_sum = torch.zeros(())
+        self.started = time.perf_counter()
+        self.paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - started
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
+        self.steps += 1
+
+    def elapsed_s(self) -> float:
+        return max(time.perf_counter() - self.started - self.paused_s, 1e-9)
+
+
+def _every(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def _redirect_logging(progress) -> contextlib.AbstractContextManager:
+    """Route log lines through tqdm.write while the bar is visible, so they don't tear it."""
+    if progress.disable:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
+def _config_json(config: TrainConfig) -> bytes:
+    import json
+
+    return (json.dumps(to_dict(config), indent=2) + "\n").encode()
