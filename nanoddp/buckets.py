@@ -17,7 +17,6 @@ import types
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 COMM_BACKENDS = ("nanoddp", "torch")
 # torch DDP's first bucket is 1 MiB whatever the cap: the last layers' gradients arrive first,
@@ -32,7 +31,9 @@ def collectives_for(comm_backend: str) -> types.ModuleType:
     backend. `nanoddp.comm` is imported lazily: a package import never depends on it.
     """
     if comm_backend == "torch":
-        return dist
+        from nanoddp import watched  # torch.distributed's functions, known to the hang watchdog
+
+        return watched
     if comm_backend == "nanoddp":
         from nanoddp import comm
 

@@ -64,9 +64,7 @@ def _op_name(op: ReduceOp, tensor: torch.Tensor) -> str:
     if name is None:
         raise ValueError(f"op must be one of ReduceOp.{', ReduceOp.'.join(ring.OPS)}; got {op!r}")
     if name == "AVG" and not tensor.is_floating_point():
-        raise ValueError(
-            f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; use SUM and divide"
-        )
+        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; use SUM and divide")
     return name
 
 
@@ -82,8 +80,7 @@ def _check(tensor: torch.Tensor, what: str, like: torch.Tensor | None = None, nu
     numel = like.numel() if numel is None else numel
     if tensor.dtype != like.dtype or tensor.numel() != numel:
         raise ValueError(
-            f"{what} must be {like.dtype} with {numel} elements{rule}, "
-            f"got {tensor.dtype} with {tensor.numel()}"
+            f"{what} must be {like.dtype} with {numel} elements{rule}, got {tensor.dtype} with {tensor.numel()}"
         )
 
 
@@ -142,7 +139,9 @@ def all_reduce(
     runner = runner_for(group)
     if runner is None:
         return None
-    return runner.submit(lambda: _all_reduce(runner.peers, tensor, op_name), [tensor], async_op)
+    return runner.submit(
+        "all_reduce", tensor.numel(), lambda: _all_reduce(runner.peers, tensor, op_name), [tensor], async_op
+    )
 
 
 def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
@@ -179,7 +178,9 @@ def reduce(
     if runner is None:
         return None
     root = _root(runner.peers, dst, "dst")
-    return runner.submit(lambda: _reduce(runner.peers, tensor, op_name, root), [tensor], async_op)
+    return runner.submit(
+        "reduce", tensor.numel(), lambda: _reduce(runner.peers, tensor, op_name, root), [tensor], async_op
+    )
 
 
 def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
@@ -208,7 +209,9 @@ def broadcast(
     if runner is None:
         return None
     root = _root(runner.peers, src, "src")
-    return runner.submit(lambda: _broadcast(runner.peers, tensor, root), [tensor], async_op)
+    return runner.submit(
+        "broadcast", tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor], async_op
+    )
 
 
 def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
@@ -247,7 +250,7 @@ def all_gather(
         for out, flat in zip(outputs, flats, strict=True):
             _write_back(out, flat)
 
-    return runner.submit(body, outputs, async_op)
+    return runner.submit("all_gather", tensor.numel(), body, outputs, async_op)
 
 
 def all_gather_into_tensor(
@@ -269,7 +272,7 @@ def all_gather_into_tensor(
         _all_gather(runner.peers, [flat[p * m : (p + 1) * m] for p in range(n)], input_tensor)
         _write_back(output_tensor, flat)
 
-    return runner.submit(body, [output_tensor], async_op)
+    return runner.submit("all_gather_into_tensor", input_tensor.numel(), body, [output_tensor], async_op)
 
 
 def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -277,9 +280,7 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor)
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
     inline = _nbytes(tensor) <= INLINE_MAX_BYTES
-    received = ring.exchange_frames(
-        peers, _header("all_gather", tensor), [flat if inline else None] * n, tensor.device
-    )
+    received = ring.exchange_frames(peers, _header("all_gather", tensor), [flat if inline else None] * n, tensor.device)
     outputs[me].copy_(flat)
     if tensor.numel() == 0:
         return
@@ -306,7 +307,13 @@ def reduce_scatter_tensor(
         return None
     n = runner.peers.size
     _check(input, "input", output, n * output.numel(), f" (group size {n} x output numel {output.numel()})")
-    return runner.submit(lambda: _reduce_scatter(runner.peers, output, input, op_name), [output], async_op)
+    return runner.submit(
+        "reduce_scatter_tensor",
+        input.numel(),
+        lambda: _reduce_scatter(runner.peers, output, input, op_name),
+        [output],
+        async_op,
+    )
 
 
 def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
@@ -347,7 +354,9 @@ def scatter(
     if runner.peers.rank == root:
         _check_list(scatter_list, runner.peers.size, "scatter_list", tensor)
         sources = list(scatter_list)
-    return runner.submit(lambda: _scatter(runner.peers, tensor, sources, root), [tensor], async_op)
+    return runner.submit(
+        "scatter", tensor.numel(), lambda: _scatter(runner.peers, tensor, sources, root), [tensor], async_op
+    )
 
 
 def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
@@ -387,7 +396,9 @@ def gather(
     if runner.peers.rank == root:
         _check_list(gather_list, runner.peers.size, "gather_list", tensor)
         targets = list(gather_list)
-    return runner.submit(lambda: _gather(runner.peers, tensor, targets, root), targets or [], async_op)
+    return runner.submit(
+        "gather", tensor.numel(), lambda: _gather(runner.peers, tensor, targets, root), targets or [], async_op
+    )
 
 
 def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from nanoddp import watchdog
 from nanoddp.ring import Peers
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Work:
         self._error: BaseException | None = None
         self._result = result
         self._future: torch.futures.Future = torch.futures.Future()
+        self._watch_token: int | None = None  # this collective's entry in the hang watchdog
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
@@ -74,8 +76,15 @@ class GroupRunner:
         self._pending = 0
         self._thread: threading.Thread | None = None
 
-    def submit(self, body: Callable[[], None], result: list[torch.Tensor], async_op: bool) -> Work | None:
+    def submit(
+        self, name: str, numel: int, body: Callable[[], None], result: list[torch.Tensor], async_op: bool
+    ) -> Work | None:
+        """Run `body` (collective `name` over `numel` elements) in FIFO order; see `nanoddp.comm`.
+
+        The hang watchdog sees the collective from submission (the moment this rank entered
+        it, as far as its peers can tell) until its body finishes."""
         work = Work(result)
+        work._watch_token = watchdog.begin(name, numel, self.peers.global_ranks_tuple)
         with self._mutex:
             inline = not async_op and self._pending == 0
             self._pending += 1
@@ -109,6 +118,7 @@ class GroupRunner:
                 error = exc
         with self._mutex:
             self._pending -= 1
+        watchdog.end(work._watch_token)
         work._finish(error)
 
 

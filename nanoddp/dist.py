@@ -151,6 +151,16 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
     return value
 
 
+def prepare_torchrun_launch() -> None:
+    """Environment for an in-process torchrun agent, inherited by its workers.
+
+    torchrun >= 2.5 lets workers share the rendezvous TCPStore; on a restart, workers can then
+    read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712). A fresh
+    store per attempt avoids that, so restarts (`--max-restarts`) work.
+    """
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def inside_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     """True in a worker started by torchrun's elastic agent (it sets TORCHELASTIC_RUN_ID)."""
     environ = os.environ if environ is None else environ
@@ -179,7 +189,9 @@ def init(
     if dist.is_initialized():
         return env
     if init_method is None:
-        if env.master_addr is not None and env.master_port is not None:
+        if env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
+            init_method = "env://"
+        elif env.master_addr is not None and env.master_port is not None:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         elif env.world_size == 1:
             init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -205,6 +217,12 @@ def cleanup() -> None:
     try:
         dist.barrier()
     finally:
+        dist.destroy_process_group()
+
+
+def abandon() -> None:
+    """Destroy the process group without a barrier: the way out after an error on this rank."""
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -24,15 +24,18 @@ import argparse
 import dataclasses
 import logging
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from nanoddp import dist as nd
+from nanoddp import watchdog
 from nanoddp.config import add_dataclass_args, build_config, config_from_args, load_config_file
 from nanoddp.train_config import TrainConfig, validate
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "nanoddp.train_cli"
+PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the watchdog fires
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +151,7 @@ def run_train(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser, run
 
     argv = torchrun_argv(args, config, nproc)
+    nd.prepare_torchrun_launch()
     print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
     try:
         run(get_args_parser().parse_args(argv))
@@ -189,11 +193,19 @@ def worker_main(config: TrainConfig) -> int:
 
     env = nd.DistEnv.from_environ()
     _setup_worker_logging(env.rank)
-    nd.init(env)
+    # The watchdog reports a stuck nanoddp collective after collective_timeout; torch's own
+    # collectives (torch DDP, loss averaging) fail through the process-group timeout a little
+    # later, so neither can block forever and torchrun gets to restart the group.
+    nd.init(env, timeout=timedelta(seconds=config.collective_timeout + PG_TIMEOUT_MARGIN_S))
+    watchdog.enable(config.collective_timeout)
     try:
         Trainer(config, env).train()
-    finally:
-        nd.cleanup()
+    except BaseException:
+        watchdog.disable()
+        nd.abandon()  # no closing barrier: a peer may be gone, and the error must surface
+        raise
+    watchdog.disable()
+    nd.cleanup()
     return 0
 
 

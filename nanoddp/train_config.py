@@ -86,6 +86,8 @@ class TrainConfig:
     """metrics.jsonl always; tensorboard additionally writes OUT/tensorboard."""
     progress: bool = True
     """Show a progress bar on rank 0 (when stderr is a terminal)."""
+    collective_timeout: float = 300.0
+    """Seconds a collective may wait before the hang watchdog names it and exits (torchrun restarts)."""
 
 
 def _positive(name: str, value: float, minimum: float = 1) -> None:
@@ -101,6 +103,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
         _positive(name, getattr(config, name))
     for name in ("eval_every", "eval_samples", "snapshot_every", "warmup_steps", "text_max_bytes"):
         _positive(name, getattr(config, name), minimum=0)
+    if config.collective_timeout <= 0:
+        raise ValueError(f"collective_timeout must be > 0 seconds, got {config.collective_timeout}")
     if config.lr <= 0:
         raise ValueError(f"lr must be > 0, got {config.lr}")
     if not 0.0 <= config.min_lr_ratio <= 1.0:

@@ -410,4 +410,6 @@ def _broadcast_fn(comm_backend: str) -> Callable[..., Any]:
         from nanoddp import comm
 
         return comm.broadcast
-    return dist.broadcast
+    from nanoddp import watched
+
+    return watched.broadcast

@@ -48,6 +48,34 @@ def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
+def _rank_1_skips_a_collective(env, log_dir, backend):
+    """No explicit `track`: nanoddp.comm and the watched torch collectives register themselves."""
+    from nanoddp import comm, watched
+
+    collectives = comm if backend == "nanoddp" else watched
+    logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
+    watchdog.enable(TIMEOUT_S, poll_s=0.2)
+    collectives.all_reduce(torch.ones(10))
+    collectives.all_reduce(torch.ones(10), async_op=True).wait()  # async ones end at wait()
+    time.sleep(1.0)
+    if env.rank == 1:
+        time.sleep(120)
+    collectives.broadcast(torch.ones(70_000), src=0)
+    return "not reached"
+
+
+@pytest.mark.parametrize("backend", ["nanoddp", "torch"])
+def test_engine_collectives_are_watched_without_explicit_tracking(tmp_path, backend):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        run_on_ranks(_rank_1_skips_a_collective, 2, str(tmp_path), backend, timeout=90)
+    assert time.monotonic() - start < TIMEOUT_S + 30
+    assert info.value.rank == 0 and info.value.exitcode == watchdog.HANG_EXIT_CODE
+    report = Path(tmp_path, "rank0.log").read_text()
+    assert "broadcast #3 (70000 elements, group [0, 1])" in report, report
+    assert "not arrived: ranks [1] (rank 1 at #2)" in report, report
+
+
 def test_watchdog_rejects_bad_timeout():
     with pytest.raises(ValueError, match="collective timeout must be > 0 seconds, got 0"):
         watchdog.CollectiveWatchdog(0, store=dist.HashStore())
