@@ -1,0 +1,449 @@
+"""The kernel side of notebook mode: a pool of worker processes and the protocol to drive them.
+
+Transport: one `multiprocessing.connection` Unix socket in a fresh private directory
+(`tempfile.mkdtemp`, mode 0700), authenticated with a random 32-byte key
+(`secrets.token_bytes`) that reaches the workers on their stdin. Nothing listens on a network
+interface, and a process that cannot read the directory cannot even reach the socket. The
+process group rendezvous is a `file://` store in the same directory, so no port is used.
+
+The pool knows nothing of IPython: output goes to a `sink` object (`stream(rank, name, text)`,
+`display(rank, bundle)`), so the magics decide how it looks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any, Protocol
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # N pythons importing torch on a busy 2-core box can take a while
+INTERRUPT_GRACE_S = 5.0  # after forwarding SIGINT, how long to wait for the cell to stop
+# After one rank fails, how long the others get to finish (or raise the same error: bad input
+# raises on every rank) before they are interrupted.
+PEER_FAILURE_GRACE_S = 2.0
+IDLE_WAIT_S = 1.0  # before a new request: how long ranks still busy get before SIGINT (+ grace)
+SHUTDOWN_GRACE_S = 10.0  # then SIGTERM, then SIGKILL
+POLL_S = 0.1
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked (not started, a worker is dead, startup failed)."""
+
+
+class Sink(Protocol):
+    def stream(self, rank: int, name: str, text: str) -> None: ...
+
+    def display(self, rank: int, bundle: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class WorkerHandle:
+    """The kernel's view of one worker process."""
+
+    rank: int
+    process: subprocess.Popen
+    conn: Connection | None = None
+    device: str = "?"
+    busy: bool = False
+    death: str | None = None  # why it is dead, once it is
+
+    @property
+    def alive(self) -> bool:
+        if self.death is None and self.process.poll() is not None:
+            self.death = f"exited with code {self.process.returncode}"
+        return self.death is None
+
+
+@dataclass
+class CellOutcome:
+    """How one request went on each rank it ran on."""
+
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> the worker's report
+    died: dict[int, str] = field(default_factory=dict)  # rank -> why it died mid-cell
+    interrupted: bool = False  # the user interrupted the kernel
+    timed_out: bool = False
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose code raised or whose process died (not the ones stopped because of them)."""
+        raised = {rank for rank, report in self.reports.items() if report["status"] == "error"}
+        return sorted(raised | set(self.died))
+
+
+class _SigintFlag:
+    """Counts SIGINTs while installed (main thread only), instead of raising KeyboardInterrupt.
+
+    A KeyboardInterrupt raised in the middle of `Connection.recv` would tear a message; with
+    this handler the wait loop notices the interrupt between messages and forwards it.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+
+@contextmanager
+def _catch_sigint() -> Iterator[_SigintFlag]:
+    flag = _SigintFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag  # signals only reach the main thread; nothing to catch here
+        return
+    previous = signal.signal(signal.SIGINT, flag)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class WorkerPool:
+    """N worker processes, one per rank, each with the default process group initialised."""
+
+    def __init__(
+        self,
+        num_processes: int,
+        backend: str,
+        devices: Sequence[str],
+        num_threads: int,
+        pg_timeout_s: float,
+    ):
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        if len(devices) != num_processes:
+            raise ValueError(f"need one device per process: {num_processes} processes, devices {list(devices)}")
+        self.num_processes = num_processes
+        self.backend = backend
+        self.devices = list(devices)
+        self.num_threads = num_threads
+        self.pg_timeout_s = pg_timeout_s
+        self.workers: list[WorkerHandle] = []
+        self._dir: str | None = None
+        self._listener: Listener | None = None
+
+    # ----------------------------------------------------------------- start
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Spawn the workers and wait until every one has joined the process group."""
+        self._dir = tempfile.mkdtemp(prefix="nanoddp-nb-")  # mode 0700: private to this user
+        address = os.path.join(self._dir, "sock")
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        use_pdeathsig = threading.current_thread() is threading.main_thread()
+        try:
+            for rank in range(self.num_processes):
+                settings = {
+                    "rank": rank,
+                    "world_size": self.num_processes,
+                    "backend": self.backend,
+                    "device": self.devices[rank],
+                    "num_threads": self.num_threads,
+                    "pg_timeout_s": self.pg_timeout_s,
+                    "init_method": f"file://{os.path.join(self._dir, 'store')}",
+                    "address": address,
+                    "authkey": authkey.hex(),
+                    "parent_pid": os.getpid(),
+                    "pdeathsig": use_pdeathsig,
+                }
+                self.workers.append(WorkerHandle(rank, _spawn_worker(settings)))
+            self._accept_all(address, authkey, time.monotonic() + timeout_s)
+            self._wait_ready(time.monotonic() + timeout_s)
+        except BaseException:
+            self.shutdown(grace_s=2.0)
+            raise
+
+    def _accept_all(self, address: str, authkey: bytes, deadline: float) -> None:
+        """Accept one authenticated connection per worker, noticing workers that die first."""
+        accepted: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def accept_loop() -> None:
+            while not stop.is_set():
+                try:
+                    accepted.put(self._listener.accept())
+                except Exception as exc:  # a bad authkey, or the listener closed under us
+                    accepted.put(exc)
+                    return
+
+        thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)
+        thread.start()
+        try:
+            pending = set(range(self.num_processes))
+            while pending:
+                self._check_started(pending, deadline)
+                try:
+                    conn = accepted.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if isinstance(conn, Exception):
+                    raise PoolError(f"a worker failed to connect: {conn}")
+                _, rank, pid = conn.recv()  # ("hello", rank, pid)
+                self.workers[rank].conn = conn
+                pending.discard(rank)
+        finally:
+            stop.set()
+            if thread.is_alive():  # wake the blocked accept() so the thread can end
+                with suppress(OSError):
+                    Client(address, family="AF_UNIX", authkey=authkey).close()
+                thread.join(timeout=5.0)
+            self._listener.close()  # every worker is in: stop listening at once
+            self._listener = None
+
+    def _check_started(self, pending: set[int], deadline: float) -> None:
+        for rank in pending:
+            worker = self.workers[rank]
+            if not worker.alive:
+                raise PoolError(f"worker rank {rank} {worker.death} before connecting")
+        if time.monotonic() > deadline:
+            raise PoolError(f"workers {sorted(pending)} did not start in time")
+
+    def _wait_ready(self, deadline: float) -> None:
+        """Wait for every rank's "ready" (process group joined) or its startup traceback."""
+        pending = set(range(self.num_processes))
+        while pending:
+            conns = {self.workers[r].conn: r for r in pending}
+            for conn in wait(list(conns), timeout=POLL_S):
+                rank = conns[conn]
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    raise PoolError(f"worker rank {rank} died while joining the process group") from None
+                if kind == "fatal":
+                    raise PoolError(f"worker rank {rank} failed to start:\n{payload}")
+                self.workers[rank].device = payload["device"]
+                pending.discard(rank)
+            self._check_started(pending, deadline)
+
+    # ----------------------------------------------------------------- run
+    def run(
+        self,
+        code: str,
+        ranks: Sequence[int],
+        sink: Sink,
+        cell: int = 0,
+        timeout_s: float | None = None,
+    ) -> CellOutcome:
+        """Run `code` on `ranks`; stream output to `sink` as it comes; return each rank's report.
+
+        The lowest listed rank is the display rank: the only one whose rich output (figures,
+        HTML) the notebook shows.
+        """
+        self.wait_idle(sink)
+        self._require_alive(ranks)
+        display_rank = min(ranks)
+        for rank in ranks:
+            request = {"code": code, "cell": cell, "display": rank == display_rank}
+            self._send(rank, ("run", request))
+        return self._collect(ranks, sink, timeout_s)
+
+    def barrier(self, sink: Sink, timeout_s: float | None = None) -> CellOutcome:
+        """dist.barrier() on every rank."""
+        self.wait_idle(sink)
+        ranks = list(range(self.num_processes))
+        self._require_alive(ranks)
+        for rank in ranks:
+            self._send(rank, ("barrier",))
+        return self._collect(ranks, sink, timeout_s)
+
+    def wait_idle(self, sink: Sink, timeout_s: float = IDLE_WAIT_S) -> None:
+        """Give ranks still busy with an earlier, interrupted cell a moment to finish.
+
+        A rank that stays busy is usually stuck in a collective whose peers have left (SIGINT
+        cannot reach it there); sending new work to the others would pair their next collective
+        with that stale one, so this is an error for the user to resolve, never a silent hang.
+        """
+        busy = [w.rank for w in self.workers if w.busy and w.alive]
+        if not busy:
+            return
+        sink.stream(busy[0], "stderr", f"waiting for ranks {busy} to finish the previous cell\n")
+        self._collect(busy, sink, timeout_s)
+        still_busy = [w.rank for w in self.workers if w.busy and w.alive]
+        if still_busy:
+            raise PoolError(
+                f"ranks {still_busy} are still busy with an earlier cell (likely waiting in a collective "
+                "for a rank that failed or was interrupted); wait and retry, or restart the workers "
+                "with %dist_init"
+            )
+
+    def _require_alive(self, ranks: Sequence[int]) -> None:
+        if not self.workers:
+            raise PoolError("no workers: run %dist_init first")
+        dead = [f"rank {r} {self.workers[r].death}" for r in ranks if not self.workers[r].alive]
+        if dead:
+            raise PoolError(f"{'; '.join(dead)}; restart the pool with %dist_init")
+
+    def _send(self, rank: int, message: tuple) -> None:
+        worker = self.workers[rank]
+        worker.conn.send(message)
+        worker.busy = True
+
+    def _collect(self, ranks: Sequence[int], sink: Sink, timeout_s: float | None) -> CellOutcome:
+        """Pump messages until every rank reports; forward interrupts and the timeout as SIGINT.
+
+        When one rank fails, the others are interrupted too after PEER_FAILURE_GRACE_S (like
+        `nanoddp.launch` stopping the job): a rank waiting for the failed one would hang the cell.
+        """
+        outcome = CellOutcome()
+        pending = set(ranks)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stopping_since: float | None = None  # when we asked the workers to stop
+        failed_since: float | None = None  # when the first rank raised or died
+        with _catch_sigint() as sigint:
+            while pending:
+                now = time.monotonic()
+                if failed_since is None and outcome.failed_ranks:
+                    failed_since = now
+                peer_failed = failed_since is not None and now - failed_since > PEER_FAILURE_GRACE_S
+                if stopping_since is None and (sigint.count or peer_failed or (deadline and now > deadline)):
+                    outcome.interrupted = sigint.count > 0
+                    outcome.timed_out = not outcome.interrupted and failed_since is None
+                    self._interrupt(pending)
+                    stopping_since = now
+                gave_up = stopping_since is not None and now - stopping_since > INTERRUPT_GRACE_S
+                if sigint.count > 1 or gave_up:
+                    break  # still busy: the next request waits for them (wait_idle)
+                self._pump(pending, outcome, sink)
+        return outcome
+
+    def _pump(self, pending: set[int], outcome: CellOutcome, sink: Sink) -> None:
+        """Handle whatever the pending ranks have sent within POLL_S."""
+        conns = {self.workers[r].conn: r for r in pending}
+        for conn in wait(list(conns), timeout=POLL_S):
+            rank = conns[conn]
+            worker = self.workers[rank]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                try:
+                    worker.process.wait(timeout=SHUTDOWN_GRACE_S)  # EOF: it is exiting; reap it
+                except subprocess.TimeoutExpired:
+                    _terminate(worker.process)
+                worker.alive  # noqa: B018  (records the exit code in worker.death)
+                worker.busy = False
+                outcome.died[rank] = worker.death or "closed its connection"
+                pending.discard(rank)
+                continue
+            kind = message[0]
+            if kind == "stream":
+                sink.stream(rank, message[1], message[2])
+            elif kind == "display":
+                sink.display(rank, message[1])
+            elif kind == "done":
+                worker.busy = False
+                outcome.reports[rank] = message[1]
+                pending.discard(rank)
+
+    def _interrupt(self, ranks: set[int]) -> None:
+        """SIGINT the busy workers: KeyboardInterrupt in their cell (between bytecodes)."""
+        for rank in ranks:
+            worker = self.workers[rank]
+            if worker.alive and worker.busy:
+                with suppress(ProcessLookupError):
+                    os.kill(worker.process.pid, signal.SIGINT)
+
+    # ----------------------------------------------------------------- status & shutdown
+    def status(self) -> list[dict[str, Any]]:
+        """One row per worker: rank, pid, device, state (idle/busy/dead ...), RSS in MiB."""
+        rows = []
+        for worker in self.workers:
+            rss_mib = None
+            if worker.alive:
+                state = "busy" if worker.busy else "idle"
+                with suppress(psutil.Error):
+                    rss_mib = psutil.Process(worker.process.pid).memory_info().rss / 2**20
+            else:
+                state = f"dead ({worker.death})"
+            rows.append(
+                {
+                    "rank": worker.rank,
+                    "pid": worker.process.pid,
+                    "device": worker.device,
+                    "state": state,
+                    "rss_mib": rss_mib,
+                }
+            )
+        return rows
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask every worker to leave the group and exit; SIGTERM/SIGKILL the ones that don't.
+
+        Busy workers get SIGINT first so they finish their cell and read the request. Every
+        process is waited for, so none is left behind, not even as a zombie.
+        """
+        for worker in self.workers:
+            if worker.conn is not None and worker.alive:
+                with suppress(OSError):
+                    worker.conn.send(("shutdown",))
+        self._interrupt({w.rank for w in self.workers})
+        self._drain_until_exit(time.monotonic() + grace_s)
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                logger.warning(
+                    "rank %d did not exit in %.0fs; terminating pid %d",
+                    worker.rank,
+                    grace_s,
+                    worker.process.pid,
+                )
+                _terminate(worker.process)
+            if worker.conn is not None:
+                worker.conn.close()
+        self.workers = []
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _drain_until_exit(self, deadline: float) -> None:
+        """Read and drop late output while waiting, so no worker blocks on a full socket."""
+        open_conns = [w.conn for w in self.workers if w.conn is not None and w.alive]
+        while time.monotonic() < deadline and any(w.process.poll() is None for w in self.workers):
+            for conn in wait(open_conns, timeout=POLL_S) if open_conns else []:
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    open_conns.remove(conn)
+            if not open_conns:
+                time.sleep(POLL_S)
+
+
+def _spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
+    """`python -m nanoddp.notebook_worker` in its own session, settings (and key) on stdin."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nanoddp.notebook_worker"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # the kernel's SIGINT to its process group must not hit us
+    )
+    process.stdin.write(json.dumps(settings).encode())
+    process.stdin.close()
+    return process
+
+
+def _terminate(process: subprocess.Popen, grace_s: float = 2.0) -> None:
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
