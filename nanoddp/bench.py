@@ -12,6 +12,7 @@ import importlib
 BENCHMARK_MODULES = (
     "nanoddp.bench_collectives",
     "nanoddp.bench_zero",
+    "nanoddp.bench_train",
     # more benchmarks are registered here as they land
 )
 

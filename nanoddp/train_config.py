@@ -86,6 +86,9 @@ class TrainConfig:
     """metrics.jsonl always; tensorboard additionally writes OUT/tensorboard."""
     progress: bool = True
     """Show a progress bar on rank 0 (when stderr is a terminal)."""
+    trace: str | None = None
+    """Write a Chrome-trace/Perfetto timeline per rank (DIR/rank<r>.trace.json) of steps 3-5:
+    forward, backward, each bucket's all-reduce, optimizer step. Open in ui.perfetto.dev."""
     collective_timeout: float = 300.0
     """Seconds a collective may wait before the hang watchdog names it and exits (torchrun restarts)."""
 

@@ -38,6 +38,7 @@ from nanoddp.datasets import build_datasets
 from nanoddp.dist import DistEnv, seed_everything
 from nanoddp.engines import build_engine
 from nanoddp.metrics import MetricsLogger, format_log_line
+from nanoddp.trace import TraceSession, build_traced_engine, region
 from nanoddp.train_config import TrainConfig, build_model, check_data, validate
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class Trainer:
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
         self.resumed_from = self._maybe_resume()
 
-        self.engine = build_engine(config.engine, self.module, env)
+        self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
         self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
@@ -226,9 +227,10 @@ class Trainer:
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients averaged over ranks iff `sync`."""
         with self.engine.micro_step(sync):
-            with self._autocast():
+            with region("forward"), self._autocast():
                 _, loss = self.model(x, y)
-            (loss / self.config.grad_accum).backward()
+            with region("backward"):
+                (loss / self.config.grad_accum).backward()
         self.sampler.advance(len(x))
         return loss.detach()
 
@@ -242,7 +244,8 @@ class Trainer:
             total += self._run_batch(x, y, sync=micro == self.config.grad_accum - 1)
         if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        with region("optimizer step"):
+            self.optimizer.step()
         self.scheduler.step()
         self.engine.end_step()
         self.step += 1
@@ -259,9 +262,10 @@ class Trainer:
         self.module.train()
         progress = self._progress_bar(end)
         window = _Window(self.step)
-        with _redirect_logging(progress):
+        with _redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
                 window.add_loss(self._run_step(batches))
+                tracer.step()
                 progress.update(1)
                 final = self.step == end
                 val_loss = None

@@ -1,0 +1,408 @@
+"""`nanoddp bench train`: every engine on the same model and global batch, side by side.
+
+All engines of one world size live in the SAME processes (one launch per world size), each
+with its own replica and optimizer. After warm-up they take turns in blocks of a few timed
+steps (A B C, C B A, A B C, ...), so a burst of load on the shared machine hits every engine
+alike. A step's time is the slowest rank's; rows report the median and spread over steps.
+
+Per step, on every rank, the worker records wall times of forward, backward, the manual
+engines' after-backward sync and the optimizer step, plus:
+
+- comm time: how long gradient communication was in flight (first bucket launched -> last
+  one done; the whole sync call for the manual engines);
+- exposed comm: how long the training thread waited for it once the last gradient had been
+  computed (backward() return minus the last post-accumulate-grad hook; the whole sync for
+  the manual engines). overlap = 1 - exposed / comm is the share hidden under backward.
+
+Memory per rank is what a process running only that engine would peak at: the RSS (CUDA:
+allocated bytes) before any engine, plus the engine's resident growth (weights, grads,
+buckets, optimizer state), plus the high-water mark above that during its steps (activations).
+Linux's VmHWM is reset before each block (/proc/self/clear_refs), and glibc is told to return
+freed large blocks to the OS, so RSS follows the allocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import nanoddp
+from nanoddp.bench_train_report import format_markdown, summarise, write_json, write_plot
+from nanoddp.engines import build_engine
+from nanoddp.models import GPT, count_parameters, gpt_config
+from nanoddp.trace import TraceSession, build_traced_engine, region
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("single", "nanoddp", "torch", "allreduce", "rs_ag", "dp", "zero")
+ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
+
+
+def _tune_malloc() -> None:
+    """Ask glibc to unmap freed blocks >= 128 KiB at once, so RSS tracks tensors (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so it stops growing on its own
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+class _Memory:
+    """Resident bytes now and the high-water mark since `reset()`, on the CPU or the GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else psutil.Process().memory_info().rss
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+
+    def peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return self.now()
+
+
+class _Runner:
+    """One engine on this rank: its own replica, optimizer and per-step timing probes."""
+
+    def __init__(self, name: str, env: nanoddp.DistEnv, spec: dict, traced: bool = False):
+        self.name, self.env, self.spec = name, env, spec
+        self.active = name != "dp" or env.rank == 0  # DataParallel is one process: rank 0's
+        self.samples: list[dict] = []
+        self.persistent_bytes = self.transient_bytes = 0
+        if not self.active:
+            return
+        torch.manual_seed(0)
+        cfg = gpt_config(spec["model"], **spec["overrides"])
+        module = GPT(cfg).to(env.device)
+        self._last_grad = 0.0
+        for p in module.parameters():  # registered before any wrapper's hooks, so they fire first
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.engine, self.ddp = self._build(name, module, env, traced)
+        if not isinstance(self.engine, _DPEngine):
+            _forward_loss(self.engine)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if name == "zero":
+            self.optimizer = nanoddp.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-4)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=3e-4)
+        batch = spec["global_batch"] // (1 if name == "dp" else env.world_size)
+        g = torch.Generator().manual_seed(env.rank)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g).to(env.device)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        self._last_grad = time.perf_counter()
+
+    @staticmethod
+    def _build(name: str, module, env: nanoddp.DistEnv, traced: bool):
+        """(engine, our DDP wrapper or None). `dp` and `zero` are built here, the rest by engines.py."""
+        if name == "dp":
+            devices = [env.device] * env.world_size  # N replicas in threads of this one process
+            wrapper = nanoddp.DataParallel(module, device_ids=devices)
+            return _DPEngine(wrapper, module), None
+        base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name
+        engine = (build_traced_engine if traced else build_engine)(base, module, env)
+        ddp = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
+        if ddp is not None and not traced and env.world_size > 1:
+            ddp.record_timeline = True  # launch/done times of the buckets, for the comm window
+        return engine, ddp
+
+    def step(self) -> dict:
+        """One training step; returns its phase times in seconds."""
+        threads = torch.get_num_threads()
+        if self.name == ALLCORES:
+            torch.set_num_threads(self.spec["allcores_threads"])
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.engine.micro_step(sync=True):
+            with region("forward"):
+                loss = self.engine.forward_loss(self.x, self.y)
+            t1 = time.perf_counter()
+            with region("backward"):
+                loss.backward()
+            t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        with region("optimizer step"):
+            self.optimizer.step()
+        self.engine.end_step()
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        t4 = time.perf_counter()
+        torch.set_num_threads(threads)
+        return {"step_s": t4 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "sync_s": t3 - t2,
+                "optimizer_s": t4 - t3, **self._comm(t2, t3)}  # fmt: skip
+
+    def _comm(self, backward_end: float, sync_end: float) -> dict:
+        """Comm window and exposed comm of the step just taken (zeros when nothing was sent)."""
+        if self.env.world_size == 1 or self.name == "dp":
+            return {"comm_s": 0.0, "exposed_comm_s": 0.0}
+        if self.ddp is not None and self.ddp.record_timeline:
+            timeline = self.ddp.last_timeline
+            launches = [t for event, t, _ in timeline if event == "launch"]
+            done = [t for event, t, _ in timeline if event == "done"]
+            window = done[-1] - launches[0] if launches and done else 0.0
+        else:
+            window = self.engine.comm.pop_total() if self.engine.comm is not None else 0.0
+        if self.engine.model is self.engine.module:  # manual engines: all of the sync is waited on
+            exposed = sync_end - backward_end
+            window = max(window, exposed)
+        else:
+            exposed = max(backward_end - self._last_grad, 0.0)
+        return {"comm_s": window, "exposed_comm_s": min(exposed, window) if window else exposed}
+
+
+class _DPEngine:
+    """DataParallel behind the Engine interface: gradients are summed by autograd, no sync."""
+
+    def __init__(self, model, module):
+        self.model, self.module, self.comm = model, module, None
+
+    def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, losses = self.model(x, y)
+        return self.model.reduce_loss(losses)
+
+    def end_step(self) -> None:
+        pass
+
+
+def _forward_loss(engine):
+    """Give a trainer Engine the `forward_loss` that _DPEngine has (the model returns (logits, loss))."""
+
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return engine.model(x, y)[1]
+
+    engine.forward_loss = forward_loss
+    return engine
+
+
+def _engine_names(env: nanoddp.DistEnv, spec: dict) -> list[str]:
+    names = [e for e in spec["engines"] if not (e == "single" and env.world_size > 1)]
+    if env.device.type == "cuda":  # one process per GPU: DataParallel would need ws GPUs here
+        names = [e for e in names if e != "dp" or env.world_size <= torch.cuda.device_count()]
+    if "single" in names and env.world_size == 1 and env.device.type == "cpu" and spec["allcores_threads"] > 1:
+        names.append(ALLCORES)
+    return names
+
+
+def _warm_lazy_imports(env: nanoddp.DistEnv) -> None:
+    """torch DDP pulls in torch._dynamo on first use: ~100 MB that no engine should be charged."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    probe = torch.nn.Linear(2, 2).to(env.device)
+    TorchDDP(probe)(torch.ones(1, 2, device=env.device)).sum().backward()
+    nanoddp.DistributedDataParallel(probe)(torch.ones(1, 2, device=env.device)).sum().backward()
+
+
+def _bench_worker(env: nanoddp.DistEnv, spec: dict) -> dict:
+    """All engines on this rank, interleaved in blocks; returns per-step samples and memory."""
+    torch.set_num_threads(spec["threads_per_rank"])
+    _tune_malloc()
+    _warm_lazy_imports(env)
+    memory = _Memory(env.device)
+    base = memory.now()
+    runners = []
+    for name in _engine_names(env, spec):
+        before = memory.now()
+        runner = _Runner(name, env, spec)
+        if runner.active:
+            memory.reset()
+            for _ in range(spec["warmup"]):
+                runner.step()
+            runner.persistent_bytes = memory.now() - before
+            runner.transient_bytes = memory.peak() - memory.now()
+        runners.append(runner)
+    rounds = math.ceil(spec["steps"] / spec["block"])
+    for r in range(rounds):
+        for runner in runners if r % 2 == 0 else reversed(runners):
+            dist.barrier()
+            if not runner.active:
+                continue
+            start = memory.now()
+            memory.reset()
+            for _ in range(min(spec["block"], spec["steps"] - r * spec["block"])):
+                runner.samples.append(runner.step())
+            runner.transient_bytes = max(runner.transient_bytes, memory.peak() - start)
+    dist.barrier()
+    if spec["trace_dir"]:
+        _trace_engines(env, spec, [r.name for r in runners])
+    return {r.name: {"samples": r.samples, "base_bytes": base, "persistent_bytes": r.persistent_bytes,
+                     "transient_bytes": r.transient_bytes} for r in runners if r.active}  # fmt: skip
+
+
+def _trace_engines(env: nanoddp.DistEnv, spec: dict, names: list[str]) -> None:
+    """A few profiled steps per engine, each on a fresh replica whose buckets draw on the timeline."""
+    for name in names:
+        dist.barrier()
+        runner = _Runner(name, env, spec, traced=True)
+        if not runner.active:
+            continue
+        file_name = f"{name}-ws{env.world_size}-rank{{rank}}.trace.json"
+        with TraceSession(spec["trace_dir"], env.rank, steps=2, skip=2, name=file_name) as session:
+            for _ in range(4):
+                runner.step()
+                session.step()
+    dist.barrier()
+
+
+def machine_description() -> dict:
+    """What the numbers were measured on (goes into the JSON and the README table's caption)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "gpu": gpu,
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "nanoddp": nanoddp.__version__}  # fmt: skip
+
+
+def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", global_batch: int = 32,
+                  steps: int = 30, warmup: int = 3, block: int = 5, threads_per_rank: int = 1,
+                  trace_dir: str | None = None, overrides: dict | None = None,
+                  backend: str | None = None) -> dict:  # fmt: skip
+    """Measure every engine at every world size; returns {"meta": ..., "results": [row, ...]}."""
+    _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
+    # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
+    backend = backend or nanoddp.dist.default_backend(max(nprocs))
+    spec = {"engines": list(engines), "model": model, "overrides": dict(overrides or {}),
+            "global_batch": global_batch, "steps": steps, "warmup": max(warmup, 2), "block": block,
+            "threads_per_rank": threads_per_rank, "allcores_threads": os.cpu_count() or 1,
+            "trace_dir": trace_dir}  # fmt: skip
+    cfg = gpt_config(model, **spec["overrides"])
+    meta = {**machine_description(), "model": model, "model_config": cfg.__dict__,
+            "parameters": count_parameters(GPT(cfg)),
+            "parameter_tensors": len(list(GPT(cfg).parameters())), "global_batch": global_batch, "steps": steps,
+            "warmup": spec["warmup"], "block": block, "threads_per_rank": threads_per_rank,
+            "optimizer": "AdamW", "dtype": "float32", "date": datetime.now(timezone.utc).isoformat(),
+            "load_average_before": os.getloadavg(), "backend": backend,
+            "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
+    per_ws = {}
+    for n in nprocs:
+        logger.info("world size %d: %s", n, ", ".join(_engine_names_preview(n, spec)))
+        per_rank = nanoddp.launch(_bench_worker, n, args=(spec,), backend=backend)
+        per_ws[n] = per_rank
+    meta["load_average_after"] = os.getloadavg()
+    return {"meta": meta, "results": summarise(per_ws, meta)}
+
+
+def _engine_names_preview(n: int, spec: dict) -> list[str]:
+    return [e for e in spec["engines"] if not (e == "single" and n > 1)]
+
+
+def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
+    if not nprocs or any(n < 1 for n in nprocs):
+        raise ValueError(f"--nproc needs world sizes >= 1, got {nprocs}")
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise ValueError(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    for n in nprocs:
+        if global_batch % n:
+            raise ValueError(f"--global-batch {global_batch} must be divisible by every world size, not by {n}")
+    for flag, value in (("steps", steps), ("block", block), ("threads-per-rank", threads_per_rank)):
+        if value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+
+
+def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "train",
+        help="every engine, same model and global batch, interleaved: throughput, comm, overlap",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("--nproc", default="1,2,4", help="comma-separated world sizes (default: 1,2,4)")
+    parser.add_argument(
+        "--engines",
+        default="single,nanoddp,torch,allreduce,rs_ag,dp,zero",
+        help=f"comma-separated, from {','.join(ENGINES)}",
+    )
+    parser.add_argument("--model", choices=["tiny", "small"], default="tiny", help="GPT preset")
+    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per engine (default: 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (>= 2)")
+    parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
+    parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG (throughput, comm)")
+    parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="default: nccl when there is a GPU per rank, else gloo on CPU",
+    )
+    parser.set_defaults(run=_run)
+    report = bench_subparsers.add_parser("report", help="the README's markdown table from a bench train JSON")
+    report.add_argument("file", metavar="FILE.json")
+    report.add_argument("--plot", default=None, metavar="FILE", help="also write the PNG")
+    report.set_defaults(run=_run_report)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        nprocs = [int(x) for x in args.nproc.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--nproc must be comma-separated integers, e.g. 1,2,4; got {args.nproc!r}") from None
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    data = run_benchmark(nprocs, engines, args.model, args.global_batch, args.steps, args.warmup, args.block,
+                         args.threads_per_rank, args.trace, backend=args.backend)  # fmt: skip
+    print(format_markdown(data))
+    if args.json:
+        write_json(args.json, data)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, data)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    import json
+
+    with open(args.file) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or "results" not in data or "meta" not in data:
+        raise ValueError(f"{args.file} is not a `nanoddp bench train --json` file (no meta/results)")
+    print(format_markdown(data))
+    if args.plot:
+        write_plot(args.plot, data)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,211 @@
+"""From `bench train`'s raw per-step samples to rows, the README's markdown table and a plot.
+
+Kept apart from the measuring code so that `nanoddp bench report FILE.json` can re-render the
+README figures from a saved JSON, on any machine, without running anything.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import statistics
+import textwrap
+
+from nanoddp.snapshot import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+MB = 1 << 20
+# Dense peak FLOP/s per device for float32 math on CUDA cores (no TF32), for MFU. A name not
+# listed here gets no MFU rather than a guessed one.
+PEAK_FP32_FLOPS = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40S": 91.6e12, "A10G": 31.2e12}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low, high = int(position), min(int(position) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _per_step(ranks: list[dict]) -> list[dict]:
+    """Merge ranks step by step: a step lasts as long as its slowest rank; comm is the rank mean."""
+    merged = []
+    for steps in zip(*(r["samples"] for r in ranks), strict=True):
+        row = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+        row["step_s"] = max(s["step_s"] for s in steps)
+        merged.append(row)
+    return merged
+
+
+def _bytes_per_step(engine: str, n: int, meta: dict) -> tuple[int, int]:
+    """(payload bytes each rank hands to collectives per step, ring-estimate bytes it sends)."""
+    if n == 1 or engine in ("single", "single_allcores", "dp"):
+        return 0, 0
+    numel, tensors = meta["parameters"], meta["parameter_tensors"]
+    reduced = 4 * numel  # float32 gradients
+    if engine == "rs_ag":
+        reduced = 4 * (-(-numel // n) * n)  # padded to a multiple of the world size
+    if engine in ("nanoddp", "zero"):
+        reduced += 4 * tensors  # the per-step int32 "which parameters got gradients" all-reduce
+    broadcast = 4 * numel if engine == "zero" else 0  # ZeRO-1: every shard sent from its owner
+    wire = reduced * 2 * (n - 1) / n + broadcast * (n - 1) / n
+    return reduced + broadcast, int(wire)
+
+
+def _row(engine: str, n: int, ranks: list[dict], meta: dict) -> dict:
+    steps = _per_step(ranks)
+    step_s = [s["step_s"] for s in steps]
+    median = statistics.median(step_s)
+    comm = sum(s["comm_s"] for s in steps)
+    exposed = sum(s["exposed_comm_s"] for s in steps)
+    payload, wire = _bytes_per_step(engine, n, meta)
+    seq_len = meta["model_config"]["seq_len"]
+    row = {
+        "engine": engine, "world_size": n, "steps": len(steps),
+        "step_time_s": median, "step_time_p10_s": _quantile(step_s, 0.1),
+        "step_time_p90_s": _quantile(step_s, 0.9),
+        "spread": (_quantile(step_s, 0.9) - _quantile(step_s, 0.1)) / median,
+        "samples_per_s": meta["global_batch"] / median,
+        "tokens_per_s": meta["global_batch"] * seq_len / median,
+        **{k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "sync_s", "optimizer_s")},
+        "comm_time_s": comm / len(steps), "exposed_comm_s": exposed / len(steps),
+        "overlap_fraction": (1.0 - exposed / comm) if comm > 0 else None,
+        "bytes_communicated_per_step": payload, "wire_bytes_per_rank_est": wire,
+        "peak_mem_bytes_per_rank": max(r["base_bytes"] + r["persistent_bytes"] + r["transient_bytes"]
+                                       for r in ranks),
+        "engine_resident_bytes_per_rank": max(r["persistent_bytes"] for r in ranks),
+    }  # fmt: skip
+    row["compute_s"] = median - min(row["exposed_comm_s"], median)
+    if payload == 0:  # nothing crossed a process boundary: no comm figures to report
+        row.update(comm_time_s=None, exposed_comm_s=None, overlap_fraction=None)
+    return row
+
+
+def _mfu(row: dict, meta: dict) -> float | None:
+    gpu = meta.get("gpu") if meta.get("device") == "cuda" else None
+    peak = next((flops for name, flops in PEAK_FP32_FLOPS.items() if gpu and name in gpu), None)
+    if peak is None:
+        return None
+    cfg = meta["model_config"]
+    # 6 N per token (forward + backward matmuls) + attention scores, as in the PaLM appendix.
+    flops_per_token = 6 * meta["parameters"] + 12 * cfg["n_layers"] * cfg["seq_len"] * cfg["d_model"]
+    devices = 1 if row["engine"] in ("single", "dp") else row["world_size"]
+    return row["tokens_per_s"] * flops_per_token / (devices * peak)
+
+
+def summarise(per_ws: dict[int, list[dict]], meta: dict) -> list[dict]:
+    """Rows for every (world size, engine), with ratios against torch DDP and the ws=1 baselines."""
+    rows = []
+    for n, per_rank in per_ws.items():
+        for engine in per_rank[0]:
+            ranks = [r[engine] for r in per_rank if engine in r]
+            rows.append(_row(engine, n, ranks, meta))
+    find = {(r["engine"], r["world_size"]): r for r in rows}
+    allcores = find.get(("single_allcores", 1))
+    for row in rows:
+        base = find.get(("single", 1)) or find.get((row["engine"], 1))
+        row["scaling_efficiency"] = row["samples_per_s"] / (row["world_size"] * base["samples_per_s"]) if base else None
+        row["speedup_vs_allcores"] = row["samples_per_s"] / allcores["samples_per_s"] if allcores else None
+        torch_row = find.get(("torch", row["world_size"]))
+        row["vs_torch_ddp"] = row["samples_per_s"] / torch_row["samples_per_s"] if torch_row else None
+        row["mfu"] = _mfu(row, meta)
+    return rows
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def caption(meta: dict) -> str:
+    gpu = f", {meta['gpu']}" if meta.get("gpu") and meta.get("device") == "cuda" else ""
+    before, after = meta.get("load_average_before"), meta.get("load_average_after")
+    load = f"; 1-min load average {before[0]:.1f} before, {after[0]:.1f} after" if before and after else ""
+    return (
+        f"Measured on {meta['cpu']} ({meta['cpus']} cores, {meta['memory_gb']} GB RAM){gpu}, "
+        f"torch {meta['torch']}, {meta.get('backend', '?')}; GPT {meta['model']} "
+        f"({meta['parameters'] / 1e6:.2f} M parameters, seq {meta['model_config']['seq_len']}), "
+        f"global batch {meta['global_batch']}, AdamW fp32, {meta['threads_per_rank']} thread(s) per rank; "
+        f"median of {meta['steps']} steps per engine, engines interleaved in blocks of {meta['block']}{load}."
+    )
+
+
+def format_markdown(data: dict) -> str:
+    """The README table: one row per (world size, engine)."""
+    meta, rows = data["meta"], data["results"]
+    gpu = any(r.get("mfu") is not None for r in rows)
+    head = [
+        "engine",
+        "ws",
+        "samples/s",
+        "step ms (p10–p90)",
+        "tokens/s",
+        "vs torch DDP",
+        "scaling eff.",
+        "comm ms",
+        "exposed ms",
+        "overlap",
+        "MB comm/step",
+        "peak MB/rank",
+    ] + (["MFU"] if gpu else [])
+    lines = [caption(meta), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["world_size"], r["engine"] != "single", r["engine"])):
+        cells = [
+            r["engine"], str(r["world_size"]), f"{r['samples_per_s']:.1f}",
+            f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
+            f"{r['tokens_per_s']:,.0f}", _fmt(r["vs_torch_ddp"], ".2f"), _fmt(r["scaling_efficiency"], ".0%"),
+            _fmt(r["comm_time_s"], ".1f", 1e3),
+            _fmt(r["exposed_comm_s"], ".1f", 1e3),
+            _fmt(r["overlap_fraction"], ".0%"), _fmt(r["bytes_communicated_per_step"] or None, ".1f", 1 / MB),
+            f"{r['peak_mem_bytes_per_rank'] / MB:.0f}",
+        ] + ([_fmt(r.get("mfu"), ".1%")] if gpu else [])  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "scaling eff. = samples/s ÷ (ws × single-process samples/s); overlap = share of the "
+              "gradient communication time hidden under backward; MB comm/step = payload each rank hands "
+              "to collectives (gradients, plus parameters for zero); peak MB/rank = what a process "
+              "running only that engine peaks at (RSS on CPU, CUDA allocated on GPU)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_json(path: str, data: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def write_plot(path: str, data: dict) -> None:
+    """Left: samples/s vs world size per engine (dashed: linear scaling of one process). Right:
+    per-step time split into compute and exposed communication, one bar per (engine, ws > 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, meta = data["results"], data["meta"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    sizes = sorted({r["world_size"] for r in rows})
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        sel = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["world_size"])
+        style = "o" if len(sel) == 1 else "o-"
+        left.plot([r["world_size"] for r in sel], [r["samples_per_s"] for r in sel], style, label=engine)
+    single = next((r for r in rows if r["engine"] == "single" and r["world_size"] == 1), None)
+    if single:
+        left.plot(sizes, [n * single["samples_per_s"] for n in sizes], "k:", label="linear scaling")
+    left.set(xlabel="world size (processes)", ylabel="throughput (samples/s)", xticks=sizes,
+             title=f"GPT {meta['model']}, global batch {meta['global_batch']}")  # fmt: skip
+    left.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    bars = [r for r in rows if r["world_size"] > 1] or rows
+    labels = [f"{r['engine']}\nws={r['world_size']}" for r in bars]
+    compute = [r["compute_s"] * 1e3 for r in bars]
+    exposed = [min(r["exposed_comm_s"] or 0.0, r["step_time_s"]) * 1e3 for r in bars]
+    right.bar(labels, compute, label="compute (+ hidden comm)", color="tab:blue")
+    right.bar(labels, exposed, bottom=compute, label="exposed comm", color="tab:red")
+    right.set(ylabel="median step time (ms)", title="where a step's time goes")
+    right.tick_params(axis="x", labelsize=7)
+    right.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(caption(meta), 180), fontsize=7)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
