@@ -205,6 +205,8 @@ def init(
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
+        # nccl: bind the group to this rank's GPU (torch otherwise guesses it from the rank)
+        device_id=torch.device(env.device) if env.backend == "nccl" else None,
     )
     logger.debug("rank %d/%d joined via %s (%s)", env.rank, env.world_size, init_method, env.backend)
     return env
