@@ -13,6 +13,7 @@ BENCHMARK_MODULES = (
     "nanoddp.bench_collectives",
     "nanoddp.bench_zero",
     "nanoddp.bench_train",
+    "nanoddp.bench_restarts",
     # more benchmarks are registered here as they land
 )
 

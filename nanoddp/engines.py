@@ -54,6 +54,13 @@ class CommTimer:
             self.total_s += max(self._last - self._first, 0.0)
         self._first = self._last = None
 
+    def add_timeline(self, timeline: list[tuple[str, float, object]]) -> None:
+        """Take the window from a nanoddp DDP `last_timeline`: first bucket launch to all done."""
+        launches = [t for event, t, _ in timeline if event == "launch"]
+        done = [t for event, t, _ in timeline if event == "done"]
+        if launches and done:
+            self._first, self._last = launches[0], done[-1]
+
     def pop_total(self) -> float:
         total, self.total_s = self.total_s, 0.0
         return total
@@ -100,6 +107,8 @@ class Engine:
         context = no_sync() if (not sync and no_sync is not None) else contextlib.nullcontext()
         with context:
             yield
+        if sync and self.comm is not None and getattr(self.model, "record_timeline", False):
+            self.comm.add_timeline(self.model.last_timeline)
         if sync and self._sync_grads is not None:
             if self.comm is not None:
                 self.comm.launched()
@@ -141,7 +150,9 @@ def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     if name == "nanoddp":
         from nanoddp.ddp import DistributedDataParallel
 
-        return Engine(name, DistributedDataParallel(module, device_ids=device_ids), module)
+        model = DistributedDataParallel(module, device_ids=device_ids)
+        model.record_timeline = True  # a few timestamps per step: the comm window for the log line
+        return Engine(name, model, module, comm=CommTimer())
     from nanoddp import strategies  # allreduce / rs_ag
 
     sync = {
