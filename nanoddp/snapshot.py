@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,11 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
     for _, path in list_snapshots(directory)[keep:]:
         path.unlink(missing_ok=True)
         removed.append(path)
+    for tmp in Path(directory).glob(".step-*.pt.tmp-*"):  # left by a writer killed mid-write
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
     return removed
 
 

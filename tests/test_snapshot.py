@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -88,3 +91,36 @@ def test_rng_state_survives_a_snapshot(tmp_path):
     assert got[0] == expected[0]
     np.testing.assert_array_equal(got[1], expected[1])
     assert torch.equal(got[2], expected[2])
+
+
+_WRITER = """
+import sys, torch
+from nanoddp import snapshot
+state = {"step": 2, "blob": torch.randn(6_000_000)}  # 24 MB: a write takes a while
+while True:
+    snapshot.save(sys.argv[1], state)
+"""
+
+
+def test_a_kill_during_a_snapshot_write_never_leaves_a_readable_half_file(tmp_path):
+    """SIGKILL the writer mid-write: the newest valid snapshot is the old one or a complete new
+    one, never a half-written file (the temp file is ignored)."""
+    directory = tmp_path / "snapshots"
+    snapshot.save(snapshot.snapshot_path(directory, 1), {"step": 1})
+    target = snapshot.snapshot_path(directory, 2)
+    for _ in range(3):
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)])
+        try:
+            deadline = time.monotonic() + 60
+            while not list(directory.glob(".step-00000002.pt.tmp-*")):  # caught mid-write
+                assert writer.poll() is None and time.monotonic() < deadline, "writer never started a write"
+                time.sleep(0.005)
+        finally:
+            writer.kill()
+            writer.wait(timeout=30)
+        path, state = snapshot.find_latest_valid(directory)
+        assert state["step"] in (1, 2) and path.name in ("step-00000001.pt", "step-00000002.pt")
+        if target.exists():  # whatever sits under the real name is complete
+            assert snapshot.load(target)["blob"].numel() == 6_000_000
+    snapshot.prune(directory, keep=2)  # the dead writers' temp files go with the pruning
+    assert not list(directory.glob(".step-*"))
