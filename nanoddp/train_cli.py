@@ -12,7 +12,7 @@
 So these are equivalent::
 
     nanoddp train --nproc 2 --steps 200
-    torchrun --standalone --nproc-per-node 2 -m nanoddp.train_cli --steps 200
+    torchrun --standalone --nproc-per-node 2 -m nanoddp.train --steps 200
 
 (with plain torchrun and `--max-restarts`, pass `--out DIR` so that every restart finds the
 same run directory and resumes from its snapshots).
@@ -253,7 +253,13 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def worker_entry() -> int:
+    """`python -m nanoddp.train_cli` / `-m nanoddp.train` under torchrun. `record` writes the
+    traceback of a crash to torchrun's error file, so the agent can show the root cause."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(_worker_entry)())
+    return record(_worker_entry)()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_entry())

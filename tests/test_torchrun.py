@@ -105,3 +105,18 @@ def test_crash_without_restarts_shows_the_traceback(tmp_path):
     assert proc.returncode == 1
     assert "Root Cause" in output and "Traceback" in output
     assert f"SnapshotError: {bad} is not a nanoddp snapshot (bad header)" in output
+
+
+@pytest.mark.timeout(300)
+def test_plain_torchrun_runs_the_same_job(reference_run, tmp_path):
+    """The documented `torchrun ... -m nanoddp.train` equals `nanoddp train` bit for bit."""
+    flags = [*TRAIN_ARGS, "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "nanoddp.train", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    output = _finish(proc)
+    assert proc.returncode == 0, output[-3000:]
+    expected, got = _params(reference_run), _params(tmp_path)
+    assert all(torch.equal(value, got[name]) for name, value in expected.items())
