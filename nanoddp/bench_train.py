@@ -39,13 +39,14 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp.bench_train_report import format_markdown, summarise, write_json, write_plot
-from nanoddp.engines import build_engine
+from nanoddp.engines import CommTimer, Engine, build_engine
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("single", "nanoddp", "torch", "allreduce", "rs_ag", "dp", "zero")
+ENGINES = ("single", "nanoddp", "torch", "allreduce", "rs_ag", "dp", "zero", "nanoddp_torchcomm")
+TORCHCOMM = "nanoddp_torchcomm"  # our DDP engine over torch.distributed's collectives (comm_backend="torch")
 ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
 
 
@@ -131,6 +132,11 @@ class _Runner:
             devices = [env.device] * env.world_size  # N replicas in threads of this one process
             wrapper = nanoddp.DataParallel(module, device_ids=devices)
             return _DPEngine(wrapper, module), None
+        if name == TORCHCOMM:  # separates the engine's own cost from our collectives' cost
+            device_ids = [env.device.index] if env.device.type == "cuda" else None
+            ddp = nanoddp.DistributedDataParallel(module, device_ids=device_ids, comm_backend="torch")
+            ddp.record_timeline = env.world_size > 1
+            return Engine(name, ddp, module, comm=CommTimer()), ddp
         base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         ddp = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None

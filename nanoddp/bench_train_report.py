@@ -47,7 +47,7 @@ def _bytes_per_step(engine: str, n: int, meta: dict) -> tuple[int, int]:
     reduced = 4 * numel  # float32 gradients
     if engine == "rs_ag":
         reduced = 4 * (-(-numel // n) * n)  # padded to a multiple of the world size
-    if engine in ("nanoddp", "zero"):
+    if engine in ("nanoddp", "zero", "nanoddp_torchcomm"):
         reduced += 4 * tensors  # the per-step int32 "which parameters got gradients" all-reduce
     broadcast = 4 * numel if engine == "zero" else 0  # ZeRO-1: every shard sent from its owner
     wire = reduced * 2 * (n - 1) / n + broadcast * (n - 1) / n

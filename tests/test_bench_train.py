@@ -85,6 +85,7 @@ def test_every_engine_and_field_with_consistent_values(bench):
     assert rows[("rs_ag", 2)]["bytes_communicated_per_step"] == 4 * (numel + numel % 2)
     tensors = len(list(GPT(gpt_config("tiny", **OVERRIDES)).parameters()))
     assert rows[("nanoddp", 2)]["bytes_communicated_per_step"] == 4 * (numel + tensors)
+    assert rows[("nanoddp_torchcomm", 2)]["bytes_communicated_per_step"] == 4 * (numel + tensors)
     assert rows[("zero", 2)]["bytes_communicated_per_step"] == 4 * (2 * numel + tensors)
     assert rows[("torch", 2)]["wire_bytes_per_rank_est"] == 4 * numel  # 2(n-1)/n = 1 at n=2
     assert rows[("single", 1)]["scaling_efficiency"] == 1.0
