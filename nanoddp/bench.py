@@ -18,6 +18,17 @@ BENCHMARK_MODULES = (
 )
 
 
+def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:
+    """`--nproc 1,2,4` -> [1, 2, 4], with one clear error for anything else (every benchmark)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--nproc must be comma-separated integers, e.g. 2,4; got {text!r}") from None
+    if not sizes or any(n < minimum for n in sizes):
+        raise ValueError(f"--nproc needs world sizes >= {minimum}, got {text!r}")
+    return sizes
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks: nanoddp vs torch.distributed, side by side")
     bench_subparsers = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")

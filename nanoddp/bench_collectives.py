@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp import comm
+from nanoddp.bench import parse_world_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +189,6 @@ def write_plot(path: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
 
 def _size_list(text: str) -> list[int]:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -228,11 +226,9 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    nprocs = _int_list(args.nproc)
+    nprocs = parse_world_sizes(args.nproc, minimum=2)  # a collective needs a peer
     sizes = _size_list(" ".join(args.sizes)) if args.sizes else list(DEFAULT_SIZES)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    if not nprocs or any(n < 2 for n in nprocs):
-        raise ValueError(f"--nproc needs world sizes >= 2, got {args.nproc!r}")
     if not sizes or any(s < 4 for s in sizes):
         raise ValueError(f"--sizes must be >= 4 bytes (one float32), got {sizes}")
     if unknown := [op for op in ops if op not in OPS]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import nanoddp
+from nanoddp.bench import parse_world_sizes
 from nanoddp.bench_train_report import format_markdown, summarise, write_json, write_plot
 from nanoddp.engines import CommTimer, Engine, build_engine
 from nanoddp.models import GPT, count_parameters, gpt_config
@@ -139,9 +140,8 @@ class _Runner:
             return Engine(name, ddp, module, comm=CommTimer()), ddp
         base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
+        # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
         ddp = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
-        if ddp is not None and not traced and env.world_size > 1:
-            ddp.record_timeline = True  # launch/done times of the buckets, for the comm window
         return engine, ddp
 
     def step(self) -> dict:
@@ -383,10 +383,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        nprocs = [int(x) for x in args.nproc.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--nproc must be comma-separated integers, e.g. 1,2,4; got {args.nproc!r}") from None
+    nprocs = parse_world_sizes(args.nproc)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     data = run_benchmark(nprocs, engines, args.model, args.global_batch, args.steps, args.warmup, args.block,
                          args.threads_per_rank, args.trace, backend=args.backend)  # fmt: skip

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
+from nanoddp.bench import parse_world_sizes
 from nanoddp.models import GPT, gpt_config
 from nanoddp.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -195,12 +196,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        nprocs = [int(x) for x in args.nproc.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--nproc must be comma-separated integers, e.g. 2,4; got {args.nproc!r}") from None
-    if not nprocs or any(n < 1 for n in nprocs):
-        raise ValueError(f"--nproc needs world sizes >= 1, got {args.nproc!r}")
+    nprocs = parse_world_sizes(args.nproc)
     for name in ("steps", "batch_size", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

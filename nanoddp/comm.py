@@ -92,6 +92,15 @@ def _check_list(tensors: Sequence[torch.Tensor] | None, n: int, what: str, like:
         _check(t, f"{what}[{i}]", like, rule=" (like the input tensor)")
 
 
+def _list_on_root(peers: Peers, root: int, tensors: Sequence[torch.Tensor] | None, what: str,
+                  like: torch.Tensor) -> list[torch.Tensor] | None:  # fmt: skip
+    """scatter/gather: `tensors` matters on the root only; check it there, ignore it elsewhere."""
+    if peers.rank != root:
+        return None
+    _check_list(tensors, peers.size, what, like)
+    return list(tensors)
+
+
 def _root(peers: Peers, rank: int, what: str) -> int:
     """Translate a global src/dst rank into a group rank, or raise."""
     world = dist.get_world_size()
@@ -350,10 +359,7 @@ def scatter(
     if runner is None:
         return None
     root = _root(runner.peers, src, "src")
-    sources = None
-    if runner.peers.rank == root:
-        _check_list(scatter_list, runner.peers.size, "scatter_list", tensor)
-        sources = list(scatter_list)
+    sources = _list_on_root(runner.peers, root, scatter_list, "scatter_list", tensor)
     return runner.submit(
         "scatter", tensor.numel(), lambda: _scatter(runner.peers, tensor, sources, root), [tensor], async_op
     )
@@ -392,10 +398,7 @@ def gather(
     if runner is None:
         return None
     root = _root(runner.peers, dst, "dst")
-    targets = None
-    if runner.peers.rank == root:
-        _check_list(gather_list, runner.peers.size, "gather_list", tensor)
-        targets = list(gather_list)
+    targets = _list_on_root(runner.peers, root, gather_list, "gather_list", tensor)
     return runner.submit(
         "gather", tensor.numel(), lambda: _gather(runner.peers, tensor, targets, root), targets or [], async_op
     )

@@ -62,6 +62,22 @@ class SuiteResults:
             raise AssertionError(f"case {case!r} failed on ranks {sorted(failures)}; rank {rank}:\n{error}")
 
 
+def suites_by_world_size(
+    worker: Callable, tmp_path_factory, name: str, timeout: float
+) -> Callable[[int], SuiteResults]:
+    """For a module-scoped fixture: `get(world_size)` launches `worker` once per world size and
+    caches its results, so every parametrized case of that world size reads the same run."""
+    results: dict[int, SuiteResults] = {}
+
+    def get(world_size: int) -> SuiteResults:
+        if world_size not in results:
+            out_dir = tmp_path_factory.mktemp(f"{name}-ws{world_size}")
+            results[world_size] = run_suite(worker, world_size, out_dir, timeout=timeout)
+        return results[world_size]
+
+    return get
+
+
 def run_suite(
     worker: Callable, world_size: int, out_dir: Path, *args, timeout: float = 240.0
 ) -> SuiteResults:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from suite_runner import run_cases, run_suite
+from suite_runner import run_cases, suites_by_world_size
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
@@ -382,15 +382,7 @@ def ddp_suite(env, out_dir):
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    results = {}
-
-    def get(world_size):
-        if world_size not in results:
-            out_dir = tmp_path_factory.mktemp(f"ddp-ws{world_size}")
-            results[world_size] = run_suite(ddp_suite, world_size, out_dir, timeout=420)
-        return results[world_size]
-
-    return get
+    return suites_by_world_size(ddp_suite, tmp_path_factory, "ddp", timeout=420)
 
 
 @pytest.mark.timeout(900)

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-from suite_runner import run_cases, run_suite
+from suite_runner import run_cases, suites_by_world_size
 from test_ddp import (
     BACKENDS,
     CHECKED_STEPS,
@@ -134,15 +134,7 @@ def strategies_suite(env, out_dir):
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    results = {}
-
-    def get(world_size):
-        if world_size not in results:
-            out_dir = tmp_path_factory.mktemp(f"strategies-ws{world_size}")
-            results[world_size] = run_suite(strategies_suite, world_size, out_dir, timeout=300)
-        return results[world_size]
-
-    return get
+    return suites_by_world_size(strategies_suite, tmp_path_factory, "strategies", timeout=300)
 
 
 WORLD_SIZES = (1, 2, 3, 4)
