@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 ENGINES = ("single", "nanoddp", "torch", "allreduce", "rs_ag", "dp", "zero", "nanoddp_torchcomm")
 TORCHCOMM = "nanoddp_torchcomm"  # our DDP engine over torch.distributed's collectives (comm_backend="torch")
 ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
+# Every rank trains its own replica on its per-rank batch and never syncs: what ws processes
+# reach with free communication, so scaling lost to compute (smaller batches, cores and memory
+# bandwidth shared by the processes) is told apart from scaling lost to communication.
+NOCOMM = "nocomm"
 
 
 def _tune_malloc() -> None:
@@ -138,6 +142,8 @@ class _Runner:
             ddp = nanoddp.DistributedDataParallel(module, device_ids=device_ids, comm_backend="torch")
             ddp.record_timeline = env.world_size > 1
             return Engine(name, ddp, module, comm=CommTimer()), ddp
+        if name == NOCOMM:  # the module itself, never synced (build_engine refuses `single` at ws > 1)
+            return Engine(name, module, module), None
         base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
@@ -171,7 +177,7 @@ class _Runner:
 
     def _comm(self, backward_end: float, sync_end: float) -> dict:
         """Comm window and exposed comm of the step just taken (zeros when nothing was sent)."""
-        if self.env.world_size == 1 or self.name == "dp":
+        if self.env.world_size == 1 or self.name in ("dp", NOCOMM):
             return {"comm_s": 0.0, "exposed_comm_s": 0.0}
         if self.ddp is not None and self.ddp.record_timeline:
             timeline = self.ddp.last_timeline
@@ -221,6 +227,8 @@ def _engine_names(env: nanoddp.DistEnv, spec: dict) -> list[str]:
         names = [e for e in names if e != "dp" or env.world_size <= torch.cuda.device_count()]
     if "single" in names and env.world_size == 1 and env.device.type == "cpu" and spec["allcores_threads"] > 1:
         names.append(ALLCORES)
+    if "single" in spec["engines"] and env.world_size > 1:
+        names.append(NOCOMM)
     return names
 
 
@@ -329,7 +337,8 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
 
 
 def _engine_names_preview(n: int, spec: dict) -> list[str]:
-    return [e for e in spec["engines"] if not (e == "single" and n > 1)]
+    names = [e for e in spec["engines"] if not (e == "single" and n > 1)]
+    return names + ([NOCOMM] if "single" in spec["engines"] and n > 1 else [])
 
 
 def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
@@ -358,7 +367,8 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--engines",
         default="single,nanoddp,torch,allreduce,rs_ag,dp,zero",
-        help=f"comma-separated, from {','.join(ENGINES)}",
+        help=f"comma-separated, from {','.join(ENGINES)}; `single` also adds {ALLCORES} (ws 1, every "
+        f"core) and {NOCOMM} (ws > 1, each rank on its share of the batch, no gradient sync)",
     )
     parser.add_argument("--model", choices=["tiny", "small"], default="tiny", help="GPT preset")
     parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")

@@ -41,7 +41,7 @@ def _per_step(ranks: list[dict]) -> list[dict]:
 
 def _bytes_per_step(engine: str, n: int, meta: dict) -> tuple[int, int]:
     """(payload bytes each rank hands to collectives per step, ring-estimate bytes it sends)."""
-    if n == 1 or engine in ("single", "single_allcores", "dp"):
+    if n == 1 or engine in ("single", "single_allcores", "nocomm", "dp"):
         return 0, 0
     numel, tensors = meta["parameters"], meta["parameter_tensors"]
     reduced = 4 * numel  # float32 gradients
@@ -163,8 +163,10 @@ def format_markdown(data: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "scaling eff. = samples/s ÷ (ws × single-process samples/s); overlap = share of the "
               "gradient communication time hidden under backward; MB comm/step = payload each rank hands "
-              "to collectives (gradients, plus parameters for zero); peak MB/rank = what a process "
-              "running only that engine peaks at (RSS on CPU, CUDA allocated on GPU)."]  # fmt: skip
+              "to collectives (gradients, plus parameters for zero); nocomm = every rank trains on its "
+              "share of the batch without any gradient sync: the ceiling that compute alone leaves; peak "
+              "MB/rank = what a process running only that engine peaks at (RSS on CPU, CUDA allocated "
+              "on GPU)."]  # fmt: skip
     return "\n".join(lines)
 
 

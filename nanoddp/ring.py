@@ -22,7 +22,6 @@ The three shapes of traffic:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -32,14 +31,17 @@ from nanoddp.dist import group_ranks
 
 TAG_FRAME = 0x6E6401  # our own tags: user send/recv on the same group cannot steal our messages
 TAG_DATA = 0x6E6402
+TAG_GATHER = 0x6E6403
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
 HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, 2 spare
 INLINE_MAX_BYTES = 64 * 1024  # largest payload that rides inside a frame (see comm.py for why)
-# Pipelining granularity: about 4 pieces per chunk, within these bounds. Smaller pieces add
-# per-message overhead (a Python call, a wake-up); larger ones serialise sending and receiving
-# on gloo's per-pair lock (measured on a 2-core host: 4 x 512 KB beat 1 x 2 MB and 16 x 128 KB).
-PIECE_MIN_BYTES = 256 * 1024
-PIECE_MAX_BYTES = 2 * 1024 * 1024
+# Pipelining granularity: two pieces per chunk (as gloo's own ring), within these bounds. Each
+# piece costs a gloo send and receive; posting one while gloo's I/O thread holds the pair's
+# lock to move another piece blocks for ~100 us on a 2-core host, so pieces below 1 MB cost
+# more than the overlap they buy, and above 4 MB the pipeline gets too coarse (measured with
+# a side-by-side script: 1, 2, 4 pieces per chunk and fixed 0.5-4 MB pieces, 1-64 MB, ws 2 and 4).
+PIECE_MIN_BYTES = 1024 * 1024
+PIECE_MAX_BYTES = 4 * 1024 * 1024
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -74,6 +76,17 @@ class Peers:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag if self.gloo else 0)
 
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], tag: int = TAG_DATA
+    ) -> list[dist.Work]:
+        """Post (tensor, peer) sends and receives as one round: one nccl group, so a receive and a
+        send to the same peer cannot deadlock; on gloo, receives first so sends can start."""
+        if self.gloo:
+            return [self.irecv(t, p, tag) for t, p in recvs] + [self.isend(t, p, tag) for t, p in sends]
+        ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
+        ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
+        return dist.batch_isend_irecv(ops) if ops else []
+
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable 1-D buffer of `numel` elements (contents undefined)."""
         nbytes = numel * dtype.itemsize
@@ -107,7 +120,7 @@ def exchange_frames(
     frame_bytes = HEADER_BYTES + INLINE_MAX_BYTES
     inbox = peers.scratch("inbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
     outbox = peers.scratch("outbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
-    works = [peers.irecv(inbox[p], p, TAG_FRAME) for p in range(n) if p != me]
+    sends = []
     for p in range(n):
         if p == me:
             continue
@@ -118,8 +131,8 @@ def exchange_frames(
         frame[:HEADER_BYTES].view(torch.int64)[: len(header) + 1] = torch.tensor([*header, nbytes])
         if nbytes:
             frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(payload.dtype).copy_(payload.reshape(-1))
-        sent = frame[: HEADER_BYTES + nbytes] if peers.gloo else frame
-        works.append(peers.isend(sent, p, TAG_FRAME))
+        sends.append((frame[: HEADER_BYTES + nbytes] if peers.gloo else frame, p))
+    works = peers.exchange(sends, [(inbox[p], p) for p in range(n) if p != me], TAG_FRAME)
     wait_all(works)
     slots = inbox[:, :HEADER_BYTES].view(torch.int64)[:, : len(header) + 1].tolist()  # (n, fields+1)
     slots[me] = [*header, 0]
@@ -191,7 +204,7 @@ def reduce_in_rank_order(op: str, parts: Sequence[torch.Tensor], out: torch.Tens
 
 def piece_numel(longest: int, itemsize: int) -> int:
     """Elements per piece for chunks of at most `longest` elements (the same on every rank)."""
-    nbytes = min(max(longest * itemsize // 4, PIECE_MIN_BYTES), PIECE_MAX_BYTES)
+    nbytes = min(max(-(-longest * itemsize // 2), PIECE_MIN_BYTES), PIECE_MAX_BYTES)
     return max(1, nbytes // itemsize)
 
 
@@ -212,54 +225,83 @@ def ring(
     `chunks` are n 1-D contiguous tensors (sizes may differ, even be 0). At step j this rank
     sends chunk (rank - j + shift) to its right neighbour and receives chunk (rank - j - 1 +
     shift) from its left; during reduce-scatter the received piece is reduced into the chunk,
-    during all-gather it is copied into it. What is received at step j is exactly what is
-    sent at step j+1, so each piece is forwarded as soon as it is ready. After n-1 reduce
-    steps this rank holds the finished chunk (rank + 1 + shift).
+    during all-gather it lands in the chunk directly. What is received at step j is exactly
+    what is sent at step j+1, so each piece is forwarded as soon as it is ready. After n-1
+    reduce steps this rank holds the finished chunk (rank + 1 + shift).
+    """
+    if peers.size == 1:
+        return
+    if peers.gloo:
+        _pipelined_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
+    else:
+        _lockstep_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
 
-    Receives are posted one step ahead into a double buffer, so gloo can write every send at
-    once (a receive posted late costs a round trip). After a reduce-scatter, all-gather pieces
-    also land in the buffer and are copied in: their chunk may still be in flight from an
-    earlier send, which we wait for per piece, never stalling the pipeline on a whole chunk.
+
+def _pipelined_ring(
+    peers: Peers, chunks: Sequence[torch.Tensor], op: str | None, reduce_steps: int, gather_steps: int, shift: int
+) -> None:
+    """The ring on gloo: every receive posted before any data moves, pieces forwarded one by one.
+
+    A gloo send only starts once the receiver has announced its receive, so receives are
+    posted early: all-gather receives go straight into their chunks, all up front. That is
+    safe although this rank may still be sending from the same chunk: the finished value of a
+    piece cannot arrive before our own contribution to it has been received downstream, i.e.
+    before our send has been read. Reduce-scatter receives use scratch slots (tag TAG_DATA,
+    so they match independently of the all-gather ones, tag TAG_GATHER), posted a step ahead.
     """
     n, r = peers.size, peers.rank
-    if n == 1:
-        return
     right, left = (r + 1) % n, (r - 1) % n
     steps = reduce_steps + gather_steps
     longest = max(c.numel() for c in chunks)
     step = piece_numel(longest, chunks[0].element_size())
     pieces = [_pieces(c.numel(), step) for c in chunks]
-    scratch = peers.scratch("ring", 2 * longest, chunks[0].dtype, chunks[0].device).view(2, longest)
-    sends: dict[tuple[int, int], list[dist.Work]] = defaultdict(list)  # (chunk, piece) -> sends reading it
-    via_scratch = reduce_steps > 0  # a pure all-gather never overwrites a chunk it has sent
+    slots = min(reduce_steps, 2)
+    scratch = peers.scratch("ring", slots * longest, chunks[0].dtype, chunks[0].device).view(slots, longest)
+    chunk_at = [(r - j - 1 + shift) % n for j in range(steps)]  # chunk received at step j
+    tag_at = [TAG_DATA if j < reduce_steps else TAG_GATHER for j in range(steps)]
 
     def post_recvs(j: int) -> list[dist.Work]:
-        c = (r - j - 1 + shift) % n
-        target = scratch[j % 2] if via_scratch else chunks[c]
-        return [peers.irecv(target[a:b], left) for a, b in pieces[c]]
+        c = chunk_at[j]
+        target = scratch[j % 2] if j < reduce_steps else chunks[c]
+        return [peers.irecv(target[a:b], left, tag_at[j]) for a, b in pieces[c]]
 
-    recvs = post_recvs(0)
+    recvs = {j: post_recvs(j) for j in range(reduce_steps, steps)}
+    recvs.update({j: post_recvs(j) for j in range(min(reduce_steps, 2))})
     first = (r + shift) % n
-    for k, (a, b) in enumerate(pieces[first]):
-        sends[(first, k)].append(peers.isend(chunks[first][a:b], right))
+    sends = [peers.isend(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
     for j in range(steps):
-        c = (r - j - 1 + shift) % n
-        upcoming = post_recvs(j + 1) if j + 1 < steps else []
-        for k, ((a, b), work) in enumerate(zip(pieces[c], recvs, strict=True)):
+        if j > 0 and j + 1 < reduce_steps:  # slot (j+1) % 2 was freed by step j-1
+            recvs[j + 1] = post_recvs(j + 1)
+        c = chunk_at[j]
+        for (a, b), work in zip(pieces[c], recvs.pop(j), strict=True):
             work.wait()
-            piece, incoming = chunks[c][a:b], scratch[j % 2, a:b]
+            piece = chunks[c][a:b]
             if j < reduce_steps:
-                reduce_into(op, piece, incoming)
+                reduce_into(op, piece, scratch[j % 2, a:b])
                 if j == reduce_steps - 1:
                     finish_avg(op, piece, n)
-            elif via_scratch:
-                wait_all(sends.pop((c, k), []))
-                piece.copy_(incoming)
             if j + 1 < steps:
-                sends[(c, k)].append(peers.isend(piece, right))
-        recvs = upcoming
-    for works in sends.values():
-        wait_all(works)
+                sends.append(peers.isend(piece, right, tag_at[j + 1]))
+    wait_all(sends)
+
+
+def _lockstep_ring(
+    peers: Peers, chunks: Sequence[torch.Tensor], op: str | None, reduce_steps: int, gather_steps: int, shift: int
+) -> None:
+    """The ring on nccl: one grouped send+receive per step (an ungrouped receive posted before
+    the send to the same peer deadlocks nccl, and nccl matches by order, not by tag)."""
+    n, r = peers.size, peers.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    longest = max(c.numel() for c in chunks)
+    incoming = peers.scratch("ring", longest, chunks[0].dtype, chunks[0].device)
+    for j in range(reduce_steps + gather_steps):
+        sent, c = chunks[(r - j + shift) % n], (r - j - 1 + shift) % n
+        target = incoming[: chunks[c].numel()] if j < reduce_steps else chunks[c]
+        wait_all(peers.exchange([(sent, right)], [(target, left)]))
+        if j < reduce_steps:
+            reduce_into(op, chunks[c], target)
+            if j == reduce_steps - 1:
+                finish_avg(op, chunks[c], n)
 
 
 def balanced_bounds(numel: int, n: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_on_ranks
 
-from nanoddp.bench_train import ALLCORES, ENGINES, run_benchmark
+from nanoddp.bench_train import ALLCORES, ENGINES, NOCOMM, run_benchmark
 from nanoddp.bench_train_report import format_markdown, write_json
 from nanoddp.cli import main
 from nanoddp.dist import DistEnv
@@ -54,7 +54,7 @@ def _spans(path: Path) -> dict[str, list[tuple[float, float]]]:
 def test_every_engine_and_field_with_consistent_values(bench):
     data, _ = bench
     rows = {(r["engine"], r["world_size"]): r for r in data["results"]}
-    expected = {(e, 1) for e in ENGINES} | {(e, 2) for e in ENGINES if e != "single"}
+    expected = {(e, 1) for e in ENGINES} | {(e, 2) for e in ENGINES if e != "single"} | {(NOCOMM, 2)}
     if data["meta"]["cpus"] > 1:
         expected.add((ALLCORES, 1))
     assert set(rows) == expected
@@ -72,7 +72,7 @@ def test_every_engine_and_field_with_consistent_values(bench):
         assert row["peak_mem_bytes_per_rank"] >= row["engine_resident_bytes_per_rank"] > 0
         assert row["mfu"] is None  # CPU: no MFU
         assert row["scaling_efficiency"] > 0 and row["speedup_vs_allcores"] > 0
-        sends = n > 1 and engine not in ("dp",)
+        sends = n > 1 and engine not in ("dp", NOCOMM)
         assert (row["bytes_communicated_per_step"] > 0) == sends, (engine, n)
         if sends:
             assert row["comm_time_s"] > 0 and row["exposed_comm_s"] >= 0, (engine, n)

@@ -31,7 +31,7 @@ TOL = {
     torch.float16: (1e-3, 2e-2),
     torch.bfloat16: (1.6e-2, 0.15),
 }
-BIG = 2**20 + 3  # ring path with several pieces per chunk
+BIG = 2**20 + 3  # the ring path; `_many_pieces` makes it pipeline several pieces per chunk
 MID = 40_000  # just over the inline threshold for 4-byte dtypes
 
 
@@ -174,9 +174,28 @@ def _other_collectives(env) -> None:
     assert all(torch.equal(o, torch.full((2, 1030), float(i))) for i, o in enumerate(outs))
 
 
+def _many_pieces(env) -> None:
+    """The ring and chain with pieces of 16-64 KB, so every world size forwards several pieces
+    per chunk and posts reduce-scatter receives into reused scratch slots."""
+    saved = ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES
+    ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = 16 * 1024, 64 * 1024
+    try:
+        for op in OPS:
+            x = _randn(BIG, torch.float32, seed=env.rank)
+            ours, ref = x.clone(), x.clone()
+            comm.all_reduce(ours, op=op)
+            dist.all_reduce(ref, op=op)
+            _same(ours, ref, f"many pieces all_reduce {op}", exact=False)
+        _rooted_cases(env, 2**18 + 1, torch.float32)
+        _gather_scatter_cases(env, 2**18 + 1, torch.float32)
+    finally:
+        ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = saved
+
+
 def _matches_torch(env) -> int:
     checked = _all_reduce_cases(env)
     _other_collectives(env)
+    _many_pieces(env)
     return checked
 
 
