@@ -205,6 +205,28 @@ def test_collectives_match_torch(world_size):
     assert checked[0] > 100
 
 
+def _grouped_rounds(env) -> None:
+    """The path nccl takes (one grouped send+receive per round, exact sizes, no tags), run here
+    on gloo, which accepts it too: same results as torch's built-ins."""
+    from nanoddp.comm_async import runner_for
+
+    runner_for(None).peers.gloo = False
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        x = _randn(BIG, torch.float32, seed=env.rank)
+        ours, ref = x.clone(), x.clone()
+        comm.all_reduce(ours, op=op)
+        dist.all_reduce(ref, op=op)
+        _same(ours, ref, f"grouped all_reduce {op}", exact=False)
+    for numel in (1, MID, 2**18 + 1):
+        _rooted_cases(env, numel, torch.float32)
+        _gather_scatter_cases(env, numel, torch.int64)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nccl_grouped_path_matches_torch(world_size):
+    run_on_ranks(_grouped_rounds, world_size, timeout=240)
+
+
 def _subgroups(env) -> None:
     r = env.rank
     even, odd = new_group([0, 2]), new_group([1, 3])
