@@ -240,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
     meta = {
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
-        "threads_per_rank": 1, "inline_max_bytes": comm.INLINE_MAX_BYTES,
+        "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES,
     }  # fmt: skip
     if args.json:
         write_json(args.json, rows, meta)

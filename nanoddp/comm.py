@@ -7,12 +7,21 @@ the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.rin
 
 Algorithms. Every collective opens with one round of *frames* between all pairs: a header
 (collective, numel, dtype, op, root) so mismatched calls raise the same ValueError on every
-rank instead of hanging. Messages up to `INLINE_MAX_BYTES` (64 KB) ride inside that frame, so
-a small collective costs exactly one round (all_reduce: every rank reduces all contributions
-in rank order — bitwise identical everywhere). Larger ones then run a pipelined ring
-(all_reduce = reduce-scatter + all-gather; all_gather; reduce_scatter), a pipelined chain
-(broadcast, reduce) or direct sends (scatter, gather). The 64 KB switch point is where the
-one-round all_reduce stopped beating the ring on a 2-core host (`nanoddp bench collectives`).
+rank instead of hanging. Small messages ride inside that frame, so they cost exactly one round
+(all_reduce: every rank reduces all contributions in rank order — bitwise identical
+everywhere). Larger ones then run a pipelined ring (all_reduce = reduce-scatter + all-gather;
+all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sends (scatter,
+gather).
+
+The switch point (`ring.inline_limit`): on gloo, a payload rides in the frame while what one
+rank sends in that round, (ws-1) x payload, stays within 3 MB — 3 MB at ws 2, 1 MB at ws 4.
+Below it the single round wins because a round costs far more than its bytes on a loaded CPU
+host (a 2-core host: ~0.3-1 ms per round trip, while the ring needs 2(ws-1) of them plus the
+header round); above it the ring's smaller per-rank volume, 2(ws-1)/ws x payload, and its
+pipelining win (measured side by side with `nanoddp bench collectives` and a one-round-only
+variant: at ws 2 one round beat the ring 1.3-2x up to 1 MB and tied at 4 MB; at ws 4 it won up
+to 1 MB and lost 2-3x at 4 MB). On nccl frames travel whole (exact sizes), so there the limit
+stays at 64 KB (`INLINE_MAX_BYTES`).
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
 ring step, as gloo does; the one-round path accumulates in fp32 and rounds once. AVG is
@@ -39,12 +48,12 @@ from torch.distributed import ReduceOp
 
 from nanoddp import ring
 from nanoddp.comm_async import Work, runner_for
-from nanoddp.ring import INLINE_MAX_BYTES, Peers
+from nanoddp.ring import INLINE_MAX_BYTES, INLINE_SEND_BYTES, Peers
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "INLINE_MAX_BYTES", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
+    "INLINE_MAX_BYTES", "INLINE_SEND_BYTES", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
     "broadcast", "gather", "reduce", "reduce_scatter_tensor", "scatter",
 ]  # fmt: skip
 
@@ -158,7 +167,7 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
     if n == 1:
         return
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     received = ring.exchange_frames(
         peers, _header("all_reduce", tensor, op), [flat if inline else None] * n, tensor.device
     )
@@ -195,7 +204,7 @@ def reduce(
 def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     payloads = [flat if inline and p == root else None for p in range(n)]
     received = ring.exchange_frames(peers, _header("reduce", tensor, op, root), payloads, tensor.device)
     if tensor.numel() == 0 or n == 1:
@@ -226,7 +235,7 @@ def broadcast(
 def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     payloads = [flat if inline and me == root else None] * n
     received = ring.exchange_frames(peers, _header("broadcast", tensor, root=root), payloads, tensor.device)
     if tensor.numel() == 0 or n == 1 or (inline and me == root):
@@ -288,7 +297,7 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor)
     """outputs: one 1-D contiguous tensor per group rank."""
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     received = ring.exchange_frames(peers, _header("all_gather", tensor), [flat if inline else None] * n, tensor.device)
     outputs[me].copy_(flat)
     if tensor.numel() == 0:
@@ -329,7 +338,7 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
     n, me, m = peers.size, peers.rank, output.numel()
     in_flat = _flat(input)
     chunks = [in_flat[p * m : (p + 1) * m] for p in range(n)]
-    inline = n == 1 or _nbytes(output) <= INLINE_MAX_BYTES
+    inline = n == 1 or _nbytes(output) <= ring.inline_limit(peers)
     payloads = chunks if inline else [None] * n
     received = ring.exchange_frames(peers, _header("reduce_scatter", output, op), payloads, output.device)
     if m == 0:
@@ -368,7 +377,7 @@ def scatter(
 def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     flats = [_flat(t) for t in sources] if sources is not None else [None] * n
     payloads = flats if inline else [None] * n
     received = ring.exchange_frames(peers, _header("scatter", tensor, root=root), payloads, tensor.device)
@@ -407,7 +416,7 @@ def gather(
 def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:
     n, me = peers.size, peers.rank
     flat = _flat(tensor)
-    inline = _nbytes(tensor) <= INLINE_MAX_BYTES
+    inline = _nbytes(tensor) <= ring.inline_limit(peers)
     payloads = [flat if inline and p == root else None for p in range(n)]
     received = ring.exchange_frames(peers, _header("gather", tensor, root=root), payloads, tensor.device)
     if me != root:

@@ -34,7 +34,11 @@ TAG_DATA = 0x6E6402
 TAG_GATHER = 0x6E6403
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
 HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, 2 spare
-INLINE_MAX_BYTES = 64 * 1024  # largest payload that rides inside a frame (see comm.py for why)
+# Largest payload that rides inside a frame (see comm.py for why): 64 KB on nccl, where frames
+# travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank sends
+# in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
+INLINE_MAX_BYTES = 64 * 1024
+INLINE_SEND_BYTES = 3 * 1024 * 1024
 # Pipelining granularity: two pieces per chunk (as gloo's own ring), within these bounds. Each
 # piece costs a gloo send and receive; posting one while gloo's I/O thread holds the pair's
 # lock to move another piece blocks for ~100 us on a 2-core host, so pieces below 1 MB cost
@@ -97,6 +101,13 @@ class Peers:
         return buf[:nbytes].view(dtype)
 
 
+def inline_limit(peers: Peers) -> int:
+    """Largest per-peer payload (bytes) that rides in a frame on this group."""
+    if not peers.gloo:
+        return INLINE_MAX_BYTES
+    return max(INLINE_MAX_BYTES, INLINE_SEND_BYTES // max(peers.size - 1, 1))
+
+
 def wait_all(works: Sequence[dist.Work]) -> None:
     for work in works:
         work.wait()
@@ -108,7 +119,7 @@ def wait_all(works: Sequence[dist.Work]) -> None:
 def exchange_frames(
     peers: Peers, header: Sequence[int], payloads: Sequence[torch.Tensor | None], device: torch.device
 ) -> list[torch.Tensor]:
-    """Send every peer our header (+ `payloads[peer]`, <= INLINE_MAX_BYTES); check all headers.
+    """Send every peer our header (+ `payloads[peer]`, <= inline_limit); check all headers.
 
     Returns the payload bytes received from each peer (uint8; empty for ourselves). Raises the
     same ValueError on every rank when the headers disagree, because every rank sees the same
@@ -117,7 +128,8 @@ def exchange_frames(
     n, me = peers.size, peers.rank
     if n == 1:
         return [payloads[0]]
-    frame_bytes = HEADER_BYTES + INLINE_MAX_BYTES
+    limit = inline_limit(peers)
+    frame_bytes = HEADER_BYTES + limit
     inbox = peers.scratch("inbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
     outbox = peers.scratch("outbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
     sends = []
@@ -126,7 +138,7 @@ def exchange_frames(
             continue
         payload = payloads[p]
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        assert nbytes <= INLINE_MAX_BYTES, f"inline payload of {nbytes} bytes is too large"
+        assert nbytes <= limit, f"inline payload of {nbytes} bytes is too large"
         frame = outbox[p]
         frame[:HEADER_BYTES].view(torch.int64)[: len(header) + 1] = torch.tensor([*header, nbytes])
         if nbytes:

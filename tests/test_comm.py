@@ -31,12 +31,16 @@ TOL = {
     torch.float16: (1e-3, 2e-2),
     torch.bfloat16: (1.6e-2, 0.15),
 }
-BIG = 2**20 + 3  # the ring path; `_many_pieces` makes it pipeline several pieces per chunk
-MID = 40_000  # just over the inline threshold for 4-byte dtypes
+BIG = 2**20 + 3  # float32: over the one-round limit at every world size; `_ring_everywhere` covers the rest
+
+
+def _mid(n: int) -> int:
+    """Elements just over the one-round (inline) limit for 4-byte dtypes at world size n."""
+    return ring.INLINE_SEND_BYTES // max(n - 1, 1) // 4 + 1
 
 
 def _sizes(n: int) -> list[int]:
-    return sorted({0, 1, max(n - 1, 1), n + 1, 1023, MID})
+    return sorted({0, 1, max(n - 1, 1), n + 1, 1023, 40_000, _mid(n)})
 
 
 def _ints(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -83,7 +87,7 @@ def _all_reduce_cases(env) -> int:
             dist.all_reduce(ref, op=op)
             _same(ours, ref, f"all_reduce {BIG} {dtype} {op}", exact=op != ReduceOp.AVG)
             checked += 1
-    for numel in (1023, MID, BIG):  # random floats, and bitwise-equal results on every rank
+    for numel in (1023, _mid(n), BIG):  # random floats, and bitwise-equal results on every rank
         for dtype in FLOATS:
             x = _randn(numel, dtype, seed=env.rank)
             ours, ref = x.clone(), x.clone()
@@ -158,7 +162,7 @@ def _gather_scatter_cases(env, numel: int, dtype: torch.dtype) -> None:
 
 def _other_collectives(env) -> None:
     n = env.world_size
-    for numel in (0, 1, n + 1, 1023, MID, 2**18 + 1):
+    for numel in (0, 1, n + 1, 1023, 40_000, _mid(n)):
         for dtype in (torch.float32, torch.int64, torch.bfloat16):
             _rooted_cases(env, numel, dtype)
             _gather_scatter_cases(env, numel, dtype)
@@ -174,28 +178,37 @@ def _other_collectives(env) -> None:
     assert all(torch.equal(o, torch.full((2, 1030), float(i))) for i, o in enumerate(outs))
 
 
-def _many_pieces(env) -> None:
-    """The ring and chain with pieces of 16-64 KB, so every world size forwards several pieces
-    per chunk and posts reduce-scatter receives into reused scratch slots."""
-    saved = ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES
-    ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = 16 * 1024, 64 * 1024
+def _ring_everywhere(env) -> None:
+    """The ring and chain paths for every dtype and op, on tensors kept small by shrinking the
+    one-round limit to 64 KB and the pieces to 16-64 KB: every world size then forwards several
+    pieces per chunk and posts reduce-scatter receives into reused scratch slots."""
+    saved = ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES
+    ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = 0, 16 * 1024, 64 * 1024
     try:
+        for dtype in DTYPES:
+            for op in OPS if dtype == torch.float32 else [ReduceOp.SUM, ReduceOp.MAX]:
+                x = _ints(2**17 + 3, dtype, seed=env.rank)
+                ours, ref = x.clone(), x.clone()
+                comm.all_reduce(ours, op=op)
+                dist.all_reduce(ref, op=op)
+                _same(ours, ref, f"ring all_reduce {dtype} {op}", exact=op != ReduceOp.AVG)
         for op in OPS:
             x = _randn(BIG, torch.float32, seed=env.rank)
             ours, ref = x.clone(), x.clone()
             comm.all_reduce(ours, op=op)
             dist.all_reduce(ref, op=op)
             _same(ours, ref, f"many pieces all_reduce {op}", exact=False)
-        _rooted_cases(env, 2**18 + 1, torch.float32)
-        _gather_scatter_cases(env, 2**18 + 1, torch.float32)
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            _rooted_cases(env, 2**16 + 1, dtype)
+            _gather_scatter_cases(env, 2**16 + 1, dtype)
     finally:
-        ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = saved
+        ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = saved
 
 
 def _matches_torch(env) -> int:
     checked = _all_reduce_cases(env)
     _other_collectives(env)
-    _many_pieces(env)
+    _ring_everywhere(env)
     return checked
 
 
@@ -217,7 +230,7 @@ def _grouped_rounds(env) -> None:
         comm.all_reduce(ours, op=op)
         dist.all_reduce(ref, op=op)
         _same(ours, ref, f"grouped all_reduce {op}", exact=False)
-    for numel in (1, MID, 2**18 + 1):
+    for numel in (1, 40_000, 2**18 + 1):
         _rooted_cases(env, numel, torch.float32)
         _gather_scatter_cases(env, numel, torch.int64)
 
@@ -233,7 +246,7 @@ def _subgroups(env) -> None:
     single = subgroups_by(lambda rank: rank)
     group = even if r % 2 == 0 else odd
     members = [0, 2] if r % 2 == 0 else [1, 3]
-    x = _ints(MID + 3, torch.float32, seed=r)
+    x = _ints(_mid(2) + 3, torch.float32, seed=r)
     for g, ranks in ((group, members), (single, [r])):
         ours, ref = x.clone(), x.clone()
         comm.all_reduce(ours, op=ReduceOp.SUM, group=g)
