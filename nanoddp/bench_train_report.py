@@ -203,7 +203,9 @@ def write_plot(path: str, data: dict) -> None:
     right.bar(labels, compute, label="compute (+ hidden comm)", color="tab:blue")
     right.bar(labels, exposed, bottom=compute, label="exposed comm", color="tab:red")
     right.set(ylabel="median step time (ms)", title="where a step's time goes")
-    right.tick_params(axis="x", labelsize=7)
+    right.tick_params(axis="x", labelsize=7, labelrotation=40)
+    for label in right.get_xticklabels():
+        label.set_horizontalalignment("right")  # long engine names must not run into each other
     right.legend(fontsize=8)
     fig.suptitle(textwrap.fill(caption(meta), 180), fontsize=7)
     fig.tight_layout()
