@@ -45,8 +45,10 @@ class LaunchError(RuntimeError):
         super().__init__(f"rank {rank} failed: {details}")
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (thread) dies (no-op elsewhere).
+
+    Shared by launch's ranks and the notebook's workers."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
@@ -64,7 +66,7 @@ def _worker(
     pg_timeout_s: float,
 ) -> None:
     """Child entry point: join the group, run the user's function, report back."""
-    _die_with_parent()
+    die_with_parent()
     try:
         nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
         value = fn(env, *args)

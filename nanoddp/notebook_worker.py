@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import ctypes
 import io
 import json
 import linecache
@@ -31,6 +30,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
+
+from nanoddp.launch import die_with_parent  # `-m nanoddp.notebook_worker` has loaded the package already
 
 logger = logging.getLogger(__name__)
 
@@ -340,19 +341,14 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+def _exit_with_kernel(parent_pid: int, use_pdeathsig: bool) -> None:
     """Linux kills us when the kernel dies; a watchdog thread covers everything else.
 
     PR_SET_PDEATHSIG fires when the *thread* that started us exits, so the kernel asks for it
     only when it spawned us from its main thread (which lives as long as the kernel).
     """
     if use_pdeathsig:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        except OSError:
-            pass
+        die_with_parent()
     if os.getppid() != parent_pid:  # the kernel died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
@@ -383,7 +379,7 @@ def main() -> int:
     """Entry point of a worker process; settings arrive as JSON on stdin."""
     settings = json.loads(sys.stdin.read())
     sys.stdin = open(os.devnull)  # noqa: SIM115  (input() in a cell gets EOF, not a hang)
-    _die_with_parent(settings["parent_pid"], settings["pdeathsig"])
+    _exit_with_kernel(settings["parent_pid"], settings["pdeathsig"])
     # The kernel's inline backend cannot work here (no kernel in this process): render headless.
     os.environ["MPLBACKEND"] = "agg"
     # plt.show() has nothing to show under agg; figures are sent when the cell ends instead.
