@@ -117,7 +117,7 @@ def _root(peers: Peers, rank: int, what: str) -> int:
         raise ValueError(f"{what} must be a global rank in [0, {world}), got {rank!r}")
     if rank not in peers.global_ranks:
         raise ValueError(
-            f"{what}={rank} is not a member of the group (global ranks {peers.global_ranks}); "
+            f"{what}={rank} is not a member of the group (global ranks {list(peers.global_ranks)}); "
             "src/dst are global ranks, as in torch.distributed"
         )
     return peers.global_ranks.index(rank)

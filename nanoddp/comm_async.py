@@ -84,7 +84,7 @@ class GroupRunner:
         The hang watchdog sees the collective from submission (the moment this rank entered
         it, as far as its peers can tell) until its body finishes."""
         work = Work(result)
-        work._watch_token = watchdog.begin(name, numel, self.peers.global_ranks_tuple)
+        work._watch_token = watchdog.begin(name, numel, self.peers.global_ranks)
         with self._mutex:
             inline = not async_op and self._pending == 0
             self._pending += 1

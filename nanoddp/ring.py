@@ -68,8 +68,7 @@ class Peers:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.global_ranks = group_ranks(group)
-        self.global_ranks_tuple = tuple(self.global_ranks)
+        self.global_ranks = tuple(group_ranks(group))  # hashable: the watchdog keys groups by it
         # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
         self.gloo = dist.get_backend(group) == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
