@@ -221,14 +221,19 @@ def _forward_loss(engine):
     return engine
 
 
+def _engine_names_at(n: int, engines: list[str]) -> list[str]:
+    """The engines a world size of n runs: `single` only at ws 1, its `nocomm` twin above."""
+    names = [e for e in engines if not (e == "single" and n > 1)]
+    return names + ([NOCOMM] if "single" in engines and n > 1 else [])
+
+
 def _engine_names(env: nanoddp.DistEnv, spec: dict) -> list[str]:
-    names = [e for e in spec["engines"] if not (e == "single" and env.world_size > 1)]
+    """`_engine_names_at`, plus what depends on this rank's hardware."""
+    names = _engine_names_at(env.world_size, spec["engines"])
     if env.device.type == "cuda":  # one process per GPU: DataParallel would need ws GPUs here
         names = [e for e in names if e != "dp" or env.world_size <= torch.cuda.device_count()]
     if "single" in names and env.world_size == 1 and env.device.type == "cpu" and spec["allcores_threads"] > 1:
         names.append(ALLCORES)
-    if "single" in spec["engines"] and env.world_size > 1:
-        names.append(NOCOMM)
     return names
 
 
@@ -329,16 +334,11 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
             "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
     per_ws = {}
     for n in nprocs:
-        logger.info("world size %d: %s", n, ", ".join(_engine_names_preview(n, spec)))
+        logger.info("world size %d: %s", n, ", ".join(_engine_names_at(n, spec["engines"])))
         per_rank = nanoddp.launch(_bench_worker, n, args=(spec,), backend=backend)
         per_ws[n] = per_rank
     meta["load_average_after"] = os.getloadavg()
     return {"meta": meta, "results": summarise(per_ws, meta)}
-
-
-def _engine_names_preview(n: int, spec: dict) -> list[str]:
-    names = [e for e in spec["engines"] if not (e == "single" and n > 1)]
-    return names + ([NOCOMM] if "single" in spec["engines"] and n > 1 else [])
 
 
 def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
