@@ -8,6 +8,7 @@ a process group waiting for a rank that already exited.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -91,6 +92,9 @@ class TrainConfig:
     forward, backward, each bucket's all-reduce, optimizer step. Open in ui.perfetto.dev."""
     collective_timeout: float = 300.0
     """Seconds a collective may wait before the hang watchdog names it and exits (torchrun restarts)."""
+    threads: int = 0
+    """Intra-op CPU threads per rank (0 = the host's cores // world size). Chosen from the world size
+    alone, never from how the ranks were launched, so every launch layout does the same math."""
 
 
 def _positive(name: str, value: float, minimum: float = 1) -> None:
@@ -104,7 +108,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"steps must be > 0, got {config.steps}")
     for name in ("batch_size", "grad_accum", "seq_len", "log_every", "keep_snapshots"):
         _positive(name, getattr(config, name))
-    for name in ("eval_every", "eval_samples", "snapshot_every", "warmup_steps", "text_max_bytes"):
+    for name in ("eval_every", "eval_samples", "snapshot_every", "warmup_steps", "text_max_bytes", "threads"):
         _positive(name, getattr(config, name), minimum=0)
     if config.collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {config.collective_timeout}")
@@ -139,6 +143,19 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise FileNotFoundError(
             f"--resume {config.resume!r}: no such snapshot file or run directory (or use auto / never)"
         )
+
+
+def threads_per_rank(config: TrainConfig, world_size: int) -> int:
+    """The intra-op thread count every rank uses.
+
+    torchrun sets OMP_NUM_THREADS=1 only when it starts several processes per node, so the thread
+    count torch picks depends on the launch layout, and with it the order of some float sums.
+    Deriving it from the world size alone makes 2 nodes x 1 process compute bit for bit what
+    1 node x 2 processes computes.
+    """
+    if config.threads:
+        return config.threads
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def check_data(config: TrainConfig, world_size: int, train_len: int) -> None:

@@ -39,7 +39,7 @@ from nanoddp.dist import DistEnv, seed_everything
 from nanoddp.engines import build_engine
 from nanoddp.metrics import MetricsLogger, format_log_line
 from nanoddp.trace import TraceSession, build_traced_engine, region
-from nanoddp.train_config import TrainConfig, build_model, check_data, validate
+from nanoddp.train_config import TrainConfig, build_model, check_data, threads_per_rank, validate
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class Trainer:
         )
         check_data(config, env.world_size, len(self.train_set))
         self.micro_batch = config.batch_size // (env.world_size * config.grad_accum)
+        self.threads = threads_per_rank(config, env.world_size)
+        torch.set_num_threads(self.threads)
 
         torch.manual_seed(config.seed)  # identical initial weights on every rank
         self.module = build_model(config, self.spec).to(env.device)
@@ -261,6 +263,8 @@ class Trainer:
         batches = self._batches()
         self.module.train()
         progress = self._progress_bar(end)
+        logger.info("training %s on %d rank(s), engine %s, %d CPU thread(s) per rank, steps %d-%d",
+                    cfg.model, self.env.world_size, cfg.engine, self.threads, self.step, end)
         window = _Window(self.step)
         with _redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
