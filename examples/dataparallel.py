@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoddp import DataParallel
-from nanoddp.dp import mean_over_replicas, parallel_apply, replicate
-from nanoddp.dp_scatter_gather import batch_size_of, gather, scatter
 from nanoddp.models import GPT, gpt_config
+from nanoddp.parallel.dp import mean_over_replicas, parallel_apply, replicate
+from nanoddp.parallel.scatter_gather import batch_size_of, gather, scatter
 
 
 class LossInForward(nn.Module):

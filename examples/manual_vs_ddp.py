@@ -27,11 +27,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import nanoddp
-from nanoddp import comm, snapshot
-from nanoddp.data import ResumableDistributedSampler
-from nanoddp.datasets import random_tokens
+from nanoddp import comm
 from nanoddp.models import GPT, gpt_config
-from nanoddp.strategies import allreduce_gradients, reduce_scatter_all_gather_gradients
+from nanoddp.parallel.manual import allreduce_gradients, reduce_scatter_all_gather_gradients
+from nanoddp.train import snapshot
+from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.datasets import random_tokens
 
 MODES = ("ddp", "manual/allreduce", "manual/rs_ag")
 SYNC = {"manual/allreduce": allreduce_gradients, "manual/rs_ag": reduce_scatter_all_gather_gradients}

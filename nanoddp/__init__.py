@@ -3,14 +3,14 @@
 The public API is re-exported here; see DESIGN.md for the contract.
 """
 
-from nanoddp import hooks
-from nanoddp.ddp import DistributedDataParallel
-from nanoddp.dist import DistEnv, cleanup, init, seed_everything
-from nanoddp.dp import DataParallel
+from nanoddp.env import DistEnv, cleanup, init, seed_everything
 from nanoddp.launch import LaunchError, launch
-from nanoddp.replicas import verify_replicas
-from nanoddp.strategies import SimpleDDP
-from nanoddp.zero import ZeroRedundancyOptimizer
+from nanoddp.parallel import hooks
+from nanoddp.parallel.ddp import DistributedDataParallel
+from nanoddp.parallel.dp import DataParallel
+from nanoddp.parallel.manual import SimpleDDP
+from nanoddp.parallel.replicas import verify_replicas
+from nanoddp.parallel.zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from nanoddp import dist as nd
+from nanoddp import env as nd
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import run_on_ranks
 
-from nanoddp.bench_train import ALLCORES, ENGINES, NOCOMM, run_benchmark
-from nanoddp.bench_train_report import format_markdown, write_json
+from nanoddp.bench.report import format_markdown, write_json
+from nanoddp.bench.train import ALLCORES, ENGINES, NOCOMM, run_benchmark
 from nanoddp.cli import main
-from nanoddp.dist import DistEnv
+from nanoddp.env import DistEnv
 from nanoddp.models import GPT, count_parameters, gpt_config
-from nanoddp.trainer import TrainConfig, Trainer
+from nanoddp.train.trainer import TrainConfig, Trainer
 
 OVERRIDES = {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64, "seq_len": 16}
 GLOBAL_BATCH = 8

@@ -12,7 +12,7 @@ from typing import Literal
 import pytest
 
 import nanoddp
-from nanoddp import config
+from nanoddp import dataclass_cli as config
 from nanoddp.cli import main
 
 

@@ -17,9 +17,9 @@ from conftest import run_on_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoddp import comm, ring
-from nanoddp.comm import ReduceOp
-from nanoddp.dist import new_group, subgroups_by
+from nanoddp import comm
+from nanoddp.comm import ReduceOp, ring
+from nanoddp.env import new_group, subgroups_by
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
@@ -221,7 +221,7 @@ def test_collectives_match_torch(world_size):
 def _grouped_rounds(env) -> None:
     """The path nccl takes (one grouped send+receive per round, exact sizes, no tags), run here
     on gloo, which accepts it too: same results as torch's built-ins."""
-    from nanoddp.comm_async import runner_for
+    from nanoddp.comm.runner import runner_for
 
     runner_for(None).peers.gloo = False
     for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from nanoddp.data import ResumableDistributedSampler, shard
-from nanoddp.datasets import (
+from nanoddp.train.data import ResumableDistributedSampler, shard
+from nanoddp.train.datasets import (
     BYTE_VOCAB,
     TokenWindows,
     build_datasets,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import run_on_ranks
 
-from nanoddp import dist as nd
+from nanoddp import env as nd
 
 TORCHRUN_ENV = {
     "RANK": "3",

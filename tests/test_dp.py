@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import nanoddp
-from nanoddp.dp import DataParallel, mean_over_replicas, parallel_apply, replicate
-from nanoddp.dp_scatter_gather import gather, scatter, scatter_kwargs
 from nanoddp.models import GPT, MLPClassifier, gpt_config
+from nanoddp.parallel.dp import DataParallel, mean_over_replicas, parallel_apply, replicate
+from nanoddp.parallel.scatter_gather import gather, scatter, scatter_kwargs
 
 CPU2 = ["cpu", "cpu"]
 CPU3 = ["cpu", "cpu", "cpu"]

@@ -13,8 +13,8 @@ import psutil
 import pytest
 import torch
 
-from nanoddp import snapshot
 from nanoddp.models import MLPClassifier
+from nanoddp.train import snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -23,7 +23,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 from nanoddp.notebook import check_devices, parse_ranks, placement
-from nanoddp.notebook_worker import NO_VALUE, run_source
+from nanoddp.notebook.worker import NO_VALUE, run_source
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "notebook_ddp.ipynb"

@@ -26,7 +26,7 @@ from test_ddp import (
 )
 
 from nanoddp import DistributedDataParallel, SimpleDDP
-from nanoddp.strategies import allreduce_gradients, reduce_scatter_all_gather_gradients
+from nanoddp.parallel.manual import allreduce_gradients, reduce_scatter_all_gather_gradients
 
 STRATEGIES = {"allreduce": allreduce_gradients, "rs_ag": reduce_scatter_all_gather_gradients}
 

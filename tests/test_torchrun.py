@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from nanoddp.dist import free_port
+from nanoddp.env import free_port
 
 # GPT tiny on 32-byte windows: ~0.1 s a step on 2 busy cores, so a kill lands mid-run.
 TRAIN_ARGS = [
@@ -46,7 +46,7 @@ def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
 
 def _workers(launcher: subprocess.Popen) -> list[psutil.Process]:
     children = psutil.Process(launcher.pid).children(recursive=True)
-    return [p for p in children if "nanoddp.train_cli" in " ".join(p.cmdline())]
+    return [p for p in children if "nanoddp.train" in " ".join(p.cmdline())]
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:

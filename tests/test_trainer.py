@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import run_on_ranks
 
-from nanoddp import cli, snapshot
-from nanoddp.dist import DistEnv
-from nanoddp.metrics import REQUIRED_KEYS
-from nanoddp.trainer import TrainConfig, Trainer
+from nanoddp import cli
+from nanoddp.env import DistEnv
+from nanoddp.train import snapshot
+from nanoddp.train.metrics import REQUIRED_KEYS
+from nanoddp.train.trainer import TrainConfig, Trainer
 
 # A model and data small enough that a step costs milliseconds. 1900 bytes of stdlib text give
 # 112 training windows (an epoch is 14 steps at batch 8) and 5 validation windows (odd, so the
@@ -89,7 +90,7 @@ def test_engines_match_a_single_process_full_batch(ws2_results, tmp_path):
 def test_resume_is_bit_identical_and_zero_matches(ws2_results):
     results, tmp = ws2_results  # the bitwise checks ran on the ranks; here: ZeRO vs plain AdamW
     if "zero-True-torch" not in results:
-        pytest.skip("nanoddp.zero has not landed")
+        pytest.skip("nanoddp.parallel.zero has not landed")
     torch.testing.assert_close(results["zero-True-torch"], results["zero-False-torch"], rtol=1e-5, atol=1e-6)
     metrics_file = tmp / "split-torch-False" / "metrics.jsonl"
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -178,7 +179,7 @@ def test_sample_generates_text_from_a_run(tmp_path, capsys):
 
 
 def test_worker_module_is_runnable():
-    """`torchrun -m nanoddp.train_cli` needs the module to have a usable --help."""
-    proc = subprocess.run([sys.executable, "-m", "nanoddp.train_cli", "--help"], capture_output=True,
+    """`torchrun -m nanoddp.train` needs the module to have a usable --help."""
+    proc = subprocess.run([sys.executable, "-m", "nanoddp.train", "--help"], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0 and "--grad-accum" in proc.stdout and "--nproc" not in proc.stdout

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from conftest import run_on_ranks
 
-from nanoddp import LaunchError, watchdog
+from nanoddp import LaunchError
+from nanoddp.comm import watchdog
 
 TIMEOUT_S = 3.0
 
@@ -50,7 +51,8 @@ def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
 
 def _rank_1_skips_a_collective(env, log_dir, backend):
     """No explicit `track`: nanoddp.comm and the watched torch collectives register themselves."""
-    from nanoddp import comm, watched
+    from nanoddp import comm
+    from nanoddp.comm import watched
 
     collectives = comm if backend == "nanoddp" else watched
     logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.buckets import COMM_BACKENDS, Bucket, GradBucket, assign_buckets, collectives_for
-from nanoddp.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+from nanoddp.parallel.buckets import COMM_BACKENDS, Bucket, GradBucket, assign_buckets, collectives_for
+from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the default all-reduce with `hook(state, bucket) -> Future[Tensor]` (torch's
-        contract; see nanoddp.hooks). Register once, before the first backward."""
+        contract; see nanoddp.parallel.hooks). Register once, before the first backward."""
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
         if self._comm_hook is not None:

@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp.bench import parse_world_sizes
-from nanoddp.bench_train_report import format_markdown, summarise, write_json, write_plot
-from nanoddp.engines import CommTimer, Engine, build_engine
+from nanoddp.bench.report import format_markdown, summarise, write_json, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
-from nanoddp.trace import TraceSession, build_traced_engine, region
+from nanoddp.train.engines import CommTimer, Engine, build_engine
+from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
     """Measure every engine at every world size; returns {"meta": ..., "results": [row, ...]}."""
     _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
     # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
-    backend = backend or nanoddp.dist.default_backend(max(nprocs))
+    backend = backend or nanoddp.env.default_backend(max(nprocs))
     spec = {"engines": list(engines), "model": model, "overrides": dict(overrides or {}),
             "global_batch": global_batch, "steps": steps, "warmup": max(warmup, 2), "block": block,
             "threads_per_rank": threads_per_rank, "allcores_threads": os.cpu_count() or 1,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp  # noqa: F401  (re-exported: engines read collectives.ReduceOp)
 
-from nanoddp import watchdog
+from nanoddp.comm import watchdog
 
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "gather",

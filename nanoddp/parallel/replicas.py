@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.buckets import collectives_for
+from nanoddp.parallel.buckets import collectives_for
 
 logger = logging.getLogger(__name__)
 

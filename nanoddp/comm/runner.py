@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nanoddp import watchdog
-from nanoddp.ring import Peers
+from nanoddp.comm import watchdog
+from nanoddp.comm.ring import Peers
 
 logger = logging.getLogger(__name__)
 

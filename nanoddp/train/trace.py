@@ -13,7 +13,7 @@ the one picture that explains data-parallel speed. Here the same picture comes f
   future; the profiler records it with the launch thread's id. Because such spans overlap the
   backward ops rather than nest in them, `TraceSession` moves each bucket onto a track of its
   own ("bucket 3 all-reduce") when it writes the file, so viewers draw them cleanly.
-- `build_traced_engine(name, module, env)`: `nanoddp.engines.build_engine` with those bucket
+- `build_traced_engine(name, module, env)`: `nanoddp.train.engines.build_engine` with those bucket
   spans registered (DDP engines; via a comm hook, so a traced run reduces through
   `hooks.allreduce_hook`, the same math as the default path) and a "gradient sync" span around
   the manual engines' after-backward sync.
@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, record_function
 
-from nanoddp.dist import DistEnv
-from nanoddp.engines import CommTimer, Engine, build_engine
+from nanoddp.env import DistEnv
+from nanoddp.train.engines import CommTimer, Engine, build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     directly, since a torch DDP takes one hook and `build_engine` already gives it a timing
     one); manual engines get a "gradient sync" span around their after-backward sync.
     """
-    from nanoddp import strategies
-    from nanoddp.hooks import allreduce_hook
+    from nanoddp.parallel import manual as strategies
+    from nanoddp.parallel.hooks import allreduce_hook
 
     if name == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from nanoddp.snapshot import atomic_write_bytes
+from nanoddp.train.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -27,14 +27,14 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from nanoddp import dist as nd
-from nanoddp import watchdog
-from nanoddp.config import add_dataclass_args, build_config, config_from_args, load_config_file
-from nanoddp.train_config import TrainConfig, validate
+from nanoddp import env as nd
+from nanoddp.comm import watchdog
+from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
+from nanoddp.train.config import TrainConfig, validate
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "nanoddp.train_cli"
+WORKER_MODULE = "nanoddp.train"
 PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the watchdog fires
 
 
@@ -96,9 +96,9 @@ def _max_nodes(nnodes: str) -> int:
 
 def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int]:
     """Build and check the config in the launcher process; return it and the world size."""
-    from nanoddp.datasets import build_datasets
-    from nanoddp.train_config import check_data
-    from nanoddp.trainer import default_run_dir
+    from nanoddp.train.config import check_data
+    from nanoddp.train.datasets import build_datasets
+    from nanoddp.train.trainer import default_run_dir
 
     config = config_from_args(TrainConfig, args, args.config)
     nproc = args.nproc if args.nproc is not None else default_nproc(config.engine)
@@ -189,7 +189,7 @@ def _setup_worker_logging(rank: int) -> None:
 
 def worker_main(config: TrainConfig) -> int:
     """Train on this rank (the process group comes from torchrun's environment)."""
-    from nanoddp.trainer import Trainer
+    from nanoddp.train.trainer import Trainer
 
     env = nd.DistEnv.from_environ()
     _setup_worker_logging(env.rank)
@@ -223,9 +223,9 @@ def _worker_entry(argv: list[str] | None = None) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from nanoddp import snapshot
-    from nanoddp.datasets import BYTE_VOCAB, DataSpec
-    from nanoddp.train_config import build_model
+    from nanoddp.train import snapshot
+    from nanoddp.train.config import build_model
+    from nanoddp.train.datasets import BYTE_VOCAB, DataSpec
 
     run_dir = Path(args.run_dir)
     config_path = run_dir / "config.json"
@@ -254,7 +254,7 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def worker_entry() -> int:
-    """`python -m nanoddp.train_cli` / `-m nanoddp.train` under torchrun. `record` writes the
+    """`python -m nanoddp.train` under torchrun. `record` writes the
     traceback of a crash to torchrun's error file, so the agent can show the root cause."""
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -410,6 +410,6 @@ def _broadcast_fn(comm_backend: str) -> Callable[..., Any]:
         from nanoddp import comm
 
         return comm.broadcast
-    from nanoddp import watched
+    from nanoddp.comm import watched
 
     return watched.broadcast

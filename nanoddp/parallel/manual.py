@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.buckets import collectives_for
-from nanoddp.replicas import check_same_structure, group_size_rank_src
+from nanoddp.parallel.buckets import collectives_for
+from nanoddp.parallel.replicas import check_same_structure, group_size_rank_src
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 `all_reduce`, `reduce`, `broadcast`, `all_gather`, `all_gather_into_tensor`,
 `reduce_scatter_tensor`, `scatter` and `gather` take the same arguments as their
 `torch.distributed` namesakes (src/dst are *global* ranks, `group` may be a subgroup) and give
-the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.ring`).
+the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.comm.ring`).
 
 Algorithms. Every collective opens with one round of *frames* between all pairs: a header
 (collective, numel, dtype, op, root) so mismatched calls raise the same ValueError on every
@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp import ring
-from nanoddp.comm_async import Work, runner_for
-from nanoddp.ring import INLINE_MAX_BYTES, INLINE_SEND_BYTES, Peers
+from nanoddp.comm import ring
+from nanoddp.comm.ring import INLINE_MAX_BYTES, INLINE_SEND_BYTES, Peers
+from nanoddp.comm.runner import Work, runner_for
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ waiting for the failed one does not hang the cell.
 There is no cell timeout unless you ask for one (`%dist_init --timeout S`, or `--timeout S` on
 `%%distributed` / `%%rank`). The stop button interrupts the cell on every rank; the workers
 keep their state. Workers talk to the kernel over an authenticated Unix socket in a private
-directory (see `nanoddp.notebook_pool`) and exit by themselves if the kernel dies.
+directory (see `nanoddp.notebook.pool`) and exit by themselves if the kernel dies.
 
 Limits: cell code is plain Python on the workers (no `%magics` or `!shell` inside a
 distributed cell); output written straight to file descriptor 1/2 by C code goes to the
@@ -43,8 +43,8 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from nanoddp import dist as nd
-from nanoddp.notebook_pool import CellOutcome, PoolError, WorkerPool
+from nanoddp import env as nd
+from nanoddp.notebook.pool import CellOutcome, PoolError, WorkerPool
 
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch's default: a notebook rank may legitimately wait long
 # A collective on a subset of ranks waits forever for the others: worth a warning (a heuristic).

@@ -12,7 +12,7 @@ import logging
 import statistics
 import textwrap
 
-from nanoddp.snapshot import atomic_write_bytes
+from nanoddp.train.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

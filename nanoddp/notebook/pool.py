@@ -429,9 +429,9 @@ class WorkerPool:
 
 
 def _spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
-    """`python -m nanoddp.notebook_worker` in its own session, settings (and key) on stdin."""
+    """`python -m nanoddp.notebook.worker` in its own session, settings (and key) on stdin."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanoddp.notebook_worker"],
+        [sys.executable, "-m", "nanoddp.notebook.worker"],
         stdin=subprocess.PIPE,
         start_new_session=True,  # the kernel's SIGINT to its process group must not hit us
     )

@@ -10,10 +10,10 @@ import argparse
 import importlib
 
 BENCHMARK_MODULES = (
-    "nanoddp.bench_collectives",
-    "nanoddp.bench_zero",
-    "nanoddp.bench_train",
-    "nanoddp.bench_restarts",
+    "nanoddp.bench.collectives",
+    "nanoddp.bench.zero",
+    "nanoddp.bench.train",
+    "nanoddp.bench.restarts",
     # more benchmarks are registered here as they land
 )
 

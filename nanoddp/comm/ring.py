@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.dist import group_ranks
+from nanoddp.env import group_ranks
 
 TAG_FRAME = 0x6E6401  # our own tags: user send/recv on the same group cannot steal our messages
 TAG_DATA = 0x6E6402

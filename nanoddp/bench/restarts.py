@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanoddp.snapshot import atomic_write_bytes
+from nanoddp.train.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ TRAIN_ARGS = [
     "--text-max-bytes", "200000", "--log-every", "5", "--eval-every", "0", "--no-progress",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 600
-WORKER_MODULE = "nanoddp.train_cli"
+WORKER_MODULE = "nanoddp.train"
 
 
 def _start(out: Path, max_restarts: int) -> subprocess.Popen:

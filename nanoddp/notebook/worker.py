@@ -1,6 +1,6 @@
 """The worker side of notebook mode: one process per rank that runs the cells the kernel sends.
 
-Started by `nanoddp.notebook_pool` as `python -m nanoddp.notebook_worker` in its own session
+Started by `nanoddp.notebook.pool` as `python -m nanoddp.notebook.worker` in its own session
 (so the kernel's process-group signals do not reach it) with its settings on stdin, never in
 argv where `ps` would show the authkey. It connects back over an authenticated Unix socket,
 joins the process group, then loops: receive a cell, run it, stream its output, report.
@@ -31,7 +31,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from nanoddp.launch import die_with_parent  # `-m nanoddp.notebook_worker` has loaded the package already
+from nanoddp.launch import die_with_parent  # `-m nanoddp.notebook.worker` has loaded the package already
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ def _start(settings: dict[str, Any], channel: Channel) -> Worker:
     """Join the process group described by `settings` and build the rank's namespace."""
     import torch
 
-    from nanoddp import dist as nd
+    from nanoddp import env as nd
 
     world_size = settings["world_size"]
     env = nd.DistEnv(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.dist import DistEnv
+from nanoddp.env import DistEnv
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +148,12 @@ def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
         model.register_comm_hook((timer, None), _timed_allreduce_hook)
         return Engine(name, model, module, comm=timer)
     if name == "nanoddp":
-        from nanoddp.ddp import DistributedDataParallel
+        from nanoddp.parallel.ddp import DistributedDataParallel
 
         model = DistributedDataParallel(module, device_ids=device_ids)
         model.record_timeline = True  # a few timestamps per step: the comm window for the log line
         return Engine(name, model, module, comm=CommTimer())
-    from nanoddp import strategies  # allreduce / rs_ag
+    from nanoddp.parallel import manual as strategies  # allreduce / rs_ag
 
     sync = {
         "allreduce": strategies.allreduce_gradients,

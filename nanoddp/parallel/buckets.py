@@ -31,7 +31,7 @@ def collectives_for(comm_backend: str) -> types.ModuleType:
     backend. `nanoddp.comm` is imported lazily: a package import never depends on it.
     """
     if comm_backend == "torch":
-        from nanoddp import watched  # torch.distributed's functions, known to the hang watchdog
+        from nanoddp.comm import watched  # torch.distributed's functions, known to the hang watchdog
 
         return watched
     if comm_backend == "nanoddp":

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import nanoddp
 from nanoddp.bench import parse_world_sizes
 from nanoddp.models import GPT, gpt_config
-from nanoddp.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
+from nanoddp.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 logger = logging.getLogger(__name__)
 

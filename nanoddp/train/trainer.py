@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
-from nanoddp import snapshot
-from nanoddp.config import to_dict
-from nanoddp.data import ResumableDistributedSampler
-from nanoddp.datasets import build_datasets
-from nanoddp.dist import DistEnv, seed_everything
-from nanoddp.engines import build_engine
-from nanoddp.metrics import MetricsLogger, format_log_line
-from nanoddp.trace import TraceSession, build_traced_engine, region
-from nanoddp.train_config import TrainConfig, build_model, check_data, threads_per_rank, validate
+from nanoddp.dataclass_cli import to_dict
+from nanoddp.env import DistEnv, seed_everything
+from nanoddp.train import snapshot
+from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
+from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.datasets import build_datasets
+from nanoddp.train.engines import build_engine
+from nanoddp.train.metrics import MetricsLogger, format_log_line
+from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class Trainer:
         groups = [g for g in groups if g["params"]]
         kwargs = {"lr": self.config.lr, "betas": (0.9, 0.95)}
         if self.config.zero:
-            from nanoddp.zero import ZeroRedundancyOptimizer
+            from nanoddp.parallel.zero import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
         return torch.optim.AdamW(groups, **kwargs)

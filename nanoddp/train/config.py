@@ -1,7 +1,7 @@
 """`TrainConfig`: every knob of `nanoddp train`, its checks, and the model it describes.
 
 The `--flags` of `nanoddp train` and the keys of its TOML/JSON config files are generated from
-this dataclass (see `nanoddp.config`), so a field here is a flag there. `validate` runs in the
+this dataclass (see `nanoddp.dataclass_cli`), so a field here is a flag there. `validate` runs in the
 launcher before any worker starts *and* on every rank, so bad input is one clear error, never
 a process group waiting for a rank that already exited.
 """
@@ -15,8 +15,8 @@ from typing import Literal
 
 import torch.nn as nn
 
-from nanoddp.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.engines import ENGINES
+from nanoddp.train.datasets import BUILTIN_DATA, DataSpec
+from nanoddp.train.engines import ENGINES
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,1 @@
+"""Ways to keep replicas in step: DDP, the manual strategies, DataParallel, ZeRO."""

@@ -1,0 +1,1 @@
+"""The main job: `nanoddp train`, its config, trainer, data, snapshots and metrics."""
