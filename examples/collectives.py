@@ -45,8 +45,11 @@ def send_recv(env: nanoddp.DistEnv) -> None:
     works = [dist.isend(mine, right), dist.irecv(got, left)]  # post both: blocking send+recv could deadlock
     for work in works:
         work.wait()
-    show_all(env, "isend to the right, irecv from the left", f"sent {mine.tolist()} to {right}, "
-             f"received {got.tolist()} from {left}")
+    show_all(
+        env,
+        "isend to the right, irecv from the left",
+        f"sent {mine.tolist()} to {right}, received {got.tolist()} from {left}",
+    )
 
 
 def each_collective(env: nanoddp.DistEnv) -> None:
@@ -88,8 +91,16 @@ def each_collective(env: nanoddp.DistEnv) -> None:
         c.reduce_scatter_tensor(out := t.new_zeros(t.numel() // n), t)  # sum, then rank i keeps slice i
         return out
 
-    for demo in (broadcast, reduce, all_reduce, scatter, gather, all_gather,
-                 all_gather_into_tensor, reduce_scatter_tensor):
+    for demo in (
+        broadcast,
+        reduce,
+        all_reduce,
+        scatter,
+        gather,
+        all_gather,
+        all_gather_into_tensor,
+        reduce_scatter_tensor,
+    ):
         size = 2 * n if demo is reduce_scatter_tensor else 2
         before = torch.arange(size, dtype=torch.float32) + 10 * r  # rank r: [10r, 10r+1, ...]
         ours, reference = demo(comm, before.clone()), demo(dist, before.clone())
@@ -139,8 +150,12 @@ def subgroups(env: nanoddp.DistEnv) -> None:
 def worker(env: nanoddp.DistEnv) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
-    sections = {"point to point": send_recv, "collectives (nanoddp.comm = torch.distributed's API)": each_collective,
-                "ring all-reduce, step by step": ring_trace, "subgroups": subgroups}
+    sections = {
+        "point to point": send_recv,
+        "collectives (nanoddp.comm = torch.distributed's API)": each_collective,
+        "ring all-reduce, step by step": ring_trace,
+        "subgroups": subgroups,
+    }
     for number, (title, section) in enumerate(sections.items(), 1):
         if env.is_master:
             print(f"== {number}. {title} ({env.world_size} ranks, {env.backend}) ==")

@@ -49,8 +49,10 @@ def step_by_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, devices: 
     print(f"scatter : batch {tuple(idx.shape)} -> {shapes} on {devices[: len(chunks)]}")
     replicas = replicate(model, devices[: len(chunks)])
     weight = replicas[-1].head.weight
-    print(f"replicate: {len(replicas)} replicas; replica head.weight is_leaf={weight.is_leaf}, "
-          f"grad_fn={type(weight.grad_fn).__name__} (gradients flow back to the original)")
+    print(
+        f"replicate: {len(replicas)} replicas; replica head.weight is_leaf={weight.is_leaf}, "
+        f"grad_fn={type(weight.grad_fn).__name__} (gradients flow back to the original)"
+    )
     outputs = parallel_apply(replicas, chunks)  # one thread per replica
     print(f"parallel_apply: per-replica losses {[round(out[1].item(), 4) for out in outputs]}")
     logits, losses = gather(outputs, devices[0])  # (B, T, V), (R,)

@@ -40,7 +40,7 @@ def stdlib_snippets(seed: int = 0) -> list[tuple[str, int]]:
         chunks = []
         for path in sorted((root / package).rglob("*.py")):
             lines = [line for line in path.read_text(errors="ignore").splitlines() if line.strip()]
-            chunks += ["\n".join(lines[i:i + SNIPPET_LINES]) for i in range(0, len(lines), SNIPPET_LINES)]
+            chunks += ["\n".join(lines[i : i + SNIPPET_LINES]) for i in range(0, len(lines), SNIPPET_LINES)]
         samples += [(text, label) for text in rng.sample(chunks, PER_CLASS)]
     rng.shuffle(samples)
     return samples
@@ -74,7 +74,7 @@ def evaluate(model: torch.nn.Module, tokenizer, shard, batch_size: int) -> float
     counts = torch.zeros(2)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
-            batch = collate(tokenizer, shard[i:i + batch_size])
+            batch = collate(tokenizer, shard[i : i + batch_size])
             logits = model(**batch).logits
             counts += torch.tensor([(logits.argmax(-1) == batch["labels"]).sum().item(), len(batch["labels"])])
     dist.all_reduce(counts)
@@ -89,14 +89,21 @@ def worker(env: nanoddp.DistEnv, steps: int, batch_size: int) -> float:
     train, val = samples[:split], samples[split:]
     tokenizer = train_tokenizer([text for text, _ in train])  # same data + same trainer on every rank
     nanoddp.seed_everything(0, env.rank)
-    config = BertConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=128, max_position_embeddings=MAX_TOKENS,
-                        num_labels=len(PACKAGES), pad_token_id=tokenizer.token_to_id("<pad>"))
+    config = BertConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=MAX_TOKENS,
+        num_labels=len(PACKAGES),
+        pad_token_id=tokenizer.token_to_id("<pad>"),
+    )
     model = nanoddp.DistributedDataParallel(BertForSequenceClassification(config))  # replicas synced
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    shard = train[env.rank::env.world_size]  # manual sharding (seed 001)
+    shard = train[env.rank :: env.world_size]  # manual sharding (seed 001)
     rng = random.Random(env.rank)
-    before = evaluate(model, tokenizer, val[env.rank::env.world_size], 64)
+    before = evaluate(model, tokenizer, val[env.rank :: env.world_size], 64)
     if env.is_master:
         print(f"{len(train)} train / {len(val)} val snippets, {len(PACKAGES)} classes (chance 25%)")
         print(f"accuracy before training: {before:.1%}")
@@ -109,7 +116,7 @@ def worker(env: nanoddp.DistEnv, steps: int, batch_size: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         if env.is_master and step % 50 == 0:
             print(f"step {step} | loss {loss.item():.3f}")
-    accuracy = evaluate(model, tokenizer, val[env.rank::env.world_size], 64)
+    accuracy = evaluate(model, tokenizer, val[env.rank :: env.world_size], 64)
     if env.is_master:
         print(f"validation accuracy: {accuracy:.1%} over {len(val)} snippets from {env.world_size} ranks")
     return accuracy

@@ -97,8 +97,10 @@ def report(curves: dict[str, list[float]], out: str) -> None:
 def worker(env: nanoddp.DistEnv, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if env.is_master:
-        print(f"{env.world_size} ranks x batch {args.batch_size} x {args.seq_len} tokens, "
-              f"{args.steps} steps per mode, GPT tiny ({sum(p.numel() for p in GPT().parameters()):,} params)")
+        print(
+            f"{env.world_size} ranks x batch {args.batch_size} x {args.seq_len} tokens, "
+            f"{args.steps} steps per mode, GPT tiny ({sum(p.numel() for p in GPT().parameters()):,} params)"
+        )
     curves = {mode: train(env, mode, args)[0] for mode in MODES}
     if env.is_master:
         report(curves, args.out)

@@ -53,16 +53,19 @@ def manual_sharding(env: nanoddp.DistEnv, train) -> None:
         for rank, indices in enumerate(everyone):
             print(f"rank {rank}: {len(indices)} samples, indices {indices[:5]} ...")
         flat = [i for indices in everyone for i in indices]
-        print(f"disjoint: {len(flat) == len(set(flat))}; {len(flat)} of {len(train)} samples used "
-              f"(drop_last keeps the shards equal)")
+        print(
+            f"disjoint: {len(flat) == len(set(flat))}; {len(flat)} of {len(train)} samples used "
+            f"(drop_last keeps the shards equal)"
+        )
 
 
 def accumulation(env: nanoddp.DistEnv, train, micro_batches: int, batch_size: int) -> None:
     ddp = nanoddp.SimpleDDP(MLPClassifier())  # seeded identically above
     reference = copy.deepcopy(ddp.model)  # one process, every rank's micro-batches at once
     shards = [shard(train, rank, env.world_size).indices for rank in range(env.world_size)]
-    batches = [[shards[r][m * batch_size:(m + 1) * batch_size] for m in range(micro_batches)]
-               for r in range(env.world_size)]  # batches[rank][m]: sample indices
+    batches = [
+        [shards[r][m * batch_size : (m + 1) * batch_size] for m in range(micro_batches)] for r in range(env.world_size)
+    ]  # batches[rank][m]: sample indices
     for m, indices in enumerate(batches[env.rank]):
         last = m == micro_batches - 1
         with nullcontext() if last else ddp.no_sync():
@@ -105,9 +108,11 @@ def worker(env: nanoddp.DistEnv, args: argparse.Namespace) -> tuple[float, float
     torch.set_num_threads(1)
     train, val = digits_splits(0.2)
     if env.world_size > 1:
-        for title, part in (("1. replica check", lambda: replica_check(env, args.seed)),
-                            ("2. manual sharding", lambda: manual_sharding(env, train)),
-                            ("3. no_sync accumulation", lambda: accumulation(env, train, 4, 8))):
+        for title, part in (
+            ("1. replica check", lambda: replica_check(env, args.seed)),
+            ("2. manual sharding", lambda: manual_sharding(env, train)),
+            ("3. no_sync accumulation", lambda: accumulation(env, train, 4, 8)),
+        ):
             if env.is_master:
                 print(f"== {title} ==")
             part()
@@ -126,12 +131,16 @@ def main() -> None:
     single = nanoddp.launch(worker, 1, args=(args,), backend="gloo")[0]
     print("== 4. timing: the same per-process batch ==")
     for n, (seconds, accuracy) in ((1, single), (args.nproc, multi)):
-        print(f"{n} process(es): {seconds * 1e3:6.1f} ms/step, {n * args.batch_size:3d} samples/step, "
-              f"{n * args.batch_size / seconds:7.0f} samples/s, val accuracy {accuracy:.1%}")
-    print(f"throughput ratio {args.nproc} vs 1 process: "
-          f"{(args.nproc / multi[0]) / (1 / single[0]):.2f}x (ideal {args.nproc}x). Each step ends with an "
-          "all-reduce of every gradient: it pays off once compute per step dwarfs it (wider --hidden, "
-          "larger --batch-size, one GPU or free core per process)")
+        print(
+            f"{n} process(es): {seconds * 1e3:6.1f} ms/step, {n * args.batch_size:3d} samples/step, "
+            f"{n * args.batch_size / seconds:7.0f} samples/s, val accuracy {accuracy:.1%}"
+        )
+    print(
+        f"throughput ratio {args.nproc} vs 1 process: "
+        f"{(args.nproc / multi[0]) / (1 / single[0]):.2f}x (ideal {args.nproc}x). Each step ends with an "
+        "all-reduce of every gradient: it pays off once compute per step dwarfs it (wider --hidden, "
+        "larger --batch-size, one GPU or free core per process)"
+    )
 
 
 if __name__ == "__main__":

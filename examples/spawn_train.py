@@ -53,8 +53,10 @@ def show_sampler(env: nanoddp.DistEnv, dataset, seed: int) -> None:
         for rank, (without, with_) in enumerate(x[:2] for x in everyone):
             print(f"rank {rank}: without set_epoch {without[0]}, {without[1]} | with set_epoch {with_[0]}, {with_[1]}")
         indices = [i for *_, mine in everyone for i in mine]
-        print(f"epoch 0: {len(indices)} indices over {env.world_size} ranks, {len(set(indices))} distinct "
-              f"of {len(dataset)} samples (the tail is padded with repeats so all ranks step equally)")
+        print(
+            f"epoch 0: {len(indices)} indices over {env.world_size} ranks, {len(set(indices))} distinct "
+            f"of {len(dataset)} samples (the tail is padded with repeats so all ranks step equally)"
+        )
 
 
 def train(env: nanoddp.DistEnv, args: argparse.Namespace) -> float:
@@ -104,8 +106,10 @@ def save(model: nanoddp.DistributedDataParallel, path: Path, val_set, accuracy: 
     except RuntimeError as exc:
         print(f"loading the wrapper's keys into a plain model fails: {str(exc).splitlines()[1].strip()[:90]}...")
     fresh.load_state_dict(torch.load(path, weights_only=True))
-    print(f"reloaded model.pt into a plain MLPClassifier: val accuracy {evaluate(fresh, val_set):.1%} "
-          f"(trained model: {accuracy:.1%})")
+    print(
+        f"reloaded model.pt into a plain MLPClassifier: val accuracy {evaluate(fresh, val_set):.1%} "
+        f"(trained model: {accuracy:.1%})"
+    )
 
 
 def main() -> None:

@@ -45,8 +45,11 @@ class Trainer:
     def __init__(self, env: nanoddp.DistEnv, args: argparse.Namespace):
         self.env, self.args, self.step = env, args, 0
         nanoddp.seed_everything(args.seed, env.rank)
-        model = GPT(gpt_config("tiny", vocab_size=BYTE_VOCAB, seq_len=args.seq_len, d_model=128,
-                               n_heads=4, n_layers=2, d_ff=512))
+        model = GPT(
+            gpt_config(
+                "tiny", vocab_size=BYTE_VOCAB, seq_len=args.seq_len, d_model=128, n_heads=4, n_layers=2, d_ff=512
+            )
+        )
         self.model = nanoddp.DistributedDataParallel(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         dataset, _ = byte_text_splits("text", args.seq_len, val_fraction=0.1, max_bytes=2_000_000)
@@ -65,8 +68,13 @@ class Trainer:
         dist.gather_object(snapshot.capture_rng_state(), rng, dst=0)
         if not self.env.is_master:
             return
-        state = {"step": self.step, "model": self.model.module.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng}
+        state = {
+            "step": self.step,
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": rng,
+        }
         path = snapshot.save(snapshot.snapshot_path(self.snapshot_dir, self.step), state)
         snapshot.prune(self.snapshot_dir, keep=2)
         print(f"step {self.step} | snapshot {path.name}", flush=True)
@@ -96,8 +104,7 @@ class Trainer:
             self.sampler.advance(len(x))
             self.step += 1
             if self.env.is_master:
-                print(f"step {self.step} | loss {loss:.6f} | {(time.perf_counter() - start) * 1e3:.0f} ms",
-                      flush=True)
+                print(f"step {self.step} | loss {loss:.6f} | {(time.perf_counter() - start) * 1e3:.0f} ms", flush=True)
             if self.step % self.args.snapshot_every == 0 or self.step == self.args.steps:
                 self._save_snapshot()
             self._maybe_crash()

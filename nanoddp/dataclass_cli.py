@@ -127,9 +127,7 @@ def build_config(cls: type[T], values: dict[str, Any], source: str = "config") -
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {unknown} in {source} for {cls.__name__}; valid keys: {sorted(names)}"
-        )
+        raise ValueError(f"unknown key(s) {unknown} in {source} for {cls.__name__}; valid keys: {sorted(names)}")
     hints = _resolved_types(cls)
     coerced = {}
     for key, value in values.items():
@@ -151,9 +149,7 @@ def _check_type(key: str, value: Any, tp: Any, optional: bool, source: str) -> N
         return
     plain = typing.get_origin(tp) or tp
     accepted = (int, float) if plain is float else (plain,)
-    if isinstance(plain, type) and (
-        not isinstance(value, accepted) or (plain is not bool and isinstance(value, bool))
-    ):
+    if isinstance(plain, type) and (not isinstance(value, accepted) or (plain is not bool and isinstance(value, bool))):
         raise ValueError(f"{key} in {source} must be {plain.__name__}, got {value!r}")
 
 

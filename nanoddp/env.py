@@ -65,8 +65,7 @@ class DistEnv:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(
-                f"local_rank must be in [0, local_world_size={self.local_world_size}), "
-                f"got {self.local_rank}"
+                f"local_rank must be in [0, local_world_size={self.local_world_size}), got {self.local_rank}"
             )
         if self.backend not in ("gloo", "nccl", "mpi", "ucc"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
@@ -88,9 +87,7 @@ class DistEnv:
         return cls(0, 0, 1, 1, 0, device_for(backend, 0), backend)
 
     @classmethod
-    def from_environ(
-        cls, environ: Mapping[str, str] | None = None, backend: str | None = None
-    ) -> DistEnv:
+    def from_environ(cls, environ: Mapping[str, str] | None = None, backend: str | None = None) -> DistEnv:
         """Build from torchrun's variables; with none of them set, a single-process env.
 
         A partial set (say RANK without WORLD_SIZE) is an error rather than a guess, because a

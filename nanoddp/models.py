@@ -126,11 +126,17 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample `new_tokens` continuations of `idx` (B, T) autoregressively."""
         for _ in range(new_tokens):
-            context = idx[:, -self.cfg.seq_len:]
+            context = idx[:, -self.cfg.seq_len :]
             logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)  # (B, V)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]

@@ -53,9 +53,7 @@ class SuiteResults:
         outcomes = self.by_case.get(case, {})
         missing = [r for r in range(self.world_size) if r not in outcomes]
         if missing:
-            raise AssertionError(
-                f"case {case!r} never finished on ranks {missing}; launch: {self.launch_error}"
-            )
+            raise AssertionError(f"case {case!r} never finished on ranks {missing}; launch: {self.launch_error}")
         failures = {r: e for r, e in outcomes.items() if e is not None}
         if failures:
             rank, error = next(iter(failures.items()))
@@ -78,9 +76,7 @@ def suites_by_world_size(
     return get
 
 
-def run_suite(
-    worker: Callable, world_size: int, out_dir: Path, *args, timeout: float = 240.0
-) -> SuiteResults:
+def run_suite(worker: Callable, world_size: int, out_dir: Path, *args, timeout: float = 240.0) -> SuiteResults:
     """Launch `worker(env, *args, out_dir)` on `world_size` ranks and collect per-case results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     error = None

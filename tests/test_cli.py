@@ -48,7 +48,7 @@ def test_flags_are_generated_with_docstring_help():
 
 def test_precedence_defaults_file_flags(tmp_path):
     cfg_file = tmp_path / "c.toml"
-    cfg_file.write_text('steps = 50\nlr = 0.1\nnproc = [2, 4]\n')
+    cfg_file.write_text("steps = 50\nlr = 0.1\nnproc = [2, 4]\n")
     cfg = _parse(["--lr", "0.5", "--compile"], str(cfg_file))
     assert cfg == DemoConfig(steps=50, lr=0.5, compile=True, nproc=(2, 4))
     assert _parse([]) == DemoConfig()
@@ -91,7 +91,9 @@ def test_version_and_help(capsys):
 def test_check_command_end_to_end():
     proc = subprocess.run(
         [sys.executable, "-m", "nanoddp", "check", "--nproc", "2", "--backend", "gloo"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()

@@ -23,8 +23,9 @@ SIZES = (1, 7, 10, 33, 64)
 def _shards(n, world_size, drop_last=False, epoch=0, position=0, seed=3, shuffle=True):
     shards = []
     for rank in range(world_size):
-        sampler = ResumableDistributedSampler(range(n), world_size, rank, shuffle=shuffle, seed=seed,
-                                              drop_last=drop_last)
+        sampler = ResumableDistributedSampler(
+            range(n), world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         sampler.set_epoch(epoch)
         sampler.position = position
         shards.append(list(sampler))

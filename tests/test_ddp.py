@@ -94,8 +94,7 @@ def case_matches_single_process(env, backend, kind, cap_mb, as_view):
     """ws ranks x batch B == one process x batch ws*B, after 1 and 3 SGD steps."""
     expected = single_process_params(kind, env.world_size)
     model = build(kind, seed=env.rank)  # different init per rank: construction must broadcast rank 0's
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=as_view,
-                                  comm_backend=backend)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=as_view, comm_backend=backend)
     opt = sgd(ddp.parameters())
     for step in range(1, STEPS + 1):
         x, y = global_batch(kind, B * env.world_size, step)
@@ -107,8 +106,7 @@ def case_matches_single_process(env, backend, kind, cap_mb, as_view):
 
 
 def case_bucket_view_grads_live_in_buckets(env, backend):
-    ddp = DistributedDataParallel(build("mlp"), bucket_cap_mb=0.01, gradient_as_bucket_view=True,
-                                  comm_backend=backend)
+    ddp = DistributedDataParallel(build("mlp"), bucket_cap_mb=0.01, gradient_as_bucket_view=True, comm_backend=backend)
     for _ in range(2):  # second iteration: after the bucket rebuild
         x, y = global_batch("mlp", B * env.world_size, 0)
         ddp(shard(x, env.rank), shard(y, env.rank))[1].backward()
@@ -176,8 +174,9 @@ def case_no_sync_accumulation(env, backend, as_view):
     """k micro-batches with no_sync on the first k-1 == one batch of k*ws*B samples."""
     ws = env.world_size
     for k in range(1, 5):
-        ddp = DistributedDataParallel(build("mlp"), bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
-                                      comm_backend=backend)
+        ddp = DistributedDataParallel(
+            build("mlp"), bucket_cap_mb=0.01, gradient_as_bucket_view=as_view, comm_backend=backend
+        )
         ddp.record_timeline = True
         x, y = global_batch("mlp", k * ws * B, k)
         for micro in range(k):
@@ -221,8 +220,9 @@ def _branchy_reference(world_size: int, step: int) -> Branchy:
 
 def case_find_unused_parameters(env, backend, static_graph):
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(Branchy(), bucket_cap_mb=0.0001, find_unused_parameters=True,
-                                  static_graph=static_graph, comm_backend=backend)
+    ddp = DistributedDataParallel(
+        Branchy(), bucket_cap_mb=0.0001, find_unused_parameters=True, static_graph=static_graph, comm_backend=backend
+    )
     for step in range(3):
         ddp.zero_grad(set_to_none=True)
         x = torch.randn(env.world_size * B, 8, generator=torch.Generator().manual_seed(step))
@@ -316,8 +316,7 @@ class WithCounter(nn.Module):
 
 def case_buffers_forward_api_and_state_dict(env, backend):
     for broadcast_buffers in (True, False):
-        ddp = DistributedDataParallel(WithCounter(), broadcast_buffers=broadcast_buffers,
-                                      comm_backend=backend)
+        ddp = DistributedDataParallel(WithCounter(), broadcast_buffers=broadcast_buffers, comm_backend=backend)
         ddp.module.counter.fill_(env.rank)
         result = ddp(torch.ones(2, 4), scale=2.0)  # kwargs in, dict of namedtuple out
         expected = 0.0 if broadcast_buffers else float(env.rank)
@@ -356,21 +355,37 @@ def cases(world_size: int) -> list[tuple[str, callable]]:
                 configs = [(0.001, False), (25, True)]
             for cap, view in configs:
                 name = f"{backend}-matches_single_process-{kind}-cap{cap}-{'view' if view else 'copy'}"
-                out.append((name, p(case_matches_single_process, backend=backend, kind=kind,
-                                    cap_mb=cap, as_view=view)))
-        out.append((f"{backend}-same_grads_as_torch_ddp-{'gpt' if full else 'mlp'}",
-                    p(case_same_grads_as_torch_ddp, backend=backend, kind="gpt" if full else "mlp")))
+                out.append((name, p(case_matches_single_process, backend=backend, kind=kind, cap_mb=cap, as_view=view)))
+        out.append(
+            (
+                f"{backend}-same_grads_as_torch_ddp-{'gpt' if full else 'mlp'}",
+                p(case_same_grads_as_torch_ddp, backend=backend, kind="gpt" if full else "mlp"),
+            )
+        )
         for view in (False, True) if full else (False,):
-            out.append((f"{backend}-no_sync-{'view' if view else 'copy'}",
-                        p(case_no_sync_accumulation, backend=backend, as_view=view)))
+            out.append(
+                (
+                    f"{backend}-no_sync-{'view' if view else 'copy'}",
+                    p(case_no_sync_accumulation, backend=backend, as_view=view),
+                )
+            )
         for static in (False, True) if full else (False,):
-            out.append((f"{backend}-find_unused_parameters-{'static' if static else 'dynamic'}",
-                        p(case_find_unused_parameters, backend=backend, static_graph=static)))
+            out.append(
+                (
+                    f"{backend}-find_unused_parameters-{'static' if static else 'dynamic'}",
+                    p(case_find_unused_parameters, backend=backend, static_graph=static),
+                )
+            )
         simple = [case_unused_without_flag_raises, case_mismatched_models_raise_everywhere]
         if full:
-            simple += [case_bucket_view_grads_live_in_buckets, case_comm_hooks_match_torch,
-                       case_overlap_is_real, case_buckets_rebuilt_in_ready_order,
-                       case_buffers_forward_api_and_state_dict, case_verify_replicas]
+            simple += [
+                case_bucket_view_grads_live_in_buckets,
+                case_comm_hooks_match_torch,
+                case_overlap_is_real,
+                case_buckets_rebuilt_in_ready_order,
+                case_buffers_forward_api_and_state_dict,
+                case_verify_replicas,
+            ]
         for fn in simple:
             out.append((f"{backend}-{fn.__name__.removeprefix('case_')}", p(fn, backend=backend)))
     return out
@@ -387,7 +402,8 @@ def suite(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "world_size,case", [(ws, name) for ws in (2, 3, 4) for name, _ in cases(ws)],
+    "world_size,case",
+    [(ws, name) for ws in (2, 3, 4) for name, _ in cases(ws)],
     ids=[f"ws{ws}-{name}" for ws in (2, 3, 4) for name, _ in cases(ws)],
 )
 def test_ddp(suite, world_size, case):

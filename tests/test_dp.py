@@ -59,9 +59,10 @@ def test_outputs_and_gradients_equal_single_module(kind):
             assert_close(got, want)
 
 
-@pytest.mark.parametrize("batch, devices, sizes", [(1, CPU2, [1]), (2, CPU3, [1, 1]),
-                                                  (5, ["cpu"] * 4, [2, 2, 1]),
-                                                  (7, CPU3, [3, 3, 1]), (4, CPU2, [2, 2])])
+@pytest.mark.parametrize(
+    "batch, devices, sizes",
+    [(1, CPU2, [1]), (2, CPU3, [1, 1]), (5, ["cpu"] * 4, [2, 2, 1]), (7, CPU3, [3, 3, 1]), (4, CPU2, [2, 2])],
+)
 def test_odd_batches_use_chunk_sizes_and_fewer_replicas(batch, devices, sizes):
     model, _, _ = make_model("mlp")
     x = torch.randn(batch, 64)
@@ -343,8 +344,7 @@ def test_scatter_gather_match_torch_on_cuda():
 def test_loss_helper_matches_cross_entropy_over_concatenated_chunks():
     torch.manual_seed(0)
     logits, targets = torch.randn(7, 5), torch.randint(0, 5, (7,))
-    per_chunk = torch.stack([F.cross_entropy(lg, t) for lg, t in zip(logits.chunk(3), targets.chunk(3),
-                                                                     strict=True)])
+    per_chunk = torch.stack([F.cross_entropy(lg, t) for lg, t in zip(logits.chunk(3), targets.chunk(3), strict=True)])
     assert_close(mean_over_replicas(per_chunk, [3, 3, 1]), F.cross_entropy(logits, targets))
 
 

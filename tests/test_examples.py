@@ -21,8 +21,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def run(args: list[str], timeout: float = 150.0, env: dict[str, str] | None = None) -> str:
     """Run a command in its own process group; past `timeout`, kill it and every descendant."""
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -51,8 +57,7 @@ def test_collectives_match_torch_and_trace_the_ring():
     steps = re.split(r"^-- share-(?:reduce|only) step \d.*$", trace, flags=re.M)
     assert len(steps) == 7, out  # the start, 3 share-reduce steps, 3 share-only steps
     full = "'0+1+2+3'"
-    complete = [[line.count(full) for line in block.splitlines() if line.strip().startswith("rank")]
-                for block in steps]
+    complete = [[line.count(full) for line in block.splitlines() if line.strip().startswith("rank")] for block in steps]
     # After share-reduce step k no chunk is complete until k = 3, when each rank owns exactly one;
     # every share-only step then hands each rank one more finished chunk.
     assert complete == [[0] * 4, [0] * 4, [0] * 4, [1] * 4, [2] * 4, [3] * 4, [4] * 4], complete
@@ -64,8 +69,21 @@ def test_collectives_match_torch_and_trace_the_ring():
 @pytest.mark.timeout(200)
 def test_manual_modes_match_ddp(tmp_path):
     steps = 3
-    out = run([str(EXAMPLES / "manual_vs_ddp.py"), "--nproc", "3", "--steps", str(steps), "--batch-size", "2",
-               "--seq-len", "16", "--out", str(tmp_path)])
+    out = run(
+        [
+            str(EXAMPLES / "manual_vs_ddp.py"),
+            "--nproc",
+            "3",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = re.findall(r"^\s*(\d+) \|\s+(\S+) \|\s+(\S+) \|\s+(\S+)$", out, re.M)
     assert [int(r[0]) for r in rows] == list(range(steps)), out
     for _, *losses in rows:
@@ -111,10 +129,32 @@ def test_spawn_train_saves_module_state_dict(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_snapshot(tmp_path):
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-               str(EXAMPLES / "torchrun_snapshot.py"), "--steps", "8", "--snapshot-every", "3",
-               "--crash-at-step", "5", "--batch-size", "4", "--seq-len", "32", "--out", str(tmp_path)],
-              timeout=220, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # as the example's docstring says
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(EXAMPLES / "torchrun_snapshot.py"),
+            "--steps",
+            "8",
+            "--snapshot-every",
+            "3",
+            "--crash-at-step",
+            "5",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=220,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )  # as the example's docstring says
     assert "rank 1: simulated crash after step 5 (restart 0)" in out
     assert "resumed from step-00000003.pt at step 3 (restart 1)" in out
     assert "training finished at step 8" in out

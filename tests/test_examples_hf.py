@@ -19,7 +19,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_sequence_classi
 def test_hf_sequence_classification_beats_chance():
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--nproc", "2", "--steps", "100"],
-        capture_output=True, text=True, timeout=220,
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = float(re.search(r"accuracy before training: ([\d.]+)%", proc.stdout).group(1))

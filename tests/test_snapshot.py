@@ -20,8 +20,13 @@ def _state(step: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": [snapshot.capture_rng_state()], "config": {"lr": 1e-3, "data": "text"}}
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": [snapshot.capture_rng_state()],
+        "config": {"lr": 1e-3, "data": "text"},
+    }
 
 
 def _assert_same(a, b):

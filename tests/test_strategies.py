@@ -110,21 +110,30 @@ def cases(world_size: int) -> list[tuple[str, callable]]:
     out = []
     for backend in BACKENDS:
         if world_size == 1:
-            out.append((f"{backend}-world_size_one_is_plain",
-                        p(case_world_size_one_is_plain, backend=backend)))
+            out.append((f"{backend}-world_size_one_is_plain", p(case_world_size_one_is_plain, backend=backend)))
         kinds = ("mlp", "gpt") if world_size in (1, 2) else ("mlp",)
         for strategy in STRATEGIES:
             for kind in kinds:
-                out.append((f"{backend}-{strategy}-matches_single_process-{kind}",
-                            p(case_strategy_matches_single_process,
-                              backend=backend, strategy=strategy, kind=kind)))
+                out.append(
+                    (
+                        f"{backend}-{strategy}-matches_single_process-{kind}",
+                        p(case_strategy_matches_single_process, backend=backend, strategy=strategy, kind=kind),
+                    )
+                )
             if world_size > 1:
-                out.append((f"{backend}-{strategy}-missing_grads_count_as_zero",
-                            p(case_strategy_missing_grads_count_as_zero, backend=backend, strategy=strategy)))
-        out.append((f"{backend}-simple_ddp_no_sync",
-                    p(case_simple_ddp_no_sync_accumulation, backend=backend)))
-        out.append((f"{backend}-simple_ddp_rejects_unseeded_replicas",
-                    p(case_simple_ddp_rejects_unseeded_replicas, backend=backend)))
+                out.append(
+                    (
+                        f"{backend}-{strategy}-missing_grads_count_as_zero",
+                        p(case_strategy_missing_grads_count_as_zero, backend=backend, strategy=strategy),
+                    )
+                )
+        out.append((f"{backend}-simple_ddp_no_sync", p(case_simple_ddp_no_sync_accumulation, backend=backend)))
+        out.append(
+            (
+                f"{backend}-simple_ddp_rejects_unseeded_replicas",
+                p(case_simple_ddp_rejects_unseeded_replicas, backend=backend),
+            )
+        )
     return out
 
 
@@ -142,7 +151,8 @@ WORLD_SIZES = (1, 2, 3, 4)
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "world_size,case", [(ws, name) for ws in WORLD_SIZES for name, _ in cases(ws)],
+    "world_size,case",
+    [(ws, name) for ws in WORLD_SIZES for name, _ in cases(ws)],
     ids=[f"ws{ws}-{name}" for ws in WORLD_SIZES for name, _ in cases(ws)],
 )
 def test_strategies(suite, world_size, case):

@@ -24,9 +24,25 @@ from nanoddp.train.trainer import TrainConfig, Trainer
 # 112 training windows (an epoch is 14 steps at batch 8) and 5 validation windows (odd, so the
 # ranks' validation shards are uneven).
 TINY = TrainConfig(
-    engine="torch", data="text", text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2,
-    d_ff=64, batch_size=8, steps=4, lr=3e-3, warmup_steps=2, grad_clip=0.05, log_every=1, eval_every=0,
-    eval_samples=0, snapshot_every=0, resume="never", progress=False,
+    engine="torch",
+    data="text",
+    text_max_bytes=1900,
+    seq_len=16,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    d_ff=64,
+    batch_size=8,
+    steps=4,
+    lr=3e-3,
+    warmup_steps=2,
+    grad_clip=0.05,
+    log_every=1,
+    eval_every=0,
+    eval_samples=0,
+    snapshot_every=0,
+    resume="never",
+    progress=False,
 )
 ENGINES = ["torch", "nanoddp", "allreduce", "rs_ag"]  # "single" is the reference itself
 RESUME_STOP, RESUME_END = 9, 20  # stop mid-epoch 0, finish in epoch 1
@@ -107,9 +123,7 @@ def test_resume_skips_corrupt_snapshot_and_changes_world_size(ws2_results, tmp_p
     shutil.copytree(tmp / "split-torch-False", run_dir)
     newest = snapshot.snapshot_path(run_dir / "snapshots", RESUME_END)
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated: must be skipped with a warning
-    config = replace(
-        TINY, engine="single", steps=RESUME_END, snapshot_every=5, out=str(run_dir), resume="auto"
-    )
+    config = replace(TINY, engine="single", steps=RESUME_END, snapshot_every=5, out=str(run_dir), resume="auto")
     trainer = Trainer(config, DistEnv.single_process("gloo"))  # ws 2 -> 1
     assert trainer.step == 15
     assert trainer.sampler.epoch == 1 and trainer.sampler.position == 8 * (15 - 14)
@@ -141,22 +155,56 @@ def test_unknown_flag_is_rejected(capsys):
 
 
 def test_bad_config_file_and_tiny_dataset(tmp_path, capsys):
-    (tmp_path / "bad.toml").write_text('steps = 5\nlearning_rate = 0.1\n')
+    (tmp_path / "bad.toml").write_text("steps = 5\nlearning_rate = 0.1\n")
     assert cli.main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
     assert "unknown key(s) ['learning_rate']" in capsys.readouterr().err
     (tmp_path / "tiny.txt").write_text("x" * 200)
-    assert cli.main(["train", "--data", str(tmp_path / "tiny.txt"), "--seq-len", "64", "--nproc", "4",
-                     "--batch-size", "4"]) == 2
+    assert (
+        cli.main(
+            ["train", "--data", str(tmp_path / "tiny.txt"), "--seq-len", "64", "--nproc", "4", "--batch-size", "4"]
+        )
+        == 2
+    )
     assert "training set has 2 samples but the world size is 4" in capsys.readouterr().err
 
 
 def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
     """`nanoddp train --steps 20` on 2 processes via torchrun; the copy task's loss falls."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nanoddp", "train", "--steps", "20", "--data", "copy", "--seq-len", "32",
-           "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--batch-size", "16",
-           "--lr", "3e-3", "--warmup-steps", "5", "--log-every", "5", "--eval-samples", "64",
-           "--engine", "torch", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoddp",
+        "train",
+        "--steps",
+        "20",
+        "--data",
+        "copy",
+        "--seq-len",
+        "32",
+        "--d-model",
+        "64",
+        "--n-layers",
+        "2",
+        "--n-heads",
+        "4",
+        "--d-ff",
+        "128",
+        "--batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--log-every",
+        "5",
+        "--eval-samples",
+        "64",
+        "--engine",
+        "torch",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -180,6 +228,11 @@ def test_sample_generates_text_from_a_run(tmp_path, capsys):
 
 def test_worker_module_is_runnable():
     """`torchrun -m nanoddp.train` needs the module to have a usable --help."""
-    proc = subprocess.run([sys.executable, "-m", "nanoddp.train", "--help"], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoddp.train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
     assert proc.returncode == 0 and "--grad-accum" in proc.stdout and "--nproc" not in proc.stdout

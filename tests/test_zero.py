@@ -31,8 +31,12 @@ def make_model() -> nn.Module:
     """241 parameters (a prime) in 7 tensors: no world size divides them evenly."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(9, 13), nn.LayerNorm(13), nn.Tanh(),
-        nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3, bias=False),
+        nn.Linear(9, 13),
+        nn.LayerNorm(13),
+        nn.Tanh(),
+        nn.Linear(13, 5),
+        nn.Tanh(),
+        nn.Linear(5, 3, bias=False),
     )
 
 

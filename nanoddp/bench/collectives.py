@@ -75,9 +75,7 @@ def _time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _bench_worker(
-    env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int
-) -> list[dict]:
+def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int) -> list[dict]:
     """Runs on every rank; returns (on every rank) one row per (op, size) with both timings."""
     torch.set_num_threads(1)  # one core per rank at most: ranks share the host's cores
     n, rows = env.world_size, []
@@ -169,9 +167,7 @@ def write_plot(path: str, rows: list[dict]) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.8), squeeze=False)
     for ax, op in zip(axes[0], ops, strict=True):
         for n in sorted({r["world_size"] for r in rows}):
-            sel = sorted(
-                (r for r in rows if r["op"] == op and r["world_size"] == n), key=lambda r: r["size_bytes"]
-            )
+            sel = sorted((r for r in rows if r["op"] == op and r["world_size"] == n), key=lambda r: r["size_bytes"])
             sizes = [r["size_bytes"] for r in sel]
             line = ax.plot(sizes, [r["nanoddp_busbw_gbps"] for r in sel], "o-", label=f"nanoddp ws={n}")[0]
             ax.plot(
@@ -189,7 +185,6 @@ def write_plot(path: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-
 def _size_list(text: str) -> list[int]:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     sizes = []
@@ -199,9 +194,7 @@ def _size_list(text: str) -> list[int]:
         try:
             sizes.append(int(float(number) * scale))
         except ValueError:
-            raise ValueError(
-                f"--sizes: cannot read {item!r}; use bytes or K/M suffixes, e.g. 4K,1M"
-            ) from None
+            raise ValueError(f"--sizes: cannot read {item!r}; use bytes or K/M suffixes, e.g. 4K,1M") from None
     return sizes
 
 
@@ -215,9 +208,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sizes", nargs="+", default=None, help="bytes, K/M suffixes allowed (default: 4K..64M, powers of 4)"
     )
-    parser.add_argument(
-        "--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})"
-    )
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
     parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")

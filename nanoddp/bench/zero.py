@@ -113,7 +113,12 @@ def _measure(variant: str, n: int, preset: str, ddp: str, batch_size: int, steps
 
 
 def run_benchmark(
-    nprocs: list[int], preset: str, steps: int, warmup: int = 3, batch_size: int = 8, rounds: int = 2,
+    nprocs: list[int],
+    preset: str,
+    steps: int,
+    warmup: int = 3,
+    batch_size: int = 8,
+    rounds: int = 2,
     ddp: str = "torch",
 ) -> list[dict]:
     """One row per (world size, variant), plus ratios against DDP + AdamW on the ZeRO row."""
@@ -136,9 +141,7 @@ def run_benchmark(
         base, zero = by_variant["ddp_adamw"], by_variant["ddp_zero"]
         zero["samples_per_s_ratio"] = zero["samples_per_s"] / base["samples_per_s"]
         zero["state_fraction_of_unsharded"] = zero["state_bytes_per_rank"] / base["state_bytes_per_rank"]
-        zero["peak_rss_delta_ratio"] = (
-            zero["peak_rss_delta_bytes_per_rank"] / base["peak_rss_delta_bytes_per_rank"]
-        )
+        zero["peak_rss_delta_ratio"] = zero["peak_rss_delta_bytes_per_rank"] / base["peak_rss_delta_bytes_per_rank"]
         rows += [base, zero]
     return rows
 

@@ -134,9 +134,7 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
         if not is_number or not bucket_cap_mb > 0:
-            raise ValueError(
-                f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}"
-            )
+            raise ValueError(f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}")
         if comm_backend not in COMM_BACKENDS:
             raise ValueError(f"comm_backend must be one of {COMM_BACKENDS}, got {comm_backend!r}")
         if device_ids is not None and len(device_ids) > 1:
@@ -271,9 +269,7 @@ class DistributedDataParallel(nn.Module):
             self._trace("launch", bucket.index)
             if self._comm_hook is None:
                 bucket.buffer.div_(self._world_size)  # average as we sum: (N,)
-                bucket.handle = self._collectives.all_reduce(
-                    bucket.buffer, group=self.process_group, async_op=True
-                )
+                bucket.handle = self._collectives.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             else:
                 grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
                 bucket.handle = self._comm_hook(self._comm_hook_state, grad_bucket)

@@ -42,8 +42,7 @@ from nanoddp.parallel.scatter_gather import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataParallel", "gather", "mean_over_replicas", "parallel_apply", "replicate", "scatter",
-           "scatter_kwargs"]
+__all__ = ["DataParallel", "gather", "mean_over_replicas", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]
 
 # ----------------------------------------------------------------------------- replicate
 
@@ -65,8 +64,7 @@ def _copy_tensor(tensor: torch.Tensor, device: torch.device, share: bool) -> tor
     return tensor.to(device, copy=True)
 
 
-def _copy_module_tree(module: nn.Module, tensors: dict[int, torch.Tensor],
-                      memo: dict[int, nn.Module]) -> nn.Module:
+def _copy_module_tree(module: nn.Module, tensors: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
     """A shallow copy of every module in the tree with parameters/buffers swapped for `tensors`.
 
     Built without `__init__` and without `copy.deepcopy`: attributes (hooks, configs, the
@@ -82,8 +80,9 @@ def _copy_module_tree(module: nn.Module, tensors: dict[int, torch.Tensor],
     memo[id(module)] = replica
     replica.__dict__["_parameters"] = {k: tensors.get(id(p)) for k, p in module._parameters.items()}
     replica.__dict__["_buffers"] = {k: tensors.get(id(b)) for k, b in module._buffers.items()}
-    replica.__dict__["_modules"] = {k: None if child is None else _copy_module_tree(child, tensors, memo)
-                                    for k, child in module._modules.items()}
+    replica.__dict__["_modules"] = {
+        k: None if child is None else _copy_module_tree(child, tensors, memo) for k, child in module._modules.items()
+    }
     return replica
 
 
@@ -117,8 +116,14 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
         return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
 
 
-def _run_replica(replica: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                 grad_enabled: bool, autocast: tuple[bool, torch.dtype]) -> Any:
+def _run_replica(
+    replica: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    grad_enabled: bool,
+    autocast: tuple[bool, torch.dtype],
+) -> Any:
     """Run one replica with the caller's grad/autocast modes (both are thread-local in torch)."""
     enabled, dtype = autocast
     with torch.set_grad_enabled(grad_enabled), torch.autocast(device.type, dtype=dtype, enabled=enabled):
@@ -139,8 +144,12 @@ def _replica_error(index: int, device: torch.device, exc: BaseException) -> Base
     return wrapped
 
 
-def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple],
-                   kwargs: Sequence[dict] | None = None, devices: Sequence[DeviceLike] | None = None) -> list:
+def parallel_apply(
+    replicas: Sequence[nn.Module],
+    inputs: Sequence[tuple],
+    kwargs: Sequence[dict] | None = None,
+    devices: Sequence[DeviceLike] | None = None,
+) -> list:
     """`[replica_i(*inputs[i], **kwargs[i])]`, each in its own thread (one replica runs inline).
 
     Devices default to where each replica's first parameter lives. If a replica raises, the
@@ -150,8 +159,9 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple],
     n = len(replicas)
     kwargs = list(kwargs) if kwargs is not None else [{}] * n
     if not (len(inputs) == n and len(kwargs) == n):
-        raise ValueError(f"parallel_apply needs one input per replica: {n} replicas, "
-                         f"{len(inputs)} inputs, {len(kwargs)} kwargs")
+        raise ValueError(
+            f"parallel_apply needs one input per replica: {n} replicas, {len(inputs)} inputs, {len(kwargs)} kwargs"
+        )
     if devices is None:
         devices = [next(chain(r.parameters(), r.buffers()), torch.empty(0)).device for r in replicas]
     targets = [as_device(d) for d in devices]
@@ -162,8 +172,9 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple],
 
     def worker(i: int) -> None:
         try:
-            results[i] = _run_replica(replicas[i], tuple(inputs[i]), kwargs[i], targets[i],
-                                      grad_enabled, autocast[targets[i].type])
+            results[i] = _run_replica(
+                replicas[i], tuple(inputs[i]), kwargs[i], targets[i], grad_enabled, autocast[targets[i].type]
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             errors[i] = exc
 
@@ -193,8 +204,9 @@ def mean_over_replicas(losses: torch.Tensor, batch_sizes: Sequence[int]) -> torc
     (batch 5 on 2 devices gives 3 + 2: the mean of means over-weights the smaller chunk).
     """
     if losses.dim() != 1 or losses.numel() != len(batch_sizes):
-        raise ValueError(f"need one loss per replica: got losses of shape {tuple(losses.shape)} "
-                         f"and {len(batch_sizes)} batch sizes")
+        raise ValueError(
+            f"need one loss per replica: got losses of shape {tuple(losses.shape)} and {len(batch_sizes)} batch sizes"
+        )
     weights = torch.tensor(batch_sizes, dtype=losses.dtype, device=losses.device)  # (R,)
     return (losses * weights).sum() / weights.sum()
 
@@ -211,8 +223,13 @@ class DataParallel(nn.Module):
     Use loss-in-forward (`model(x, y)` returning a loss) and `reduce_loss` for training.
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
-                 output_device: DeviceLike | None = None, dim: int = 0):
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+    ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
@@ -235,8 +252,10 @@ class DataParallel(nn.Module):
         source = self.device_ids[0]
         for tensor in chain(self.module.parameters(), self.module.buffers()):
             if tensor.device != source:
-                raise ValueError(f"module must have its parameters and buffers on device_ids[0] = {source}, "
-                                 f"found one on {tensor.device}; call module.to({str(source)!r}) first")
+                raise ValueError(
+                    f"module must have its parameters and buffers on device_ids[0] = {source}, "
+                    f"found one on {tensor.device}; call module.to({str(source)!r}) first"
+                )
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.device_ids:
@@ -262,8 +281,13 @@ class DataParallel(nn.Module):
     def replicate(self, module: nn.Module, device_ids: Sequence[torch.device]) -> list[nn.Module]:
         return replicate(module, device_ids)
 
-    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[tuple], kwargs: Sequence[dict],
-                       devices: Sequence[torch.device] | None = None) -> list:
+    def parallel_apply(
+        self,
+        replicas: Sequence[nn.Module],
+        inputs: Sequence[tuple],
+        kwargs: Sequence[dict],
+        devices: Sequence[torch.device] | None = None,
+    ) -> list:
         return parallel_apply(replicas, inputs, kwargs, devices)
 
     def gather(self, outputs: Sequence[Any], output_device: torch.device) -> Any:
@@ -274,7 +298,8 @@ class DataParallel(nn.Module):
         if losses.dim() == 0:  # single-device path: the module's own scalar
             return losses
         if self.replica_batch_sizes is None:
-            raise ValueError("reduce_loss needs a preceding multi-replica forward whose inputs hold a "
-                             "batched tensor; otherwise average the losses yourself")
+            raise ValueError(
+                "reduce_loss needs a preceding multi-replica forward whose inputs hold a "
+                "batched tensor; otherwise average the losses yourself"
+            )
         return mean_over_replicas(losses, self.replica_batch_sizes)
-

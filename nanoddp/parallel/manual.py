@@ -51,9 +51,7 @@ def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str =
 
 
 @torch.no_grad()
-def reduce_scatter_all_gather_gradients(
-    model: nn.Module, group: Any = None, comm_backend: str = "nanoddp"
-) -> None:
+def reduce_scatter_all_gather_gradients(model: nn.Module, group: Any = None, comm_backend: str = "nanoddp") -> None:
     """Average all gradients with one reduce-scatter and one all-gather per dtype."""
     collectives = collectives_for(comm_backend)
     world_size = dist.get_world_size(group)

@@ -100,9 +100,7 @@ def broadcast_coalesced(
 
 
 @torch.no_grad()
-def verify_replicas(
-    model: nn.Module, atol: float = 0.0, group=None, comm_backend: str = "nanoddp"
-) -> None:
+def verify_replicas(model: nn.Module, atol: float = 0.0, group=None, comm_backend: str = "nanoddp") -> None:
     """Check that every rank holds the same parameter and buffer values (seed 001's check).
 
     Call it on every rank, e.g. after construction or every N steps to catch silent divergence.

@@ -41,8 +41,10 @@ def check_device_available(device: torch.device) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = 0 if device.index is None else device.index
     if index >= count:
-        raise ValueError(f"device {device} is not available: this machine has {count} visible GPU(s); "
-                         "pass device_ids=['cpu', 'cpu'] to run the data-parallel path on the CPU")
+        raise ValueError(
+            f"device {device} is not available: this machine has {count} visible GPU(s); "
+            "pass device_ids=['cpu', 'cpu'] to run the data-parallel path on the CPU"
+        )
 
 
 def normalize_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
@@ -97,8 +99,10 @@ def _scatter_one(obj: Any, devices: Sequence[torch.device], dim: int) -> list:
     if _is_dataclass_instance(obj):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         fields = [getattr(obj, n) for n in names]
-        return [dataclasses.replace(obj, **dict(zip(names, parts, strict=True)))
-                for parts in _per_device(fields, devices, dim)]
+        return [
+            dataclasses.replace(obj, **dict(zip(names, parts, strict=True)))
+            for parts in _per_device(fields, devices, dim)
+        ]
     return [obj for _ in devices]  # ints, strings, None...: every replica sees the same value
 
 
@@ -116,8 +120,9 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list:
     return _scatter_one(inputs, targets, dim)
 
 
-def scatter_kwargs(inputs: tuple, kwargs: dict | None, devices: Sequence[DeviceLike],
-                   dim: int = 0) -> tuple[list[tuple], list[dict]]:
+def scatter_kwargs(
+    inputs: tuple, kwargs: dict | None, devices: Sequence[DeviceLike], dim: int = 0
+) -> tuple[list[tuple], list[dict]]:
     """Scatter positional and keyword arguments; both lists padded to the same length."""
     scattered_inputs = scatter(tuple(inputs), devices, dim) if inputs else []
     scattered_kwargs = scatter(dict(kwargs), devices, dim) if kwargs else []
@@ -201,10 +206,13 @@ def _gather_one(outputs: list, target: torch.device, dim: int) -> Any:
         return type(first)(*parts) if _is_namedtuple(first) else type(first)(parts)
     if _is_dataclass_instance(first):
         names = [f.name for f in dataclasses.fields(first) if f.init]
-        return dataclasses.replace(first, **{n: _gather_one([getattr(o, n) for o in outputs], target, dim)
-                                             for n in names})
-    raise ValueError(f"gather: cannot gather outputs of type {type(first).__name__}; return tensors, "
-                     "tuples, lists, dicts or dataclasses of tensors")
+        return dataclasses.replace(
+            first, **{n: _gather_one([getattr(o, n) for o in outputs], target, dim) for n in names}
+        )
+    raise ValueError(
+        f"gather: cannot gather outputs of type {type(first).__name__}; return tensors, "
+        "tuples, lists, dicts or dataclasses of tensors"
+    )
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:

@@ -335,8 +335,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         """
         self._check_state_dict(state_dict)
         if SHARD_KEY in state_dict:
-            raise ValueError("this is a sharded state dict (from sharded_state_dict()): load it with "
-                             "load_sharded_state_dict")
+            raise ValueError(
+                "this is a sharded state dict (from sharded_state_dict()): load it with load_sharded_state_dict"
+            )
         self._load(state_dict)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,8 +345,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._check_state_dict(state_dict)
         shard = state_dict.get(SHARD_KEY)
         if shard is None:
-            raise ValueError("not a sharded state dict (no 'zero_shard' entry): load a full state with "
-                             "load_state_dict")
+            raise ValueError("not a sharded state dict (no 'zero_shard' entry): load a full state with load_state_dict")
         if shard["world_size"] != self.world_size or shard["rank"] != self.rank:
             raise ValueError(
                 f"shard was saved by rank {shard['rank']} of {shard['world_size']}, loading on rank "

@@ -45,8 +45,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("launch (torchrun's meaning)")
-    group.add_argument("--nproc", type=int, default=None,
-                       help="processes per node (default: all GPUs, else 2; 1 for --engine single)")
+    group.add_argument(
+        "--nproc", type=int, default=None, help="processes per node (default: all GPUs, else 2; 1 for --engine single)"
+    )
     group.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs (default: 1)")
     group.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
     group.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
@@ -132,9 +133,20 @@ def config_to_argv(config: TrainConfig) -> list[str]:
 
 def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> list[str]:
     """The `torchrun ...` command line (without the program name) for this launch."""
-    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
-            "--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id,
-            "--max-restarts", str(args.max_restarts)]
+    argv = [
+        "--nproc-per-node",
+        str(nproc),
+        "--nnodes",
+        str(args.nnodes),
+        "--node-rank",
+        str(args.node_rank),
+        "--rdzv-backend",
+        args.rdzv_backend,
+        "--rdzv-id",
+        args.rdzv_id,
+        "--max-restarts",
+        str(args.max_restarts),
+    ]
     single_node = _max_nodes(args.nnodes) == 1 and not args.rdzv_endpoint
     if args.standalone or single_node:
         argv.append("--standalone")
@@ -210,8 +222,9 @@ def worker_main(config: TrainConfig) -> int:
 
 
 def _worker_entry(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}",
-                                     description="nanoddp train, one rank (run me under torchrun)")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {WORKER_MODULE}", description="nanoddp train, one rank (run me under torchrun)"
+    )
     add_train_args(parser)
     args = parser.parse_args(argv)
     return worker_main(config_from_args(TrainConfig, args, args.config))

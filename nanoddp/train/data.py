@@ -96,7 +96,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def _global_order(self) -> torch.Tensor:
         """The not-yet-consumed part of the epoch, trimmed or padded to a multiple of W."""
         order = self.permutation()
-        remaining = order[min(self.position, self.dataset_len):]
+        remaining = order[min(self.position, self.dataset_len) :]
         extra = len(remaining) % self.num_replicas
         if extra and self.drop_last:
             remaining = remaining[: len(remaining) - extra]

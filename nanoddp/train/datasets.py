@@ -146,8 +146,7 @@ def random_tokens(num_samples: int, seq_len: int, vocab_size: int, seed: int = 1
     return TokenRows(torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=generator))
 
 
-def copy_task(num_samples: int, seq_len: int, vocab_size: int = 16, period: int = 8,
-              seed: int = 1234) -> TokenRows:
+def copy_task(num_samples: int, seq_len: int, vocab_size: int = 16, period: int = 8, seed: int = 1234) -> TokenRows:
     """A learnable task: each row is a random block of `period` tokens (ids < `vocab_size`)
     repeated to fill the row.
 

@@ -88,8 +88,14 @@ class Engine:
     evaluation and the optimizer). `comm` times gradient communication where it can be seen.
     """
 
-    def __init__(self, name: str, model: nn.Module, module: nn.Module,
-                 sync_grads: Callable[[nn.Module], None] | None = None, comm: CommTimer | None = None):
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        module: nn.Module,
+        sync_grads: Callable[[nn.Module], None] | None = None,
+        comm: CommTimer | None = None,
+    ):
         self.name = name
         self.model = model
         self.module = module

@@ -13,7 +13,14 @@ from nanoddp.train.snapshot import atomic_write_bytes
 logger = logging.getLogger(__name__)
 
 REQUIRED_KEYS = (
-    "step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "world_size",
+    "step",
+    "loss",
+    "lr",
+    "step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "comm_time_s",
+    "world_size",
 )
 
 

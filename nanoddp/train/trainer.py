@@ -108,8 +108,13 @@ class Trainer:
             self.train_set, env.world_size, env.rank, shuffle=True, seed=config.seed
         )
         # Our own generator, so that starting an epoch never draws from the global RNG.
-        self.loader = DataLoader(self.train_set, batch_size=self.micro_batch, sampler=self.sampler,
-                                 drop_last=True, generator=torch.Generator().manual_seed(config.seed))
+        self.loader = DataLoader(
+            self.train_set,
+            batch_size=self.micro_batch,
+            sampler=self.sampler,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(config.seed),
+        )
         self.step = 0
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
         self.resumed_from = self._maybe_resume()
@@ -153,8 +158,9 @@ class Trainer:
             path = _broadcast_object(str(found[0]) if found else None, self.env)
             if path is None:
                 if self.env.restart_count > 0 and self.env.is_master:
-                    logger.warning("restart %d: no valid snapshot in %s, starting from step 0",
-                                   self.env.restart_count, directory)
+                    logger.warning(
+                        "restart %d: no valid snapshot in %s, starting from step 0", self.env.restart_count, directory
+                    )
                 return None
             state = found[1] if found else snapshot.load(path)
         else:
@@ -210,8 +216,9 @@ class Trainer:
             snapshot.restore_rng_state(saved[self.env.rank])
         else:  # the data order stays exact; only per-rank random streams start afresh
             if self.env.is_master:
-                logger.warning("world size changed from %d to %d: RNG states re-seeded",
-                               len(saved), self.env.world_size)
+                logger.warning(
+                    "world size changed from %d to %d: RNG states re-seeded", len(saved), self.env.world_size
+                )
             seed_everything(self.config.seed + self.step, self.env.rank)
 
     # --- the loop ---------------------------------------------------------------------------
@@ -263,8 +270,15 @@ class Trainer:
         batches = self._batches()
         self.module.train()
         progress = self._progress_bar(end)
-        logger.info("training %s on %d rank(s), engine %s, %d CPU thread(s) per rank, steps %d-%d",
-                    cfg.model, self.env.world_size, cfg.engine, self.threads, self.step, end)
+        logger.info(
+            "training %s on %d rank(s), engine %s, %d CPU thread(s) per rank, steps %d-%d",
+            cfg.model,
+            self.env.world_size,
+            cfg.engine,
+            self.threads,
+            self.step,
+            end,
+        )
         window = _Window(self.step)
         with _redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
