@@ -20,8 +20,6 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# The variables torchrun sets for every worker; the first five describe the process layout.
-TORCHRUN_LAYOUT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 TORCHRUN_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
 DEFAULT_PG_TIMEOUT = timedelta(minutes=5)
 
@@ -74,11 +72,6 @@ class DistEnv:
     def is_master(self) -> bool:
         """Rank 0: the one process that logs, prints and writes shared files."""
         return self.rank == 0
-
-    @property
-    def is_local_master(self) -> bool:
-        """Local rank 0: one per node, e.g. for per-node downloads."""
-        return self.local_rank == 0
 
     @classmethod
     def single_process(cls, backend: str | None = None) -> DistEnv:

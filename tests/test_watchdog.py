@@ -51,10 +51,9 @@ def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
 
 def _rank_1_skips_a_collective(env, log_dir, backend):
     """No explicit `track`: nanoddp.comm and the watched torch collectives register themselves."""
-    from nanoddp import comm
-    from nanoddp.comm import watched
+    from nanoddp.comm.backend import collectives_for
 
-    collectives = comm if backend == "nanoddp" else watched
+    collectives = collectives_for(backend)
     logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
     watchdog.enable(TIMEOUT_S, poll_s=0.2)
     collectives.all_reduce(torch.ones(10))

@@ -1,13 +1,19 @@
 """`nanoddp bench ...`: the benchmark command group.
 
-Each benchmark lives in its own module (`bench_collectives`, `bench_train`, ...) exposing
-`register_cli(bench_subparsers)`; this file only groups them under `nanoddp bench`.
+Each benchmark lives in its own module (`collectives`, `train`, ...) exposing
+`register_cli(bench_subparsers)`; this file groups them under `nanoddp bench` and holds what
+they share: the `--nproc` parser, the `--json/--plot` flags and the one way results are written.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import json
+from typing import Any
+
+from nanoddp.train.snapshot import atomic_write_bytes
 
 BENCHMARK_MODULES = (
     "nanoddp.bench.collectives",
@@ -27,6 +33,28 @@ def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:
     if not sizes or any(n < minimum for n in sizes):
         raise ValueError(f"--nproc needs world sizes >= {minimum}, got {text!r}")
     return sizes
+
+
+def add_output_args(parser: argparse.ArgumentParser, plot_help: str | None = None) -> None:
+    """`--json FILE` (every result, with the run's metadata) and, where a plot exists, `--plot FILE`."""
+    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    if plot_help is not None:
+        parser.add_argument("--plot", default=None, metavar="FILE", help=plot_help)
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """A benchmark's results ({"meta": ..., "results": [...]}), written atomically."""
+    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def save_figure(path: str, fig: Any) -> None:
+    """A matplotlib figure as PNG, written atomically, then closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

@@ -14,12 +14,10 @@ sizes: it is the bandwidth each link would need.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -28,7 +26,7 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp import comm
-from nanoddp.bench import parse_world_sizes
+from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -135,27 +133,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: str, write: Callable[[str], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_json(path: str, rows: list[dict], meta: dict) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump({"meta": meta, "results": rows}, f, indent=2)
-
-    _write_atomic(path, write)
-
-
 def write_plot(path: str, rows: list[dict]) -> None:
     """busbw vs size, one panel per op, a solid (nanoddp) and dashed (torch) line per world size."""
     import matplotlib
@@ -181,8 +158,7 @@ def write_plot(path: str, rows: list[dict]) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def _size_list(text: str) -> list[int]:
@@ -211,8 +187,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
-    parser.add_argument("--plot", default=None, metavar="FILE", help="write a busbw-vs-size PNG")
+    add_output_args(parser, plot_help="write a busbw-vs-size PNG")
     parser.set_defaults(run=_run)
 
 
@@ -234,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES,
     }  # fmt: skip
     if args.json:
-        write_json(args.json, rows, meta)
+        write_json(args.json, {"meta": meta, "results": rows})
         print(f"wrote {args.json}")
     if args.plot:
         write_plot(args.plot, rows)

@@ -6,13 +6,11 @@ README figures from a saved JSON, on any machine, without running anything.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import statistics
 import textwrap
 
-from nanoddp.train.snapshot import atomic_write_bytes
+from nanoddp.bench import save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +168,6 @@ def format_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, data: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-
-
 def write_plot(path: str, data: dict) -> None:
     """Left: samples/s vs world size per engine (dashed: linear scaling of one process). Right:
     per-step time split into compute and exposed communication, one bar per (engine, ws > 1)."""
@@ -209,7 +203,4 @@ def write_plot(path: str, data: dict) -> None:
     right.legend(fontsize=8)
     fig.suptitle(textwrap.fill(caption(meta), 180), fontsize=7)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    save_figure(path, fig)

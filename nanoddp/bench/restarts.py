@@ -11,7 +11,6 @@ during a write must never be read back half-written; random kill times hit write
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanoddp.train.snapshot import atomic_write_bytes
+from nanoddp.bench import add_output_args, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--trials", type=int, default=10, help="kill trials (default: 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
     parser.add_argument("--max-delay", type=float, default=2.5, help="latest kill, seconds after the first snapshot")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    add_output_args(parser)
     parser.set_defaults(run=_run)
 
 
@@ -116,6 +115,6 @@ def _run(args: argparse.Namespace) -> int:
     report = run_trials(args.trials, args.seed, args.max_delay)
     print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
     if args.json:
-        atomic_write_bytes(Path(args.json), json.dumps(report, indent=2).encode())
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0 if report["passed"] == report["trials"] else 1

@@ -38,16 +38,19 @@ import torch
 import torch.distributed as dist
 
 import nanoddp
-from nanoddp.bench import parse_world_sizes
-from nanoddp.bench.report import format_markdown, summarise, write_json, write_plot
+from nanoddp.bench import add_output_args, parse_world_sizes, write_json
+from nanoddp.bench.report import format_markdown, summarise, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
+from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
 from nanoddp.train.engines import CommTimer, Engine, build_engine
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("single", "nanoddp", "torch", "allreduce", "rs_ag", "dp", "zero", "nanoddp_torchcomm")
 TORCHCOMM = "nanoddp_torchcomm"  # our DDP engine over torch.distributed's collectives (comm_backend="torch")
+# The trainer's engines (one registry, train.engines) plus the variants only a benchmark runs:
+# single-process DataParallel, ZeRO-1 under our DDP, and our DDP over torch's collectives.
+ENGINES = (*TRAIN_ENGINES, "dp", "zero", TORCHCOMM)
 ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
 # Every rank trains its own replica on its per-rank batch and never syncs: what ws processes
 # reach with free communication, so scaling lost to compute (smaller batches, cores and memory
@@ -376,8 +379,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (>= 2)")
     parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
-    parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG (throughput, comm)")
+    add_output_args(parser, plot_help="write a PNG (throughput, comm)")
     parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
     parser.add_argument(
         "--backend",

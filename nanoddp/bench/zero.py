@@ -13,13 +13,11 @@ the median over rounds, memory the largest value seen.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import resource
 import statistics
-import tempfile
 import time
 
 import psutil
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
-from nanoddp.bench import parse_world_sizes
+from nanoddp.bench import add_output_args, parse_world_sizes, write_json
 from nanoddp.models import GPT, gpt_config
 from nanoddp.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -167,20 +165,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list[dict], meta: dict) -> None:
-    """Temp file in the same directory, then os.replace: readers never see half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"meta": meta, "results": rows}, f, indent=2)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser = bench_subparsers.add_parser(
         "zero",
@@ -194,7 +178,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)")
     parser.add_argument("--rounds", type=int, default=2, help="launches per variant, alternating")
     parser.add_argument("--ddp", choices=["torch", "nanoddp"], default="torch", help="the DDP wrapper")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    add_output_args(parser)
     parser.set_defaults(run=_run)
 
 
@@ -214,6 +198,6 @@ def _run(args: argparse.Namespace) -> int:
         "cuda": torch.cuda.is_available(),
     }  # fmt: skip
     if args.json:
-        write_json(args.json, rows, meta)
+        write_json(args.json, {"meta": meta, "results": rows})
         print(f"wrote {args.json}")
     return 0

@@ -13,19 +13,26 @@ bracketed by `begin(...)`/`end(...)` on this process's watchdog. A background th
    the group.
 
 Disabled (the default), `track`/`begin`/`end` are no-ops that cost one global lookup.
+
+`nanoddp.comm` registers its own collectives; `TORCH_COLLECTIVES` gives torch.distributed's the
+same protection, so the engines' `comm_backend="torch"` path is watched too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -52,8 +59,9 @@ def _group_key(group_ranks: tuple[int, ...]) -> str:
 class CollectiveWatchdog:
     """Per-process monitor of in-flight collectives (see the module docstring)."""
 
-    def __init__(self, timeout_s: float, store: dist.Store | None = None, poll_s: float = 1.0,
-                 exit_on_hang: bool = True):
+    def __init__(
+        self, timeout_s: float, store: dist.Store | None = None, poll_s: float = 1.0, exit_on_hang: bool = True
+    ):
         if timeout_s <= 0:
             raise ValueError(f"collective timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -186,3 +194,71 @@ def track(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Iterat
         yield
     finally:
         _active.end(token)
+
+
+class _WatchedWork:
+    """torch's Work, plus the watchdog token it must release when the caller waits."""
+
+    def __init__(self, work: dist.Work, token: int) -> None:
+        self._work, self._token = work, token
+
+    def wait(self, *args: Any) -> bool:
+        try:
+            return self._work.wait(*args)
+        finally:
+            end(self._token)
+
+    def get_future(self) -> torch.futures.Future:
+        """torch's future, releasing the token once it completes (comm hooks never call wait)."""
+
+        def release(done: torch.futures.Future) -> Any:
+            end(self._token)
+            return done.value()
+
+        return self._work.get_future().then(release)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, is_success, ...
+        return getattr(self._work, name)
+
+
+def _numel(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_numel(v) for v in value)
+    return 0
+
+
+def _watched(fn: Callable[..., Any], name: str, tensor_arg: int) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, group: dist.ProcessGroup | None = None, async_op: bool = False, **kwargs: Any) -> Any:
+        if active() is None:
+            return fn(*args, group=group, async_op=async_op, **kwargs)
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        token = begin(name, _numel(args[tensor_arg]) if len(args) > tensor_arg else 0, ranks)
+        try:
+            work = fn(*args, group=group, async_op=async_op, **kwargs)
+        except BaseException:
+            end(token)
+            raise
+        if not async_op:
+            end(token)
+            return work
+        return _WatchedWork(work, token)
+
+    return call
+
+
+# torch.distributed's collectives, each bracketed by begin/end (an async call ends when its
+# Work is waited on or its future completes). The torch side of `nanoddp.comm.backend`.
+TORCH_COLLECTIVES = types.SimpleNamespace(
+    ReduceOp=dist.ReduceOp,
+    all_reduce=_watched(dist.all_reduce, "all_reduce", 0),
+    reduce=_watched(dist.reduce, "reduce", 0),
+    broadcast=_watched(dist.broadcast, "broadcast", 0),
+    all_gather=_watched(dist.all_gather, "all_gather", 1),
+    all_gather_into_tensor=_watched(dist.all_gather_into_tensor, "all_gather_into_tensor", 1),
+    reduce_scatter_tensor=_watched(dist.reduce_scatter_tensor, "reduce_scatter_tensor", 1),
+    scatter=_watched(dist.scatter, "scatter", 0),
+    gather=_watched(dist.gather, "gather", 0),
+)

@@ -6,39 +6,19 @@ nothing. Buckets are the middle ground: parameters are grouped, in the order the
 are expected to become ready (reverse registration order at first, the observed order after
 one iteration), into flat buffers of at most `bucket_cap_mb`. A bucket's all-reduce starts the
 moment its last gradient lands, while backward keeps computing the earlier layers.
-
-This module also holds the one indirection between the engine and its collectives library
-(`collectives_for`), so the same engine runs over `nanoddp.comm` or `torch.distributed`.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 
 import torch
 
-COMM_BACKENDS = ("nanoddp", "torch")
+from nanoddp.comm.backend import Collectives
+
 # torch DDP's first bucket is 1 MiB whatever the cap: the last layers' gradients arrive first,
 # and a small first bucket puts communication on the wire as early as possible.
 FIRST_BUCKET_BYTES = 1024 * 1024
-
-
-def collectives_for(comm_backend: str) -> types.ModuleType:
-    """The module whose `all_reduce`, `broadcast`, `all_gather`, ... the engine calls.
-
-    Both candidates share torch.distributed's signatures, so engine code never branches on the
-    backend. `nanoddp.comm` is imported lazily: a package import never depends on it.
-    """
-    if comm_backend == "torch":
-        from nanoddp.comm import watched  # torch.distributed's functions, known to the hang watchdog
-
-        return watched
-    if comm_backend == "nanoddp":
-        from nanoddp import comm
-
-        return comm
-    raise ValueError(f"comm_backend must be one of {COMM_BACKENDS}, got {comm_backend!r}")
 
 
 def assign_buckets(
@@ -111,7 +91,7 @@ class GradBucket:
     torch.distributed when registered on torch DDP.
     """
 
-    def __init__(self, bucket: Bucket, num_buckets: int, collectives: types.ModuleType, group):
+    def __init__(self, bucket: Bucket, num_buckets: int, collectives: Collectives, group):
         self._bucket = bucket
         self._num_buckets = num_buckets
         self._collectives = collectives

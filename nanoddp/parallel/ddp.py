@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.parallel.buckets import COMM_BACKENDS, Bucket, GradBucket, assign_buckets, collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
+from nanoddp.parallel.buckets import Bucket, GradBucket, assign_buckets
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+from nanoddp.parallel.scatter_gather import move_to
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +46,6 @@ def _grad_ready_trampoline(engine_ref: weakref.ref, index: int, param: torch.Ten
     engine = engine_ref()
     if engine is not None:
         engine._on_grad_ready(index, param)
-
-
-def _move_to(obj: Any, device: torch.device) -> Any:
-    """Inputs onto the module's device (tensors inside tuples, lists and dicts too)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        moved = [_move_to(x, device) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
-    return obj
 
 
 class DistributedDataParallel(nn.Module):
@@ -79,7 +69,7 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         *,
-        comm_backend: str = "nanoddp",
+        comm_backend: str = DEFAULT_COMM_BACKEND,
     ):
         super().__init__()
         self._validate_args(module, device_ids, bucket_cap_mb, comm_backend)
@@ -103,24 +93,25 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         names = {id(p): name for name, p in module.named_parameters()}
         self._param_names = [names[id(p)] for p in self._params]
-        self._buckets: list[Bucket] = []
+        self._buckets: list[Bucket] = []  # stays empty at world size 1: nothing to reduce
+        self._slot_of: list[tuple[Bucket, int] | None] = [None] * len(self._params)
         self._sync_iterations = 0
+        self._used_since_sync = [False] * len(self._params)
+        self._ready_order: list[int] | None = []  # first synced iteration's arrival order
+        self._rebuild_due = False
+        self._known_unused: list[int] | None = None  # static_graph: globally unused after iteration 1
+        self._reset_sync_state()
         if not dist.is_initialized():
             self._world_size, self._rank, self._src = 1, 0, 0
         else:
             self._world_size, self._rank, self._src = group_size_rank_src(process_group)
         if self._world_size == 1:
-            return
+            return  # the same object, as a pass-through: no hooks, no communication
         check_same_structure(module, self._collectives, process_group)
         broadcast_coalesced(
             list(module.parameters()) + list(module.buffers()), self._collectives, process_group, self._src
         )
         self._build_buckets(list(reversed(range(len(self._params)))))
-        self._reset_sync_state()
-        self._used_since_sync = [False] * len(self._params)
-        self._ready_order: list[int] | None = []  # first synced iteration's arrival order
-        self._rebuild_due = False
-        self._known_unused: list[int] | None = None  # static_graph: globally unused after iteration 1
         engine_ref = weakref.ref(self)
         handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_trampoline, engine_ref, i))
@@ -135,8 +126,7 @@ class DistributedDataParallel(nn.Module):
         is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
         if not is_number or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}")
-        if comm_backend not in COMM_BACKENDS:
-            raise ValueError(f"comm_backend must be one of {COMM_BACKENDS}, got {comm_backend!r}")
+        check_comm_backend(comm_backend)
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError(
                 f"device_ids must name at most one device (one process per device), got {list(device_ids)}"
@@ -191,7 +181,7 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
-            inputs, kwargs = _move_to(inputs, self._device), _move_to(kwargs, self._device)
+            inputs, kwargs = move_to(inputs, self._device, True), move_to(kwargs, self._device, True)
         if self._world_size > 1:
             self._prepare_for_forward()
         return self.module(*inputs, **kwargs)

@@ -19,17 +19,18 @@ The return annotations are real objects (no `from __future__ import annotations`
 checks that a hook's return annotation is exactly `torch.futures.Future[torch.Tensor]`.
 """
 
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nanoddp.comm.backend import Collectives
+
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 
-def _collectives_and_group(state: Any, bucket) -> tuple[types.ModuleType, Any]:
+def _collectives_and_group(state: Any, bucket) -> tuple[Collectives, Any]:
     """Reduce with the engine's backend and group when the bucket is one of ours; a torch
     GradBucket has neither, so fall back to torch.distributed and the default group."""
     collectives = getattr(bucket, "_collectives", dist)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.parallel.buckets import collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.replicas import check_same_structure, group_size_rank_src
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str = "nanoddp") -> None:
+def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str = DEFAULT_COMM_BACKEND) -> None:
     """Average every parameter's gradient over the ranks of `group`, one all-reduce each."""
     collectives = collectives_for(comm_backend)
     world_size = dist.get_world_size(group)
@@ -51,7 +51,9 @@ def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str =
 
 
 @torch.no_grad()
-def reduce_scatter_all_gather_gradients(model: nn.Module, group: Any = None, comm_backend: str = "nanoddp") -> None:
+def reduce_scatter_all_gather_gradients(
+    model: nn.Module, group: Any = None, comm_backend: str = DEFAULT_COMM_BACKEND
+) -> None:
     """Average all gradients with one reduce-scatter and one all-gather per dtype."""
     collectives = collectives_for(comm_backend)
     world_size = dist.get_world_size(group)
@@ -87,7 +89,7 @@ class SimpleDDP:
     `disable_grad_sync()`) it does nothing, so gradients accumulate locally.
     """
 
-    def __init__(self, model: nn.Module, group: Any = None, comm_backend: str = "nanoddp"):
+    def __init__(self, model: nn.Module, group: Any = None, comm_backend: str = DEFAULT_COMM_BACKEND):
         self.model = model
         self.group = group
         self.comm_backend = comm_backend

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.parallel.buckets import collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, Collectives, collectives_for
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ def group_size_rank_src(group) -> tuple[int, int, int]:
     return world_size, rank, src
 
 
-def gather_json(value, collectives: types.ModuleType, group=None) -> list:
+def gather_json(value, collectives: Collectives, group=None) -> list:
     """All-gather a JSON-serialisable value from every rank (as padded uint8 tensors)."""
     world_size = dist.get_world_size(group)
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)  # (L,)
@@ -54,7 +53,7 @@ def _describe(entry) -> str:
     return f"'{name}' shape {tuple(shape)} {dtype}"
 
 
-def check_same_structure(module: nn.Module, collectives: types.ModuleType, group=None) -> None:
+def check_same_structure(module: nn.Module, collectives: Collectives, group=None) -> None:
     """Raise ValueError on every rank unless all ranks hold the same parameter and buffer
     names, shapes, dtypes and requires_grad flags, naming the first one that differs and where.
 
@@ -83,9 +82,7 @@ def check_same_structure(module: nn.Module, collectives: types.ModuleType, group
 
 
 @torch.no_grad()
-def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], collectives: types.ModuleType, group=None, src: int = 0
-) -> None:
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], collectives: Collectives, group=None, src: int = 0) -> None:
     """Overwrite `tensors` with `src`'s values using one broadcast per dtype/device."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -100,7 +97,7 @@ def broadcast_coalesced(
 
 
 @torch.no_grad()
-def verify_replicas(model: nn.Module, atol: float = 0.0, group=None, comm_backend: str = "nanoddp") -> None:
+def verify_replicas(model: nn.Module, atol: float = 0.0, group=None, comm_backend: str = DEFAULT_COMM_BACKEND) -> None:
     """Check that every rank holds the same parameter and buffer values (seed 001's check).
 
     Call it on every rank, e.g. after construction or every N steps to catch silent divergence.

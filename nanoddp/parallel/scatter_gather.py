@@ -134,20 +134,20 @@ def scatter_kwargs(
     return scattered_inputs, scattered_kwargs
 
 
-def move_to(obj: Any, device: torch.device) -> Any:
+def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """`obj` with every tensor moved to `device` (the very same objects when already there)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, non_blocking=non_blocking)
     if not _contains_tensor(obj):
         return obj
     if _is_namedtuple(obj):
-        return type(obj)(*(move_to(x, device) for x in obj))
+        return type(obj)(*(move_to(x, device, non_blocking) for x in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(move_to(x, device) for x in obj)
+        return type(obj)(move_to(x, device, non_blocking) for x in obj)
     if isinstance(obj, Mapping):
-        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
+        return type(obj)((k, move_to(v, device, non_blocking)) for k, v in obj.items())
     names = [f.name for f in dataclasses.fields(obj) if f.init]  # a dataclass (_contains_tensor)
-    return dataclasses.replace(obj, **{n: move_to(getattr(obj, n), device) for n in names})
+    return dataclasses.replace(obj, **{n: move_to(getattr(obj, n), device, non_blocking) for n in names})
 
 
 def _contains_tensor(obj: Any) -> bool:

@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+
 logger = logging.getLogger(__name__)
 
 SHARD_KEY = "zero_shard"  # marks a sharded state dict, so the two load paths can't be confused
-COMM_BACKENDS = ("torch", "nanoddp")
 
 
 def assign_owners(numels: list[int], world_size: int, loads: list[int] | None = None) -> list[int]:
@@ -119,8 +120,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Same constructor as torch's: `ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
     lr=1e-3)`; `**defaults` go to `optimizer_class`. `process_group` (default: the world) is
-    the data-parallel group. `comm_backend="nanoddp"` sends the per-step broadcast through
-    `nanoddp.comm` instead of `torch.distributed`. Without an initialised process group it
+    the data-parallel group. `comm_backend` picks the collectives of the per-step broadcast:
+    `"nanoddp"` (ours, the default) or `"torch"` (torch.distributed's). Without an initialised process group it
     runs as a single rank, so the same script works in a notebook.
     """
 
@@ -130,7 +131,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer_class: type[Optimizer],
         *,
         process_group: dist.ProcessGroup | None = None,
-        comm_backend: str = "torch",
+        comm_backend: str = DEFAULT_COMM_BACKEND,
         **defaults: Any,
     ):
         params = _check_params(params)
@@ -139,11 +140,9 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
                 f"(the class, not an instance), got {optimizer_class!r}"
             )
-        if comm_backend not in COMM_BACKENDS:
-            raise ValueError(f"comm_backend must be one of {COMM_BACKENDS}, got {comm_backend!r}")
         self._inner: Optimizer | None = None  # add_param_group runs inside super().__init__
         self._group = process_group
-        self._broadcast = _broadcast_fn(comm_backend)
+        self._broadcast = collectives_for(comm_backend).broadcast  # checks the name too
         if process_group is None and not dist.is_initialized():
             self.rank, self.world_size, self._global_ranks = 0, 1, [0]
         else:
@@ -402,14 +401,3 @@ class ZeroRedundancyOptimizer(Optimizer):
             local_group.update(_hyperparams(outer))
         self._inner.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._consolidated = None
-
-
-def _broadcast_fn(comm_backend: str) -> Callable[..., Any]:
-    """The broadcast used after each step: torch.distributed's, or nanoddp's own."""
-    if comm_backend == "nanoddp":
-        from nanoddp import comm
-
-        return comm.broadcast
-    from nanoddp.comm import watched
-
-    return watched.broadcast

@@ -16,12 +16,12 @@ from typing import Literal
 import torch.nn as nn
 
 from nanoddp.train.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.train.engines import ENGINES
+from nanoddp.train.engines import ENGINES, EngineName
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    engine: Literal["nanoddp", "torch", "allreduce", "rs_ag", "single"] = "nanoddp"
+    engine: EngineName = "nanoddp"
     """How replicas sync gradients: our DDP, torch DDP, manual all-reduce, manual reduce-scatter +
     all-gather, or one process."""
     model: Literal["gpt", "mlp"] = "gpt"

@@ -21,16 +21,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.env import DistEnv
 
 logger = logging.getLogger(__name__)
-
-ENGINES = ("nanoddp", "torch", "allreduce", "rs_ag", "single")
 
 
 class CommTimer:
@@ -66,19 +64,25 @@ class CommTimer:
         return total
 
 
-def _timed_allreduce_hook(state: tuple[CommTimer, dist.ProcessGroup | None], bucket):
-    """torch DDP comm hook: average the bucket like the built-in one, and time it."""
-    timer, group = state
-    timer.launched()
-    tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size(group))
-    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+def timed_comm_hook(hook: Callable, timer: CommTimer) -> Callable:
+    """`hook` (state, bucket) -> Future, telling `timer` when the first bucket launches and each
+    one finishes: the one way a DDP comm hook is timed (the trainer's and the tracer's).
 
-    def done(fut):
-        timer.finished()
-        return fut.value()[0]
+    No return annotation on purpose: torch DDP rejects a hook whose annotation is anything but
+    `Future[Tensor]`, and an absent one is accepted.
+    """
 
-    return future.then(done)
+    def timed(state, bucket):
+        timer.launched()
+
+        def done(fut: torch.futures.Future):
+            timer.finished()
+            return fut.value()
+
+        return hook(state, bucket).then(done)
+
+    timed.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
+    return timed
 
 
 class Engine:
@@ -99,7 +103,7 @@ class Engine:
         self.name = name
         self.model = model
         self.module = module
-        self._sync_grads = sync_grads
+        self.sync_grads = sync_grads
         self.comm = comm
 
     @contextlib.contextmanager
@@ -115,10 +119,10 @@ class Engine:
             yield
         if sync and self.comm is not None and getattr(self.model, "record_timeline", False):
             self.comm.add_timeline(self.model.last_timeline)
-        if sync and self._sync_grads is not None:
+        if sync and self.sync_grads is not None:
             if self.comm is not None:
                 self.comm.launched()
-            self._sync_grads(self.module)
+            self.sync_grads(self.module)
             if self.comm is not None:
                 self.comm.finished()
 
@@ -127,43 +131,67 @@ class Engine:
             self.comm.close_step()
 
 
-def _broadcast_from_rank0(module: nn.Module) -> None:
-    """Make every replica start from rank 0's weights (DDP does this itself; manual engines don't)."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+def device_ids_for(env: DistEnv) -> list[int] | None:
+    return [env.device.index] if env.device.type == "cuda" else None
+
+
+def _single(module: nn.Module, env: DistEnv) -> Engine:
+    if env.world_size != 1:
+        raise ValueError(
+            f"engine 'single' runs one process, but the world size is {env.world_size}; use --nproc 1 or another engine"
+        )
+    return Engine("single", module, module)
+
+
+def _torch_ddp(module: nn.Module, env: DistEnv) -> Engine:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from nanoddp.parallel.hooks import allreduce_hook  # torch's built-in math: divide, then sum
+
+    model = TorchDDP(module, device_ids=device_ids_for(env))
+    timer = CommTimer()
+    model.register_comm_hook(None, timed_comm_hook(allreduce_hook, timer))
+    return Engine("torch", model, module, comm=timer)
+
+
+def _nanoddp_ddp(module: nn.Module, env: DistEnv) -> Engine:
+    from nanoddp.parallel.ddp import DistributedDataParallel
+
+    model = DistributedDataParallel(module, device_ids=device_ids_for(env))
+    model.record_timeline = True  # a few timestamps per step: the comm window for the log line
+    return Engine("nanoddp", model, module, comm=CommTimer())
+
+
+def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]:
+    """A manual engine: no wrapper, `nanoddp.parallel.manual.<sync_name>` after backward."""
+
+    def build(module: nn.Module, env: DistEnv) -> Engine:
+        from nanoddp.comm.backend import collectives_for
+        from nanoddp.parallel import manual
+        from nanoddp.parallel.replicas import broadcast_coalesced
+
+        # every replica starts from rank 0's weights (DDP does this itself; manual engines don't)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())
+        return Engine(name, module, module, sync_grads=getattr(manual, sync_name), comm=CommTimer())
+
+    return build
+
+
+# The one engine registry: `nanoddp train --engine`, TrainConfig's Literal, `bench train` and the
+# traced engines all read it, so an engine added here is an engine everywhere.
+ENGINE_BUILDERS: dict[str, Callable[[nn.Module, DistEnv], Engine]] = {
+    "nanoddp": _nanoddp_ddp,
+    "torch": _torch_ddp,
+    "allreduce": _manual("allreduce", "allreduce_gradients"),
+    "rs_ag": _manual("rs_ag", "reduce_scatter_all_gather_gradients"),
+    "single": _single,
+}
+ENGINES = tuple(ENGINE_BUILDERS)
+EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
 
 
 def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     """Wrap `module` (already on `env.device`) for engine `name`."""
-    if name not in ENGINES:
+    if name not in ENGINE_BUILDERS:
         raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
-    if name == "single":
-        if env.world_size != 1:
-            raise ValueError(
-                f"engine 'single' runs one process, but the world size is {env.world_size}; "
-                "use --nproc 1 or another engine"
-            )
-        return Engine(name, module, module)
-    device_ids = [env.device.index] if env.device.type == "cuda" else None
-    if name == "torch":
-        from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-        model = TorchDDP(module, device_ids=device_ids)
-        timer = CommTimer()
-        model.register_comm_hook((timer, None), _timed_allreduce_hook)
-        return Engine(name, model, module, comm=timer)
-    if name == "nanoddp":
-        from nanoddp.parallel.ddp import DistributedDataParallel
-
-        model = DistributedDataParallel(module, device_ids=device_ids)
-        model.record_timeline = True  # a few timestamps per step: the comm window for the log line
-        return Engine(name, model, module, comm=CommTimer())
-    from nanoddp.parallel import manual as strategies  # allreduce / rs_ag
-
-    sync = {
-        "allreduce": strategies.allreduce_gradients,
-        "rs_ag": strategies.reduce_scatter_all_gather_gradients,
-    }[name]
-    _broadcast_from_rank0(module)
-    return Engine(name, module, module, sync_grads=sync, comm=CommTimer())
+    return ENGINE_BUILDERS[name](module, env)

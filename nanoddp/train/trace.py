@@ -33,7 +33,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, record_function
 
 from nanoddp.env import DistEnv
-from nanoddp.train.engines import CommTimer, Engine, build_engine
+from nanoddp.train.engines import CommTimer, Engine, build_engine, device_ids_for, timed_comm_hook
+from nanoddp.train.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +57,16 @@ def region(name: str) -> contextlib.AbstractContextManager:
     return record_function(name)
 
 
-def traced_comm_hook(hook: Callable, timer: CommTimer | None = None) -> Callable:
+def traced_comm_hook(hook: Callable) -> Callable:
     """`hook` (state, bucket) -> Future, plus a "bucket <i> all-reduce" span from launch to done.
 
-    `timer`, if given, is told when the first bucket launches and each one finishes, so the
-    trainer's comm_time_s keeps working on a traced run. No return annotation on purpose:
-    torch DDP rejects a hook whose annotation is anything but `Future[Tensor]`, and an absent
-    one is accepted.
+    No return annotation on purpose: torch DDP rejects a hook whose annotation is anything but
+    `Future[Tensor]`, and an absent one is accepted.
     """
 
     def traced(state, bucket):
         span = record_function(BUCKET_SPAN.format(index=bucket.index()))
         span.__enter__()
-        if timer is not None:
-            timer.launched()
         try:
             future = hook(state, bucket)
         except BaseException:
@@ -78,8 +75,6 @@ def traced_comm_hook(hook: Callable, timer: CommTimer | None = None) -> Callable
 
         def close(fut: torch.futures.Future):
             span.__exit__(None, None, None)  # runs on the thread that completed the collective
-            if timer is not None:
-                timer.finished()
             return fut.value()
 
         return future.then(close)
@@ -103,23 +98,20 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     directly, since a torch DDP takes one hook and `build_engine` already gives it a timing
     one); manual engines get a "gradient sync" span around their after-backward sync.
     """
-    from nanoddp.parallel import manual as strategies
     from nanoddp.parallel.hooks import allreduce_hook
 
     if name == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        model, timer = TorchDDP(module, device_ids=device_ids), CommTimer()
-        model.register_comm_hook(None, traced_comm_hook(allreduce_hook, timer))
+        model, timer = TorchDDP(module, device_ids=device_ids_for(env)), CommTimer()
+        model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), timer))
         return Engine(name, model, module, comm=timer)
     engine = build_engine(name, module, env)
     if name == "nanoddp" and env.world_size > 1:
         engine.comm = CommTimer()
-        engine.model.register_comm_hook(None, traced_comm_hook(allreduce_hook, engine.comm))
-    elif name in ("allreduce", "rs_ag"):
-        sync = {"allreduce": strategies.allreduce_gradients, "rs_ag": strategies.reduce_scatter_all_gather_gradients}
-        engine = Engine(name, engine.model, engine.module, sync_grads=_traced_sync(sync[name]), comm=engine.comm)
+        engine.model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), engine.comm))
+    elif engine.sync_grads is not None:  # a manual engine: draw its after-backward sync
+        engine.sync_grads = _traced_sync(engine.sync_grads)
     return engine
 
 
@@ -155,19 +147,12 @@ def split_bucket_tracks(trace: dict) -> dict:
 
 def _write_trace(profiler: torch.profiler.profile, path: Path) -> None:
     """Export, regroup the bucket spans, and replace `path` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, raw = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix="nanoddp-trace-") as scratch:
+        raw = os.path.join(scratch, "raw.json")  # torch writes its own format here first
         profiler.export_chrome_trace(raw)
         with open(raw) as f:
             trace = json.load(f)
-        with open(raw, "w") as f:
-            json.dump(split_bucket_tracks(trace), f)
-        os.replace(raw, path)
-    finally:
-        if os.path.exists(raw):
-            os.unlink(raw)
+    atomic_write_bytes(path, json.dumps(split_bucket_tracks(trace)).encode())
     logger.info("wrote timeline %s", path)
 
 
@@ -221,13 +206,3 @@ class TraceSession:
             self._profiler = None
             if not self.path.exists():
                 logger.warning("no timeline written: the loop ended within the %d skipped steps", self._skip)
-
-
-@contextlib.contextmanager
-def profile_all(path: str | os.PathLike) -> Iterator[None]:
-    """Record everything inside the block (no schedule) and write it to `path`."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = torch.profiler.profile(activities=activities, experimental_config=_profiler_config())
-    with profiler:
-        yield
-    _write_trace(profiler, Path(path))
