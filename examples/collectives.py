@@ -1,4 +1,4 @@
-"""Collectives from point-to-point messages (seed 004), each shown on every rank, before and after.
+"""Collectives from point-to-point messages, each shown on every rank, before and after.
 
 1. send/recv: the only primitive; everything below is built from it (`nanoddp.comm`).
 2. broadcast, reduce, all_reduce, scatter, gather, all_gather, all_gather_into_tensor,

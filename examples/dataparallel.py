@@ -1,4 +1,4 @@
-"""DataParallel from the inside (seed 003): scatter -> replicate -> parallel_apply -> gather.
+"""DataParallel from the inside: scatter -> replicate -> parallel_apply -> gather.
 
 Part 1 runs the four steps by hand on a tiny GPT and checks the gradients against a plain
 full-batch backward. Part 2 shows the output imbalance DataParallel is known for: with the

@@ -101,7 +101,7 @@ def worker(env: nanoddp.DistEnv, steps: int, batch_size: int) -> float:
     )
     model = nanoddp.DistributedDataParallel(BertForSequenceClassification(config))  # replicas synced
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    shard = train[env.rank :: env.world_size]  # manual sharding (seed 001)
+    shard = train[env.rank :: env.world_size]  # manual sharding: rank r takes every world_size-th sample
     rng = random.Random(env.rank)
     before = evaluate(model, tokenizer, val[env.rank :: env.world_size], 64)
     if env.is_master:

@@ -1,4 +1,4 @@
-"""DDP vs hand-written gradient sync (seed 000): three ways to average gradients, one result.
+"""DDP vs hand-written gradient sync: three ways to average gradients, one result.
 
 The same TinyTransformerLM (nanoddp's GPT "tiny" preset) trains on the same random tokens in
 three modes:
@@ -45,7 +45,7 @@ def build(env: nanoddp.DistEnv, mode: str, args: argparse.Namespace) -> tuple[GP
     if mode == "ddp":
         return model, nanoddp.DistributedDataParallel(model)  # ... DDP broadcasts rank 0's
     with torch.no_grad():
-        for tensor in model.state_dict().values():  # ... or we do, like seed 000
+        for tensor in model.state_dict().values():  # ... or we do, like the manual all-reduce strategy
             comm.broadcast(tensor, src=0)
     nanoddp.verify_replicas(model)  # raises if any rank still differs
     return model, model

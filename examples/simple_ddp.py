@@ -1,4 +1,4 @@
-"""The smallest honest DDP (seed 001): `nanoddp.SimpleDDP`, step by step.
+"""The smallest honest DDP: `nanoddp.SimpleDDP`, step by step.
 
 1. Replica check: a model built after seeding each rank differently is refused (ValueError on
    every rank); seeded identically, it is accepted and `verify_replicas` agrees.

@@ -1,4 +1,4 @@
-"""setup / train / cleanup, spawned like `mp.spawn` (seed 002), with gloo on CPU.
+"""setup / train / cleanup, spawned like `mp.spawn`, with gloo on CPU.
 
 `nanoddp.launch(fn, nprocs, args)` is `mp.spawn` with the chores done: it creates the process
 group before `fn(env, *args)` runs (a private file:// rendezvous: no MASTER_PORT to pick), and

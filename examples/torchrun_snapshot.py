@@ -1,4 +1,4 @@
-"""Fault-tolerant training under torchrun (seed 004): snapshots, a crash, and automatic resume.
+"""Fault-tolerant training under torchrun: snapshots, a crash, and automatic resume.
 
 A minGPT-style byte-level GPT learns the Python standard library's source. torchrun starts the
 workers and sets RANK, WORLD_SIZE, MASTER_ADDR, ... (read once into `nanoddp.DistEnv`). Every

@@ -1,6 +1,6 @@
 """nanoddp: small, readable, fast data-parallel training for PyTorch.
 
-The public API is re-exported here; see DESIGN.md for the contract.
+The public API is re-exported here; docs/architecture.md describes the layout and the contract.
 """
 
 from nanoddp.env import DistEnv, cleanup, init, seed_everything

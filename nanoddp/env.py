@@ -273,7 +273,7 @@ def subgroups_by(key: Callable[[int], Hashable]) -> dist.ProcessGroup:
 
 
 def even_ranks_group() -> dist.ProcessGroup | None:
-    """The group of even ranks (seed 004's example); None on odd ranks. Call on every rank."""
+    """The group of even ranks (the collectives tutorial's subgroup example); None on odd ranks. Call on every rank."""
     return new_group(range(0, dist.get_world_size(), 2))
 
 

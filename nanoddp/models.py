@@ -1,7 +1,7 @@
 """Models that know nothing of parallelism: a small GPT and an MLP classifier.
 
-`GPT` is seed 000's TinyTransformerLM (sinusoidal positions, SDPA causal attention, GELU MLP,
-pre-LN blocks) with the loss computed inside `forward` when targets are given (seed 003's
+`GPT` is the DDP tutorials' TinyTransformerLM (sinusoidal positions, SDPA causal attention, GELU MLP,
+pre-LN blocks) with the loss computed inside `forward` when targets are given (DataParallel's
 "loss in forward": DataParallel then gathers one scalar per replica instead of the logits).
 """
 
@@ -36,7 +36,7 @@ class GPTConfig:
 
 
 GPT_PRESETS = {
-    "tiny": GPTConfig(),  # seed 000's TinyTransformerLM, ~3.4 M parameters
+    "tiny": GPTConfig(),  # the DDP tutorials' TinyTransformerLM, ~3.4 M parameters
     "small": GPTConfig(d_model=512, n_heads=8, n_layers=8, d_ff=2048, seq_len=256),  # ~25 M
 }
 

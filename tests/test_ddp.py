@@ -39,7 +39,7 @@ CAPS_MB = (0.001, 1, 25)
 def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "gpt":
-        return GPT(gpt_config("tiny"))  # seed 000's TinyTransformerLM, 3.4 M parameters
+        return GPT(gpt_config("tiny"))  # the DDP tutorials' TinyTransformerLM, 3.4 M parameters
     return MLPClassifier(in_features=32, hidden=64, num_classes=10, depth=3)
 
 

@@ -118,7 +118,7 @@ def test_parse_ranks():
 def test_placement_of_ranks_on_devices():
     from IPython.core.error import UsageError
 
-    assert placement(2, "1,2", None) == ("nccl", ["cuda:1", "cuda:2"])  # seed 001's --gpu-ids 1,2
+    assert placement(2, "1,2", None) == ("nccl", ["cuda:1", "cuda:2"])  # the notebook tutorials' --gpu-ids 1,2
     assert placement(2, "0,1", "gloo") == ("gloo", ["cuda:0", "cuda:1"])
     assert placement(3, None, "gloo") == ("gloo", ["cpu", "cpu", "cpu"])
     with pytest.raises(UsageError, match="lists 1 GPUs for 2 processes"):
@@ -214,7 +214,7 @@ def test_magics_in_a_real_kernel(tmp_path):
     for rank in range(WORLD_SIZE):
         assert f"[rank {rank}] hello from {rank} of {WORLD_SIZE}\n" in hello_out
         assert f"[rank {rank}] to stderr from {rank}\n" in hello_err  # stderr stays stderr
-        # get(...) as in seed 001, and the namespace names; the last expression's value per rank
+        # get(...) as in the notebook tutorials, and the namespace names; the last expression's value per rank
         assert f"[rank {rank}] ({WORLD_SIZE}, {rank}, {rank}, {rank}, True, {rank}, {rank})\n" in hello_out
     assert "to stderr" not in hello_out
     expected_sum = float(sum(range(1, WORLD_SIZE + 1)))

@@ -1,4 +1,4 @@
-"""Notebook mode: IPython magics that run cells on N distributed worker processes (seed 001).
+"""Notebook mode: IPython magics that run cells on N distributed worker processes.
 
     %load_ext nanoddp.notebook
     %dist_init --num-processes 2          # [--gpu-ids 0,1] [--backend gloo|nccl] [--timeout S]

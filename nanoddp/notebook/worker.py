@@ -247,7 +247,7 @@ class Worker:
         return namespace
 
     def get(self, what: str) -> Any:
-        """Seed 001's helper: "ws", "pg", "rank"/"grank" (global rank), "lrank" (local rank)."""
+        """The notebook tutorials' helper: "ws", "pg", "rank"/"grank" (global rank), "lrank" (local rank)."""
         import torch.distributed as dist
 
         lookups: dict[str, Callable[[], Any]] = {

@@ -1,4 +1,4 @@
-"""Single-process, multi-device data parallelism (seed 003), built from four visible steps.
+"""Single-process, multi-device data parallelism, built from four visible steps.
 
 One forward of `DataParallel` is:
 
@@ -9,7 +9,7 @@ One forward of `DataParallel` is:
 3. `parallel_apply`: run each replica on its chunk in its own Python thread.
 4. `gather`: concatenate the outputs on the output device.
 
-Why it loses to DDP (seed 003): the threads share one GIL, the module is re-replicated on
+Why it loses to DDP: the threads share one GIL, the module is re-replicated on
 every step, and every output lands on one device. Returning the loss from `forward` (one
 scalar per replica, gathered as a vector) removes most of that last imbalance.
 

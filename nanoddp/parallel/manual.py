@@ -82,7 +82,7 @@ def reduce_scatter_all_gather_gradients(
 
 
 class SimpleDDP:
-    """Seed 001's SimpleDistributedDataParallelism: the smallest honest DDP.
+    """SimpleDistributedDataParallelism, the smallest honest DDP (the notebook tutorials' version).
 
     At construction it checks that every rank built the same model with the same values
     (seeds!). Call `sync_gradients()` after `loss.backward()`; inside `no_sync()` (or after

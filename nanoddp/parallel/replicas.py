@@ -98,7 +98,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], collectives: Collective
 
 @torch.no_grad()
 def verify_replicas(model: nn.Module, atol: float = 0.0, group=None, comm_backend: str = DEFAULT_COMM_BACKEND) -> None:
-    """Check that every rank holds the same parameter and buffer values (seed 001's check).
+    """Check that every rank holds the same parameter and buffer values (the check SimpleDDP makes at construction).
 
     Call it on every rank, e.g. after construction or every N steps to catch silent divergence.
     Returns None when all replicas agree within `atol`; otherwise raises ValueError on every rank

@@ -141,7 +141,10 @@ def byte_text_splits(source: str, seq_len: int, val_fraction: float, max_bytes: 
 
 
 def random_tokens(num_samples: int, seq_len: int, vocab_size: int, seed: int = 1234) -> TokenRows:
-    """Seed 000's toy data: uniformly random tokens. Nothing to learn; loss stays near ln(V)."""
+    """Toy data for the DDP-vs-manual-all-reduce comparison: uniformly random tokens.
+
+    Nothing to learn; the loss stays near ln(V).
+    """
     generator = torch.Generator().manual_seed(seed)
     return TokenRows(torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=generator))
 
