@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import run_on_ranks
 
-from nanoddp.bench.report import format_markdown, write_json
+from nanoddp.bench import write_json
+from nanoddp.bench.report import format_markdown
 from nanoddp.bench.train import ALLCORES, ENGINES, NOCOMM, run_benchmark
 from nanoddp.cli import main
 from nanoddp.env import DistEnv
