@@ -7,7 +7,10 @@ the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.com
 
 Algorithms. Every collective opens with one round of *frames* between all pairs: a header
 (collective, numel, dtype, op, root) so mismatched calls raise the same ValueError on every
-rank instead of hanging. Small messages ride inside that frame, so they cost exactly one round
+rank instead of hanging. A call that fails its own argument checks on one rank only (an int
+tensor with AVG, a bad root, a wrong output size) takes part in that round too, carrying its
+error message, so every rank raises that rank's error word for word (`nanoddp.comm.checks`);
+with `async_op=True` it is raised by `wait()`. Small messages ride inside that frame, so they cost exactly one round
 (all_reduce: every rank reduces all contributions in rank order — bitwise identical
 everywhere). Larger ones then run a pipelined ring (all_reduce = reduce-scatter + all-gather;
 all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sends (scatter,
@@ -40,13 +43,15 @@ Submitting is thread-safe. Do not touch a tensor until its `Work.wait()` returns
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from nanoddp.comm import ring
+from nanoddp.comm.checks import Prepared, check, check_list, flat, group_root, header, list_on_root, nbytes, op_name
+from nanoddp.comm.checks import submit as _submit
+from nanoddp.comm.checks import write_back as _write_back
 from nanoddp.comm.ring import INLINE_MAX_BYTES, INLINE_SEND_BYTES, Peers
 from nanoddp.comm.runner import Work, runner_for
 
@@ -57,89 +62,7 @@ __all__ = [
     "broadcast", "gather", "reduce", "reduce_scatter_tensor", "scatter",
 ]  # fmt: skip
 
-_OP_NAMES = {
-    ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.PRODUCT: "PRODUCT",
-    ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX",
-}  # fmt: skip
-_KIND = {name: code for code, name in enumerate(ring.COLLECTIVES)}
-
-
-# --- argument checks (these raise at once, on the calling rank) --------------------------------
-
-
-def _op_name(op: ReduceOp, tensor: torch.Tensor) -> str:
-    key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)
-    name = _OP_NAMES.get(key)
-    if name is None:
-        raise ValueError(f"op must be one of ReduceOp.{', ReduceOp.'.join(ring.OPS)}; got {op!r}")
-    if name == "AVG" and not tensor.is_floating_point():
-        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; use SUM and divide")
-    return name
-
-
-def _check(tensor: torch.Tensor, what: str, like: torch.Tensor | None = None, numel: int | None = None,
-           rule: str = "") -> None:  # fmt: skip
-    """Type/dtype checks; with `like`, same dtype as `like` and `numel` elements (`rule` says why)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in ring.DTYPE_CODES:
-        raise ValueError(f"{what} has unsupported dtype {tensor.dtype}; supported: {list(ring.DTYPES)}")
-    if like is None:
-        return
-    numel = like.numel() if numel is None else numel
-    if tensor.dtype != like.dtype or tensor.numel() != numel:
-        raise ValueError(
-            f"{what} must be {like.dtype} with {numel} elements{rule}, got {tensor.dtype} with {tensor.numel()}"
-        )
-
-
-def _check_list(tensors: Sequence[torch.Tensor] | None, n: int, what: str, like: torch.Tensor) -> None:
-    if tensors is None or len(tensors) != n:
-        got = "None" if tensors is None else f"{len(tensors)} tensors"
-        raise ValueError(f"{what} must hold one tensor per group rank ({n}), got {got}")
-    for i, t in enumerate(tensors):
-        _check(t, f"{what}[{i}]", like, rule=" (like the input tensor)")
-
-
-def _list_on_root(peers: Peers, root: int, tensors: Sequence[torch.Tensor] | None, what: str,
-                  like: torch.Tensor) -> list[torch.Tensor] | None:  # fmt: skip
-    """scatter/gather: `tensors` matters on the root only; check it there, ignore it elsewhere."""
-    if peers.rank != root:
-        return None
-    _check_list(tensors, peers.size, what, like)
-    return list(tensors)
-
-
-def _root(peers: Peers, rank: int, what: str) -> int:
-    """Translate a global src/dst rank into a group rank, or raise."""
-    world = dist.get_world_size()
-    if not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"{what} must be a global rank in [0, {world}), got {rank!r}")
-    if rank not in peers.global_ranks:
-        raise ValueError(
-            f"{what}={rank} is not a member of the group (global ranks {list(peers.global_ranks)}); "
-            "src/dst are global ranks, as in torch.distributed"
-        )
-    return peers.global_ranks.index(rank)
-
-
-def _header(kind: str, tensor: torch.Tensor, op: str | None = None, root: int = -1) -> list[int]:
-    op_code = ring.OPS.index(op) if op is not None else -1
-    return [_KIND[kind], tensor.numel(), ring.DTYPE_CODES[tensor.dtype], op_code, root]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D contiguous tensor with `tensor`'s values: a view when possible, else a copy."""
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-
-
-def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
-    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
+_flat, _nbytes, _header = flat, nbytes, header
 
 
 # --- the collectives ----------------------------------------------------------------------------
@@ -152,14 +75,16 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `tensor` over the group; every rank ends with the result, in place."""
-    _check(tensor, "tensor")
-    op_name = _op_name(op, tensor)
     runner = runner_for(group)
     if runner is None:
         return None
-    return runner.submit(
-        "all_reduce", tensor.numel(), lambda: _all_reduce(runner.peers, tensor, op_name), [tensor], async_op
-    )
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        name = op_name(op, tensor)
+        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name), [tensor]
+
+    return _submit(runner, "all_reduce", "all_reduce", prepare, async_op)
 
 
 def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
@@ -190,15 +115,17 @@ def reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `tensor` over the group into global rank `dst`'s tensor (others are left as they were)."""
-    _check(tensor, "tensor")
-    op_name = _op_name(op, tensor)
     runner = runner_for(group)
     if runner is None:
         return None
-    root = _root(runner.peers, dst, "dst")
-    return runner.submit(
-        "reduce", tensor.numel(), lambda: _reduce(runner.peers, tensor, op_name, root), [tensor], async_op
-    )
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        name = op_name(op, tensor)
+        root = group_root(runner.peers, dst, "dst")
+        return tensor.numel(), lambda: _reduce(runner.peers, tensor, name, root), [tensor]
+
+    return _submit(runner, "reduce", "reduce", prepare, async_op)
 
 
 def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
@@ -222,14 +149,16 @@ def broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Copy global rank `src`'s tensor into every other rank's `tensor`."""
-    _check(tensor, "tensor")
     runner = runner_for(group)
     if runner is None:
         return None
-    root = _root(runner.peers, src, "src")
-    return runner.submit(
-        "broadcast", tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor], async_op
-    )
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        root = group_root(runner.peers, src, "src")
+        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor]
+
+    return _submit(runner, "broadcast", "broadcast", prepare, async_op)
 
 
 def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
@@ -255,20 +184,24 @@ def all_gather(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `tensor`, in group-rank order, into every rank's `tensor_list`."""
-    _check(tensor, "tensor")
     runner = runner_for(group)
     if runner is None:
         return None
-    _check_list(tensor_list, runner.peers.size, "tensor_list", tensor)
-    outputs = list(tensor_list)
 
-    def body() -> None:
-        flats = [_flat(t) for t in outputs]
-        _all_gather(runner.peers, flats, tensor)
-        for out, flat in zip(outputs, flats, strict=True):
-            _write_back(out, flat)
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        check_list(tensor_list, runner.peers.size, "tensor_list", tensor)
+        outputs = list(tensor_list)
 
-    return runner.submit("all_gather", tensor.numel(), body, outputs, async_op)
+        def body() -> None:
+            flats = [_flat(t) for t in outputs]
+            _all_gather(runner.peers, flats, tensor)
+            for out, f in zip(outputs, flats, strict=True):
+                _write_back(out, f)
+
+        return tensor.numel(), body, outputs
+
+    return _submit(runner, "all_gather", "all_gather", prepare, async_op)
 
 
 def all_gather_into_tensor(
@@ -278,19 +211,23 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `input_tensor`, concatenated along dim 0 in group-rank order, into `output_tensor`."""
-    _check(input_tensor, "input_tensor")
     runner = runner_for(group)
     if runner is None:
         return None
-    n, m = runner.peers.size, input_tensor.numel()
-    _check(output_tensor, "output_tensor", input_tensor, n * m, f" (group size {n} x input numel {m})")
 
-    def body() -> None:
-        flat = _flat(output_tensor)
-        _all_gather(runner.peers, [flat[p * m : (p + 1) * m] for p in range(n)], input_tensor)
-        _write_back(output_tensor, flat)
+    def prepare() -> Prepared:
+        check(input_tensor, "input_tensor")
+        n, m = runner.peers.size, input_tensor.numel()
+        check(output_tensor, "output_tensor", input_tensor, n * m, f" (group size {n} x input numel {m})")
 
-    return runner.submit("all_gather_into_tensor", input_tensor.numel(), body, [output_tensor], async_op)
+        def body() -> None:
+            out = _flat(output_tensor)
+            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor)
+            _write_back(output_tensor, out)
+
+        return m, body, [output_tensor]
+
+    return _submit(runner, "all_gather", "all_gather_into_tensor", prepare, async_op)
 
 
 def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -318,20 +255,18 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `input` (n equal chunks along dim 0) over the group; group rank i gets chunk i."""
-    _check(output, "output")
-    op_name = _op_name(op, output)
     runner = runner_for(group)
     if runner is None:
         return None
-    n = runner.peers.size
-    _check(input, "input", output, n * output.numel(), f" (group size {n} x output numel {output.numel()})")
-    return runner.submit(
-        "reduce_scatter_tensor",
-        input.numel(),
-        lambda: _reduce_scatter(runner.peers, output, input, op_name),
-        [output],
-        async_op,
-    )
+
+    def prepare() -> Prepared:
+        check(output, "output")
+        name = op_name(op, output)
+        n = runner.peers.size
+        check(input, "input", output, n * output.numel(), f" (group size {n} x output numel {output.numel()})")
+        return input.numel(), lambda: _reduce_scatter(runner.peers, output, input, name), [output]
+
+    return _submit(runner, "reduce_scatter", "reduce_scatter_tensor", prepare, async_op)
 
 
 def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
@@ -363,15 +298,17 @@ def scatter(
     async_op: bool = False,
 ) -> Work | None:
     """Global rank `src` sends `scatter_list[i]` to group rank i's `tensor` (the list is read on src only)."""
-    _check(tensor, "tensor")
     runner = runner_for(group)
     if runner is None:
         return None
-    root = _root(runner.peers, src, "src")
-    sources = _list_on_root(runner.peers, root, scatter_list, "scatter_list", tensor)
-    return runner.submit(
-        "scatter", tensor.numel(), lambda: _scatter(runner.peers, tensor, sources, root), [tensor], async_op
-    )
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        root = group_root(runner.peers, src, "src")
+        sources = list_on_root(runner.peers, root, scatter_list, "scatter_list", tensor)
+        return tensor.numel(), lambda: _scatter(runner.peers, tensor, sources, root), [tensor]
+
+    return _submit(runner, "scatter", "scatter", prepare, async_op)
 
 
 def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
@@ -402,15 +339,17 @@ def gather(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `tensor` into global rank `dst`'s `gather_list` (the list is used on dst only)."""
-    _check(tensor, "tensor")
     runner = runner_for(group)
     if runner is None:
         return None
-    root = _root(runner.peers, dst, "dst")
-    targets = _list_on_root(runner.peers, root, gather_list, "gather_list", tensor)
-    return runner.submit(
-        "gather", tensor.numel(), lambda: _gather(runner.peers, tensor, targets, root), targets or [], async_op
-    )
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        root = group_root(runner.peers, dst, "dst")
+        targets = list_on_root(runner.peers, root, gather_list, "gather_list", tensor)
+        return tensor.numel(), lambda: _gather(runner.peers, tensor, targets, root), targets or []
+
+    return _submit(runner, "gather", "gather", prepare, async_op)
 
 
 def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:

@@ -33,7 +33,7 @@ TAG_FRAME = 0x6E6401  # our own tags: user send/recv on the same group cannot st
 TAG_DATA = 0x6E6402
 TAG_GATHER = 0x6E6403
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
-HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, 2 spare
+HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, an error code, 1 spare
 # Largest payload that rides inside a frame (see comm.py for why): 64 KB on nccl, where frames
 # travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank sends
 # in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
@@ -53,7 +53,9 @@ DTYPES = (
 )  # fmt: skip
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "scatter", "gather")
+COLLECTIVES = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "scatter", "gather", "all_to_all", "barrier",
+)  # fmt: skip
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 
 
@@ -116,16 +118,22 @@ def wait_all(works: Sequence[dist.Work]) -> None:
 
 
 def exchange_frames(
-    peers: Peers, header: Sequence[int], payloads: Sequence[torch.Tensor | None], device: torch.device
+    peers: Peers,
+    header: Sequence[int],
+    payloads: Sequence[torch.Tensor | None],
+    device: torch.device,
+    error: int = 0,
 ) -> list[torch.Tensor]:
     """Send every peer our header (+ `payloads[peer]`, <= inline_limit); check all headers.
 
     Returns the payload bytes received from each peer (uint8; empty for ourselves). Raises the
     same ValueError on every rank when the headers disagree, because every rank sees the same
-    table of headers.
+    table of headers. A rank whose call was invalid (`error` = an ERRORS code) sends its error
+    message as the payload to everyone instead, so every rank raises that rank's error.
     """
     n, me = peers.size, peers.rank
     if n == 1:
+        raise_invalid([[*header, 0, error]], [payloads[0]])
         return [payloads[0]]
     limit = inline_limit(peers)
     frame_bytes = HEADER_BYTES + limit
@@ -139,16 +147,49 @@ def exchange_frames(
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         assert nbytes <= limit, f"inline payload of {nbytes} bytes is too large"
         frame = outbox[p]
-        frame[:HEADER_BYTES].view(torch.int64)[: len(header) + 1] = torch.tensor([*header, nbytes])
+        frame[:HEADER_BYTES].view(torch.int64)[: len(header) + 2] = torch.tensor([*header, nbytes, error])
         if nbytes:
             frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(payload.dtype).copy_(payload.reshape(-1))
         sends.append((frame[: HEADER_BYTES + nbytes] if peers.gloo else frame, p))
     works = peers.exchange(sends, [(inbox[p], p) for p in range(n) if p != me], TAG_FRAME)
     wait_all(works)
-    slots = inbox[:, :HEADER_BYTES].view(torch.int64)[:, : len(header) + 1].tolist()  # (n, fields+1)
-    slots[me] = [*header, 0]
+    slots = inbox[:, :HEADER_BYTES].view(torch.int64)[:, : len(header) + 2].tolist()  # (n, fields+2)
+    slots[me] = [*header, 0, error]
+    received = [inbox[p, HEADER_BYTES : HEADER_BYTES + slots[p][-2]] for p in range(n)]
+    raise_invalid(slots, [payloads[me] if p == me else received[p] for p in range(n)])
     check_headers([row[: len(header)] for row in slots])
-    return [inbox[p, HEADER_BYTES : HEADER_BYTES + slots[p][-1]] for p in range(n)]
+    return received
+
+
+# What went wrong with an invalid call, as sent in a frame's error slot (0: the call is valid).
+ERRORS = {1: ValueError, 2: TypeError}
+
+
+def error_frame(exc: Exception) -> tuple[int, torch.Tensor]:
+    """(error code, message bytes) for a call that failed this rank's argument checks."""
+    code = 2 if isinstance(exc, TypeError) else 1
+    message = str(exc).encode()[:INLINE_MAX_BYTES]
+    return code, torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(
+        0, dtype=torch.uint8
+    )
+
+
+def raise_invalid(slots: list[list[int]], payloads: Sequence[torch.Tensor | None]) -> None:
+    """If any rank's call was invalid, raise its error, worded identically on every rank.
+
+    The lowest group rank with an invalid call decides the message and the type; the others
+    are named, so a user sees every rank that erred."""
+    bad = [r for r, row in enumerate(slots) if row[-1] != 0]
+    if not bad:
+        return
+    first = bad[0]
+    message = bytes(payloads[first].tolist()).decode(errors="replace")
+    others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
+    collective = COLLECTIVES[slots[first][0]]
+    raise ERRORS[slots[first][-1]](
+        f"nanoddp.comm.{collective}: invalid call on group rank {first}{others}: {message} "
+        "[raised on every rank of the group; no data moved]"
+    )
 
 
 def check_headers(table: list[list[int]]) -> None:

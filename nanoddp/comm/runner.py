@@ -36,8 +36,12 @@ class Work:
         self._done.set()
         if error is None:
             self._future.set_result(self._result)
-        else:
+        elif isinstance(error, Exception):
             self._future.set_exception(error)
+        else:  # a torch Future holds Exceptions only; `wait()` still raises the original
+            wrapped = RuntimeError(f"collective interrupted by {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            self._future.set_exception(wrapped)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; re-raise the collective's error (same on every rank) if it failed."""
@@ -110,16 +114,20 @@ class GroupRunner:
             self._execute(body, work)
 
     def _execute(self, body: Callable[[], None], work: Work) -> None:
+        """Run one body; whatever it raises, even a BaseException such as KeyboardInterrupt, goes
+        to its waiter (`Work.wait()` re-raises it as itself), never kills the worker thread."""
         error = None
-        with self._running:
-            try:
-                body()
-            except BaseException as exc:  # handed to the waiter, raised by Work.wait()
-                error = exc
-        with self._mutex:
-            self._pending -= 1
-        watchdog.end(work._watch_token)
-        work._finish(error)
+        try:
+            with self._running:
+                try:
+                    body()
+                except BaseException as exc:  # handed to the waiter, raised by Work.wait()
+                    error = exc
+        finally:  # bookkeeping survives an interrupt landing here too, so the runner stays usable
+            with self._mutex:
+                self._pending -= 1
+            watchdog.end(work._watch_token)
+            work._finish(error)
 
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
