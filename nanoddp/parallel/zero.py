@@ -10,21 +10,22 @@ One `step()` (gradients already averaged by DDP, torch's or ours):
   1. `param_groups` hyperparameters (an LR scheduler's lr, ...) are copied into the inner
      optimizer, a plain `optimizer_class` built over this rank's shard only;
   2. the inner optimizer steps, so state exists only for the shard;
-  3. each owner packs its updated parameters into one flat buffer per dtype/device and
-     broadcasts it; the other ranks unpack it, and the replicas are identical again.
+  3. the updated shards go to every rank (all-gather of the flat chunks, or one broadcast
+     per owner for the whole-parameter partition), and the replicas are identical again.
 
-Partition: whole parameters, greedy, largest first, each to the least-loaded rank (ties go
-to the lower rank). Why not contiguous flat sharding? With whole parameters the inner
-optimizer can be any torch optimizer unchanged, including ones whose math depends on a
-tensor's shape or norm (LAMB trust ratios, Adafactor). The state dict also maps one to one
-onto the standard torch format. The cost is an imbalance of at most one parameter's size. For
-a transformer, made of many same-sized matrices, that is a few percent. The assignment is a
-pure function of the parameter sizes, so every rank computes it alone, without communicating.
+Partition (`nanoddp.parallel.zero_partition`): by default *by element*, the parameters laid
+end to end and cut into ceil(N/ws) elements per rank, so state per rank is 1/ws within
+padding for any model, parameters split across rank boundaries; an elementwise optimizer
+(AdamW, SGD) gives the same values as on whole tensors. `partition="parameter"` keeps
+torch's whole-parameter greedy split, for optimizers whose math reads a whole tensor (LAMB,
+Adafactor) and for comparison: its imbalance is up to one parameter's size. Both are pure
+functions of the parameter sizes, so every rank computes them alone.
 
 State dicts follow `torch.distributed.optim.ZeroRedundancyOptimizer`: every rank calls
 `consolidate_state_dict(to=0)`, then `state_dict()` on rank 0 returns the full state in the
-plain optimizer format (indices over all parameters, so a plain AdamW can load it), and
-`load_state_dict(full)` on every rank keeps that rank's shard. One deliberate difference: a
+plain optimizer format (indices over all parameters, so a plain AdamW can load it; pieces of a
+split parameter are put back together), and `load_state_dict(full)` on every rank keeps that
+rank's shard. One deliberate difference: a
 `step()` invalidates the consolidated copy, so a stale state can't be saved silently.
 `sharded_state_dict()` / `load_sharded_state_dict()` skip the gather: each rank saves its own.
 """
@@ -40,28 +41,13 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel.zero_partition import PARTITIONS, assemble_state, assign_owners, cut_state
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ZeroRedundancyOptimizer", "assign_owners", "optimizer_state_bytes"]
+
 SHARD_KEY = "zero_shard"  # marks a sharded state dict, so the two load paths can't be confused
-
-
-def assign_owners(numels: list[int], world_size: int, loads: list[int] | None = None) -> list[int]:
-    """Owner rank of each parameter: largest first, each to the least-loaded rank.
-
-    `loads` (elements already owned per rank) is updated in place, so a later param group
-    continues the balance without moving earlier parameters. Ties go to the lower index, so
-    every rank derives the same assignment from the same sizes.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    loads = [0] * world_size if loads is None else loads
-    owners = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[i] = rank
-        loads[rank] += numels[i]
-    return owners
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
@@ -120,7 +106,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     Same constructor as torch's: `ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
     lr=1e-3)`; `**defaults` go to `optimizer_class`. `process_group` (default: the world) is
-    the data-parallel group. `comm_backend` picks the collectives of the per-step broadcast:
+    the data-parallel group. `partition` is "element" (exact 1/ws, the default) or "parameter"
+    (whole parameters, torch's). `comm_backend` picks the collectives of the per-step sync:
     `"nanoddp"` (ours, the default) or `"torch"` (torch.distributed's). Without an initialised process group it
     runs as a single rank, so the same script works in a notebook.
     """
@@ -132,6 +119,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         *,
         process_group: dist.ProcessGroup | None = None,
         comm_backend: str = DEFAULT_COMM_BACKEND,
+        partition: str = "element",
         **defaults: Any,
     ):
         params = _check_params(params)
@@ -140,9 +128,11 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
                 f"(the class, not an instance), got {optimizer_class!r}"
             )
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {sorted(PARTITIONS)}, got {partition!r}")
         self._inner: Optimizer | None = None  # add_param_group runs inside super().__init__
         self._group = process_group
-        self._broadcast = collectives_for(comm_backend).broadcast  # checks the name too
+        collectives = collectives_for(comm_backend)  # checks the name too
         if process_group is None and not dist.is_initialized():
             self.rank, self.world_size, self._global_ranks = 0, 1, [0]
         else:
@@ -154,9 +144,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         super().__init__(params, defaults)
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._check_same_params_on_every_rank(all_params)
-        self._loads = [0] * self.world_size
-        owners = assign_owners([p.numel() for p in all_params], self.world_size, self._loads)
-        self._owner = dict(zip(all_params, owners, strict=True))
+        self.partition_kind = partition
+        self._partition = PARTITIONS[partition](
+            self.rank, self.world_size, collectives, process_group, self._global_ranks
+        )
+        self._local: dict[torch.Tensor, tuple] = self._partition.add(all_params)
         self._inner = optimizer_class(
             [{**_hyperparams(g), "params": self._owned(g["params"])} for g in self.param_groups], **defaults
         )
@@ -164,33 +156,24 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.state = self._inner.state  # this rank's shard; read by tools like optimizer_state_bytes
         self._consolidated: dict[int, Any] | None = None
         self._index_params()
-        logger.debug("rank %d owns %d/%d elements", self.rank, self._loads[self.rank], sum(self._loads))
+        logger.debug("rank %d owns %d elements", self.rank, self._partition.local_numel())
 
     # --- partition bookkeeping -------------------------------------------------------------
 
     def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [p for p in params if self._owner[p] == self.rank]
+        """The tensors this rank's inner optimizer steps on for `params` (pieces or parameters)."""
+        return [self._local[p][0] for p in params if p in self._local]
 
     def _index_params(self) -> None:
-        """Global index of each parameter (torch's state_dict numbering) and broadcast buckets.
-
-        A bucket is one owner's parameters of one dtype and device, in global order, so every
-        rank builds the same list and the broadcasts pair up.
-        """
+        """Global index of each parameter (torch's state_dict numbering)."""
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._index_of = {p: i for i, p in enumerate(all_params)}
-        buckets: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in all_params:
-            buckets.setdefault((self._owner[p], p.dtype, p.device), []).append(p)
-        self._buckets = sorted(buckets.items(), key=lambda item: item[0][0])  # stable: keeps order
 
     @property
-    def partition(self) -> list[list[int]]:
-        """Global parameter indices owned by each rank: `partition[rank]`."""
-        owned: list[list[int]] = [[] for _ in range(self.world_size)]
-        for p, i in self._index_of.items():
-            owned[self._owner[p]].append(i)
-        return owned
+    def partition(self) -> list[list]:
+        """What each rank owns, `partition[rank]`: global parameter indices ("parameter"), or
+        (index, start, stop) element ranges of the flattened parameters ("element")."""
+        return [self._partition.owned_by(r, self._index_of) for r in range(self.world_size)]
 
     def _check_same_params_on_every_rank(self, all_params: list[torch.Tensor]) -> None:
         """Every rank must derive the same partition: compare a signature of the sizes.
@@ -219,8 +202,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self._inner is None:  # called from Optimizer.__init__; partitioned right after
             return
         group = self.param_groups[-1]
-        owners = assign_owners([p.numel() for p in group["params"]], self.world_size, self._loads)
-        self._owner.update(zip(group["params"], owners, strict=True))
+        self._local.update(self._partition.add(group["params"]))  # a flat space of its own
         self._inner.add_param_group({**_hyperparams(group), "params": self._owned(group["params"])})
         group.update(_hyperparams(self._inner.param_groups[-1]))
         self._consolidated = None
@@ -245,27 +227,27 @@ class ZeroRedundancyOptimizer(Optimizer):
         """
         self._consolidated = None
         self._push_hyperparams()
+        if closure is not None:  # the closure computes the gradients the pieces read
+            inner_closure = closure
+
+            def closure() -> float:
+                loss = inner_closure()
+                self._partition.prepare_grads()
+                return loss
+
+        else:
+            self._partition.prepare_grads()
         loss = self._inner.step(closure=closure, **kwargs)
         self._pull_hyperparams()
-        if self.world_size > 1:
-            self._broadcast_shards()
+        if self.world_size > 1 or self.partition_kind == "element":
+            self._partition.sync()
         return loss
 
-    @torch.no_grad()
-    def _broadcast_shards(self) -> None:
-        """Runs right after the local update: owners send, the others overwrite their copies.
-
-        One bucket at a time, so the extra memory is one shard, not a second model.
-        """
-        for (owner, dtype, device), params in self._buckets:
-            if owner == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in params])  # (shard numel,)
-            else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
-            self._broadcast(flat, src=self._global_ranks[owner], group=self._group)
-            if owner != self.rank:
-                for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
-                    p.copy_(piece.view_as(p))
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients and the pieces' views of them."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._inner is not None:
+            self._inner.zero_grad(set_to_none=True)
 
     # --- state dicts -------------------------------------------------------------------------
 
@@ -274,9 +256,14 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         Read through the inner optimizer's own `state_dict()`, so its packing rules apply.
         """
-        local_params = [p for group in self._inner.param_groups for p in group["params"]]
+        param_of = {local: p for local, p, _, _ in self._local.values()}
+        local_tensors = [t for group in self._inner.param_groups for t in group["params"]]
         inner_state = self._inner.state_dict()["state"]
-        return {self._index_of[local_params[i]]: _to_cpu_copy(s) for i, s in inner_state.items()}
+        return {self._index_of[param_of[local_tensors[i]]]: _to_cpu_copy(s) for i, s in inner_state.items()}
+
+    def _local_ranges(self) -> dict[int, tuple[int, int]]:
+        """Global index -> the element range [start, stop) of it this rank steps on."""
+        return {self._index_of[p]: (start, stop) for _, p, start, stop in self._local.values()}
 
     def _indexed_param_groups(self) -> list[dict[str, Any]]:
         """param_groups in the plain optimizer's state_dict format: params as global indices."""
@@ -295,7 +282,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError(
                 f"to must be a rank of the optimizer's process group, in [0, {self.world_size}), got {to!r}"
             )
-        local = self._local_state()
+        local = (self._local_state(), self._local_ranges())
         if self.world_size == 1:
             shards = [local]
         else:
@@ -304,10 +291,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self.rank != to:
             self._consolidated = None
             return
-        merged: dict[int, Any] = {}
-        for shard in shards:
-            merged.update(shard)
-        self._consolidated = dict(sorted(merged.items()))
+        parts: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
+        for state, ranges in shards:
+            for i, value in state.items():
+                parts.setdefault(i, []).append((*ranges[i], value))
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._consolidated = {i: assemble_state(all_params[i], parts[i]) for i in sorted(parts)}
 
     def state_dict(self) -> dict[str, Any]:
         """The full state gathered by `consolidate_state_dict`, in the plain optimizer format."""
@@ -337,7 +326,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError(
                 "this is a sharded state dict (from sharded_state_dict()): load it with load_sharded_state_dict"
             )
-        self._load(state_dict)
+        self._load(state_dict, sharded=False)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the shard this rank saved with `sharded_state_dict()`."""
@@ -351,12 +340,12 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"{self.rank} of {self.world_size}: to change the world size, save a consolidated "
                 "state_dict() and load_state_dict() it instead"
             )
-        if list(shard["owned"]) != self.partition[self.rank]:
+        if [tuple(o) if isinstance(o, (list, tuple)) else o for o in shard["owned"]] != self.partition[self.rank]:
             raise ValueError(
                 "the shard's parameters differ from this rank's current partition (the parameters "
                 "changed since it was saved): save and load a consolidated state_dict() instead"
             )
-        self._load(state_dict)
+        self._load(state_dict, sharded=True)
 
     def _check_state_dict(self, state_dict: Any) -> None:
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
@@ -375,12 +364,14 @@ class ZeroRedundancyOptimizer(Optimizer):
                     f"{len(c['params'])}"
                 )
 
-    def _load(self, state_dict: dict[str, Any]) -> None:
+    def _load(self, state_dict: dict[str, Any], sharded: bool) -> None:
         """Pick this rank's parameters out of `state_dict` and hand them to the inner optimizer.
 
         Saved ids pair with parameters by position, as in `Optimizer.load_state_dict`, so a
-        state saved by a plain optimizer over the same parameters loads too.
+        state saved by a plain optimizer over the same parameters loads too. A full state is
+        cut to this rank's element ranges; a sharded one already holds just them.
         """
+        piece_of = {local: (p, start, stop) for local, p, start, stop in self._local.values()}
         saved_state = state_dict["state"]
         state_of: dict[torch.Tensor, Any] = {}
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
@@ -391,9 +382,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         local_state, local_groups, local_index = {}, [], 0
         for group in self._inner.param_groups:
             ids = []
-            for p in group["params"]:
+            for local in group["params"]:
+                p, start, stop = piece_of[local]
                 if p in state_of:
-                    local_state[local_index] = _to_cpu_copy(state_of[p])  # never alias the caller's dict
+                    value = _to_cpu_copy(state_of[p])  # never alias the caller's dict
+                    local_state[local_index] = value if sharded else cut_state(value, p.numel(), start, stop, local)
                 ids.append(local_index)
                 local_index += 1
             local_groups.append({"params": ids})
