@@ -9,21 +9,24 @@ The life of one synchronised iteration, in the order things happen:
    When a bucket's last gradient lands, its all-reduce is launched asynchronously
    (`_launch_ready_buckets`) and backward goes on computing earlier layers meanwhile.
    Buckets are launched strictly in index order so every rank issues the same collectives.
-3. end of backward (`_finalize_backward`, an autograd-engine callback that runs before
-   `backward()` returns): parameters that got no gradient contribute zeros, the usage of every
-   parameter is summed over ranks (to report or tolerate unused parameters), every bucket is
-   waited on, and the averaged gradients are written into `param.grad`.
+3. end of backward (`_finalize_backward`, an autograd-engine callback queued by a hook on the
+   forward output, so it runs when the outer backward ends, after any reentrant backward of
+   activation checkpointing nested in it, and before `backward()` returns): parameters that
+   got no gradient contribute zeros, the usage of every parameter is summed over ranks (to
+   report or tolerate unused parameters), every bucket is waited on, and the averaged
+   gradients are written into `param.grad`.
 
 With world size 1 the wrapper is a plain pass-through: no hooks, no communication.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +49,29 @@ def _grad_ready_trampoline(engine_ref: weakref.ref, index: int, param: torch.Ten
     engine = engine_ref()
     if engine is not None:
         engine._on_grad_ready(index, param)
+
+
+def _output_grad_trampoline(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """Hook on a forward output: its gradient is computed by the backward that consumes the
+    output, i.e. the OUTER backward, never by a reentrant checkpoint's inner one."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._queue_finalize()
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) forward output: tensors, sequences, mappings, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, field.name))
 
 
 class DistributedDataParallel(nn.Module):
@@ -182,9 +208,16 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
             inputs, kwargs = move_to(inputs, self._device, True), move_to(kwargs, self._device, True)
-        if self._world_size > 1:
-            self._prepare_for_forward()
-        return self.module(*inputs, **kwargs)
+        if self._world_size == 1:
+            return self.module(*inputs, **kwargs)
+        self._prepare_for_forward()
+        output = self.module(*inputs, **kwargs)
+        if self._sync_this_backward:
+            engine_ref = weakref.ref(self)
+            for tensor in _tensors_in(output):
+                if tensor.grad_fn is not None:
+                    tensor.register_hook(functools.partial(_output_grad_trampoline, engine_ref))
+        return output
 
     def _prepare_for_forward(self) -> None:
         """Before the forward: rebuild buckets if due, sync buffers, arm (or not) the backward."""
@@ -203,6 +236,7 @@ class DistributedDataParallel(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._backward_started = False
+        self._finalize_queued = False
         self._sync_this_backward = False
         for bucket in self._buckets:
             bucket.reset()
@@ -220,7 +254,7 @@ class DistributedDataParallel(nn.Module):
             return  # no_sync: gradients simply accumulate in .grad
         if not self._backward_started:
             self._backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._queue_finalize()  # normally done already, from the output's hook
             for unused in self._known_unused or ():  # static graph: no need to wait for them
                 self._mark_ready(unused)
         if self._ready[index]:
@@ -267,9 +301,24 @@ class DistributedDataParallel(nn.Module):
 
     # ---- end of backward ------------------------------------------------------------------------
 
+    def _queue_finalize(self) -> None:
+        """Queue `_finalize_backward` on the graph task now running, once per backward.
+
+        Called first from the hook on the forward output, which runs in the outer backward: a
+        callback queued there runs when the OUTER backward ends, after any reentrant backward
+        (activation checkpointing) nested inside it has delivered its gradients. Queued from a
+        parameter's hook instead, it could land on an inner graph task and finalise too early.
+        """
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
     def _finalize_backward(self) -> None:
         """Autograd-engine callback, after every gradient hook and before backward() returns:
         handle parameters without gradients, wait for every bucket, write `.grad`."""
+        self._finalize_queued = False
+        if not self._backward_started:
+            return  # e.g. torch.autograd.grad through the output: no .grad written, nothing to sync
         self._trace("finalize")
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:
