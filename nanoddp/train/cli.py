@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,9 @@ from pathlib import Path
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
+from nanoddp.train import preflight, rundir
 from nanoddp.train.config import TrainConfig, validate
+from nanoddp.train.datasets import DataSpec
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,11 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-id", default="none", help="job id shared by all nodes")
     group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
     group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT holds an earlier run: move its outputs aside into OUT/previous-<time>/ and start anew",
+    )
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -95,11 +103,11 @@ def _max_nodes(nnodes: str) -> int:
         raise ValueError(f"--nnodes must be N or MIN:MAX, got {nnodes!r}") from None
 
 
-def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int]:
-    """Build and check the config in the launcher process; return it and the world size."""
+def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec]:
+    """Build and check the config in the launcher process; return it, the processes per node
+    and the data's spec (vocabulary) for the model checks."""
     from nanoddp.train.config import check_data
     from nanoddp.train.datasets import build_datasets
-    from nanoddp.train.trainer import default_run_dir
 
     config = config_from_args(TrainConfig, args, args.config)
     nproc = args.nproc if args.nproc is not None else default_nproc(config.engine)
@@ -109,11 +117,11 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int]:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
-    train_set, _, _ = build_datasets(config.data, config.seq_len, config.val_fraction, config.text_max_bytes)
+    train_set, _, spec = build_datasets(config.data, config.seq_len, config.val_fraction, config.text_max_bytes)
     check_data(config, world_size, len(train_set))
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
-        config = dataclasses.replace(config, out=default_run_dir())
-    return config, nproc
+        config = dataclasses.replace(config, out=rundir.default_run_dir())
+    return config, nproc, spec
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -158,7 +166,22 @@ def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> 
 def run_train(args: argparse.Namespace) -> int:
     if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
         return worker_main(config_from_args(TrainConfig, args, args.config))
-    config, nproc = prepare_launch(args)
+    config, nproc, spec = prepare_launch(args)
+    preflight.check_out_dir(config.out)
+    # Node 0's agent owns OUT (rank 0, which writes it, runs there on a single node; other
+    # nodes' agents share the job, not the directory).
+    owner = args.node_rank == 0
+    lock_fd = rundir.lock_run_dir(config.out) if owner else None
+    try:
+        if owner:
+            print(f"nanoddp: {config.out}: {preflight.prepare_run_dir(config, spec, args.overwrite)}", file=sys.stderr)
+        return _launch(args, config, nproc)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+def _launch(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -244,7 +267,10 @@ def run_sample(args: argparse.Namespace) -> int:
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: --run must be a `nanoddp train` output directory")
-    config = build_config(TrainConfig, load_config_file(config_path), source=str(config_path))
+    values = load_config_file(config_path)
+    for key in ("run_id", "fingerprint"):  # the run's identity, stored beside its config
+        values.pop(key, None)
+    config = build_config(TrainConfig, values, source=str(config_path))
     if config.model != "gpt" or config.data in ("synthetic", "copy", "digits"):
         raise ValueError(f"sample generates text, but run {run_dir} was trained on {config.data!r}")
     if args.tokens < 1:

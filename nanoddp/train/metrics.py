@@ -3,10 +3,15 @@ the one-line console summary. Used by rank 0 only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from nanoddp.train.snapshot import atomic_write_bytes
 
@@ -84,3 +89,38 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+class Window:
+    """Loss and wall time accumulated between two log lines."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.steps = 0
+        self.loss_sum = torch.zeros(())
+        self.started = time.perf_counter()
+        self.paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - started
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
+        self.steps += 1
+
+    def elapsed_s(self) -> float:
+        return max(time.perf_counter() - self.started - self.paused_s, 1e-9)
+
+
+def redirect_logging(progress) -> contextlib.AbstractContextManager:
+    """Route log lines through tqdm.write while the bar is visible, so they don't tear it."""
+    if progress.disable:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()

@@ -17,13 +17,10 @@ them. What the tutorial version lacks and this one has:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +30,12 @@ from torch.utils.data import DataLoader, Subset
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.train import snapshot
+from nanoddp.train import rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
 from nanoddp.train.data import ResumableDistributedSampler
 from nanoddp.train.datasets import build_datasets
 from nanoddp.train.engines import build_engine
-from nanoddp.train.metrics import MetricsLogger, format_log_line
+from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -76,10 +73,6 @@ def _broadcast_object(value: Any, env: DistEnv) -> Any:
     return box[0]
 
 
-def default_run_dir() -> str:
-    return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
 class Trainer:
     """Data-parallel training of `config` on this rank. Build it on every rank, then `train()`."""
 
@@ -87,7 +80,7 @@ class Trainer:
         validate(config, env.world_size)
         self.env = env
         if config.out is None:  # every rank must agree on one directory: rank 0 picks it
-            config = replace(config, out=_broadcast_object(default_run_dir(), env))
+            config = replace(config, out=_broadcast_object(rundir.default_run_dir(), env))
         self.config = config
         self.run_dir = Path(config.out)
         self.train_set, self.val_set, self.spec = build_datasets(
@@ -124,7 +117,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
-            snapshot.atomic_write_bytes(self.run_dir / "config.json", _config_json(config))
+            snapshot.atomic_write_bytes(self.run_dir / "config.json", _config_json(config, self.run_id))
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -144,32 +137,31 @@ class Trainer:
         return torch.optim.AdamW(groups, **kwargs)
 
     def _maybe_resume(self) -> Path | None:
-        """Apply `--resume`; after a torchrun restart always pick up the newest snapshot."""
-        mode = self.config.resume
-        if self.env.restart_count > 0:
-            mode = "auto"
-        if mode == "never":
+        """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
+        so a refusal is the same ValueError on every rank, never a peer left waiting."""
+        current = to_dict(self.config)
+        found, decision = None, None
+        if self.env.is_master:
+            try:
+                found = rundir.resolve_resume(self.config.resume, self.run_dir, current, self.env.restart_count)
+                decision = ("ok", str(found[0]) if found else None)
+            except ValueError as exc:
+                decision = ("error", str(exc))
+        kind, value = _broadcast_object(decision, self.env)
+        if kind == "error":
+            raise ValueError(value)
+        if value is None:
+            self.run_id = _broadcast_object(rundir.new_run_id(), self.env)
+            if self.env.is_master and self.config.resume != "never":
+                logger.info("no snapshot in %s: starting fresh at step 0", self.run_dir / "snapshots")
             return None
-        if mode == "auto" or Path(mode).is_dir():
-            directory = self.run_dir / "snapshots" if mode == "auto" else Path(mode)
-            if (directory / "snapshots").is_dir():
-                directory = directory / "snapshots"
-            found = snapshot.find_latest_valid(directory) if self.env.is_master else None
-            path = _broadcast_object(str(found[0]) if found else None, self.env)
-            if path is None:
-                if self.env.restart_count > 0 and self.env.is_master:
-                    logger.warning(
-                        "restart %d: no valid snapshot in %s, starting from step 0", self.env.restart_count, directory
-                    )
-                return None
-            state = found[1] if found else snapshot.load(path)
-        else:
-            path, state = mode, snapshot.load(mode)
+        state = found[1] if found else snapshot.load(value)
         self._load_snapshot(state)
+        self.run_id = state.get("run_id") or _broadcast_object(rundir.new_run_id(), self.env)
         if self.env.is_master:
             why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
-            logger.info("%sresumed from %s (step %d, epoch %d)", why, path, self.step, self.sampler.epoch)
-        return Path(path)
+            logger.info("%sresumed from %s (step %d, epoch %d)", why, value, self.step, self.sampler.epoch)
+        return Path(value)
 
     # --- snapshots --------------------------------------------------------------------------
 
@@ -179,8 +171,9 @@ class Trainer:
             self.optimizer.consolidate_state_dict(to=0)
         return self.optimizer.state_dict() if self.env.is_master else None
 
-    def _save_snapshot(self) -> None:
-        """Collective: every rank contributes its RNG state; rank 0 writes the file."""
+    def _save_snapshot(self, interrupted: int = 0) -> None:
+        """Collective: every rank contributes its RNG state; rank 0 writes the file.
+        `interrupted` is the signal that stopped the run here (0: a regular snapshot)."""
         rng = snapshot.capture_rng_state()
         rng_per_rank = [rng]
         if _distributed():
@@ -199,6 +192,9 @@ class Trainer:
             "rng": rng_per_rank,
             "world_size": self.env.world_size,
             "config": to_dict(self.config),
+            "run_id": self.run_id,
+            "fingerprint": rundir.fingerprint(to_dict(self.config)),
+            "interrupted": interrupted,
         }
         directory = self.run_dir / "snapshots"
         path = snapshot.save(snapshot.snapshot_path(directory, self.step), state)
@@ -279,8 +275,8 @@ class Trainer:
             self.step,
             end,
         )
-        window = _Window(self.step)
-        with _redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
+        window = Window(self.step)
+        with redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
                 window.add_loss(self._run_step(batches))
                 tracer.step()
@@ -292,7 +288,7 @@ class Trainer:
                         val_loss = self.evaluate()
                 if val_loss is not None or final or self.step == 1 or _every(self.step, cfg.log_every):
                     last = self._log(window, val_loss)
-                    window = _Window(self.step)
+                    window = Window(self.step)
                 if final or _every(self.step, cfg.snapshot_every):
                     with window.paused():
                         self._save_snapshot()
@@ -311,7 +307,7 @@ class Trainer:
         enabled = self.env.is_master and self.config.progress and sys.stderr.isatty()
         return tqdm(total=end, initial=self.step, disable=not enabled, dynamic_ncols=True, leave=False)
 
-    def _log(self, window: _Window, val_loss: float | None) -> dict[str, Any]:
+    def _log(self, window: Window, val_loss: float | None) -> dict[str, Any]:
         """Global mean loss and throughput over the steps since the last log (a collective)."""
         stats = torch.stack([window.loss_sum, torch.tensor(float(window.steps), device=self.env.device)])
         _all_reduce_sum(stats)
@@ -369,46 +365,14 @@ class Trainer:
         logger.info("saved %s", self.run_dir / "model.pt")
 
 
-class _Window:
-    """Loss and wall time accumulated between two log lines."""
+def _config_json(config: TrainConfig, run_id: str) -> bytes:
+    """config.json: the run's id and fingerprint, then every config field."""
+    import json
 
-    def __init__(self, start_step: int):
-        self.start_step = start_step
-        self.steps = 0
-        self.loss_sum = torch.zeros(())
-        self.started = time.perf_counter()
-        self.paused_s = 0.0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - started
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
-        self.steps += 1
-
-    def elapsed_s(self) -> float:
-        return max(time.perf_counter() - self.started - self.paused_s, 1e-9)
+    values = to_dict(config)
+    record = {"run_id": run_id, "fingerprint": rundir.fingerprint(values), **values}
+    return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
-
-
-def _redirect_logging(progress) -> contextlib.AbstractContextManager:
-    """Route log lines through tqdm.write while the bar is visible, so they don't tear it."""
-    if progress.disable:
-        return contextlib.nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    return logging_redirect_tqdm()
-
-
-def _config_json(config: TrainConfig) -> bytes:
-    import json
-
-    return (json.dumps(to_dict(config), indent=2) + "\n").encode()

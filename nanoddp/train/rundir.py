@@ -1,0 +1,193 @@
+"""The run directory: its name, its single owner, its identity, and never losing what it holds.
+
+A run directory (`--out`) collects one training run's snapshots, metrics and model. Work is lost
+silently when two runs write into one directory (each prunes the other's snapshots), when a
+fresh run lands in an old run's directory (`--resume never` pruned the *new* snapshots, since
+the old ones had higher step numbers), or when a run resumes from a snapshot written by a
+different configuration. This module prevents each of those:
+
+- `lock_run_dir`: an exclusive `flock` on OUT/.lock held by the launcher for the run's life. The
+  kernel releases it when the holder dies, however it dies, so a stale lock cannot exist;
+- `default_run_dir`: timestamp plus a random suffix, so two runs started in one second differ;
+- `fingerprint` / `config_differences`: the config fields that define the math of a run
+  (model, data, optimizer, seed). Snapshots store them; resuming with other values refuses and
+  names the fields. Fields that may change on resume (how long, how often to log or snapshot,
+  engine and world size, which give the same math) are left out;
+- `move_aside`: `--overwrite` renames earlier outputs into a dated folder; nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".lock"
+# Outputs of a run, moved aside together by --overwrite.
+RUN_OUTPUTS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "tensorboard", "logs")
+# Config fields that may differ between a snapshot and the run resuming it: run length, logging,
+# output and launch details, and engines, which compute the same math (tested bitwise).
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "steps",
+        "log_every",
+        "eval_every",
+        "eval_samples",
+        "snapshot_every",
+        "keep_snapshots",
+        "progress",
+        "collective_timeout",
+        "threads",
+        "out",
+        "resume",
+        "metrics",
+        "trace",
+        "engine",
+        "zero",
+        "compile",
+        "grad_accum",
+    }
+)
+
+
+class RunDirBusy(ValueError):
+    """Another live process holds the run directory's lock."""
+
+
+def default_run_dir() -> str:
+    """runs/<timestamp>-<6 hex>: unique even for runs started in the same second."""
+    return str(Path("runs") / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(6)
+
+
+def lock_run_dir(out: str | Path) -> int:
+    """Take OUT/.lock exclusively for this process's life; return the open descriptor.
+
+    Keep the descriptor open while the run lasts; closing it, or the process dying, releases the
+    lock. A second run on the same directory gets `RunDirBusy` naming the holder's pid at once.
+    """
+    path = Path(out) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise RunDirBusy(
+            f"run directory {out} is in use by another run (pid {holder}); wait for it to finish, "
+            "stop it, or choose another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def fingerprint_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a config dict that define a run's math."""
+    return {key: value for key, value in config.items() if key not in MAY_CHANGE_ON_RESUME}
+
+
+def fingerprint(config: dict[str, Any]) -> str:
+    """A short hash of `fingerprint_fields`: equal fingerprints, same run definition."""
+    text = json.dumps(fingerprint_fields(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'name: saved -> current' for every fingerprint field that differs."""
+    old, new = fingerprint_fields(saved), fingerprint_fields(current)
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
+
+
+def check_resumable(state: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
+    """Raise ValueError if the snapshot `state` was written by a different run definition."""
+    differences = config_differences(state.get("config", {}), current)
+    if differences:
+        raise ValueError(
+            f"snapshot {path} belongs to a different configuration ({'; '.join(differences)}); only "
+            f"{', '.join(sorted(MAY_CHANGE_ON_RESUME))} may change on resume. Use the snapshot's "
+            "values, or start a new run (another --out, or --resume never --overwrite)"
+        )
+
+
+def has_outputs(out: str | Path) -> bool:
+    return any((Path(out) / name).exists() for name in RUN_OUTPUTS)
+
+
+def move_aside(out: str | Path) -> Path:
+    """Rename earlier outputs of OUT into OUT/previous-<timestamp>/; return that folder."""
+    out = Path(out)
+    target = out / f"previous-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    target.mkdir()
+    for name in RUN_OUTPUTS:
+        if (out / name).exists():
+            os.replace(out / name, target / name)
+    return target
+
+
+def has_snapshots(out: str | Path) -> bool:
+    from nanoddp.train import snapshot
+
+    return bool(snapshot.list_snapshots(Path(out) / "snapshots"))
+
+
+def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The snapshot `--resume mode` names, verified and loaded; None when there is nothing to resume.
+
+    `auto` looks in OUT/snapshots and may find nothing (a fresh run). A PATH (a snapshot file, a
+    snapshots folder, or a run directory) must yield a valid snapshot: a PATH that yields none is
+    an error, never a silent start from step 0. `never` returns None.
+    """
+    from nanoddp.train import snapshot
+
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return snapshot.find_latest_valid(Path(out) / "snapshots")
+    path = Path(mode)
+    if path.is_dir():
+        directory = path / "snapshots" if (path / "snapshots").is_dir() else path
+        found = snapshot.find_latest_valid(directory)
+        if found is None:
+            raise ValueError(f"--resume {mode}: no valid snapshot (step-*.pt) in {directory}")
+        return found
+    try:
+        return path, snapshot.load(path)
+    except snapshot.SnapshotError as exc:
+        raise ValueError(f"--resume {mode}: {exc}") from None
+
+
+def resolve_resume(mode: str, out: str | Path, current: dict[str, Any], restart_count: int = 0):
+    """Apply `--resume mode` to run directory `out` for config dict `current`.
+
+    Returns (path, state) of the snapshot to resume, or None to start at step 0; raises
+    ValueError when resuming would lose or mix work. After a torchrun restart the mode is always
+    `auto`: the restarted workers continue this run's own snapshots.
+    """
+    if restart_count > 0:
+        mode = "auto"
+    elif mode == "never" and has_snapshots(out):
+        raise ValueError(
+            f"{out} already holds snapshots of an earlier run, and --resume never would mix the two "
+            "runs (pruning deletes the newer run's snapshots). Continue it with --resume auto, move "
+            "its outputs aside with --overwrite, or choose another --out"
+        )
+    found = find_resume_snapshot(mode, out)
+    if found is not None:
+        check_resumable(found[1], current, found[0])
+    return found
