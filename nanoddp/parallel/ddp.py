@@ -125,7 +125,11 @@ class DistributedDataParallel(nn.Module):
         self._used_since_sync = [False] * len(self._params)
         self._ready_order: list[int] | None = []  # first synced iteration's arrival order
         self._rebuild_due = False
-        self._known_unused: list[int] | None = None  # static_graph: globally unused after iteration 1
+        # static_graph: hooks per parameter in the first synced backward (None until then), the
+        # parameters with no hook on this rank, and those unused on every rank
+        self._static_counts: list[int] | None = None
+        self._locally_unused: list[int] = []
+        self._global_unused: set[int] = set()
         self._reset_sync_state()
         if not dist.is_initialized():
             self._world_size, self._rank, self._src = 1, 0, 0
@@ -234,6 +238,8 @@ class DistributedDataParallel(nn.Module):
 
     def _reset_sync_state(self) -> None:
         self._ready = [False] * len(self._params)
+        self._hook_counts = [0] * len(self._params)
+        self._arrival: list[int] = []  # static_graph's first iteration: first-hook order
         self._next_bucket = 0
         self._backward_started = False
         self._finalize_queued = False
@@ -247,24 +253,38 @@ class DistributedDataParallel(nn.Module):
 
     # ---- backward: per-gradient hook and bucket launch ----------------------------------------
 
+    @property
+    def _delay_all_reduce(self) -> bool:
+        """static_graph's first synced backward: only count hooks, reduce everything at the end
+        (a parameter may get several partial gradients, e.g. a block checkpointed twice)."""
+        return self.static_graph and self._static_counts is None
+
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Runs inside backward as soon as `param.grad` holds this parameter's gradient."""
+        """Runs inside backward each time `param.grad` has received (part of) its gradient."""
         self._used_since_sync[index] = True
         if not self._sync_this_backward:
             return  # no_sync: gradients simply accumulate in .grad
         if not self._backward_started:
             self._backward_started = True
             self._queue_finalize()  # normally done already, from the output's hook
-            for unused in self._known_unused or ():  # static graph: no need to wait for them
+            for unused in self._locally_unused:  # static graph: no need to wait for them
                 self._mark_ready(unused)
-        if self._ready[index]:
+        self._hook_counts[index] += 1
+        if self._delay_all_reduce:
+            if self._hook_counts[index] == 1:
+                self._arrival.append(index)
+            return
+        expected = 1 if self._static_counts is None else self._static_counts[index]
+        if self._hook_counts[index] > expected:
             raise RuntimeError(
-                f"parameter '{self._param_names[index]}' received a gradient twice in one synchronised "
-                "backward; DistributedDataParallel supports one backward per forward (wrap extra "
-                "backward passes in no_sync(), or run a new forward)"
+                f"parameter '{self._param_names[index]}' received a gradient {self._hook_counts[index]} times "
+                f"in one synchronised backward (expected {expected}); DistributedDataParallel supports one "
+                "backward per forward (wrap extra backward passes in no_sync(), or run a new forward); a "
+                "block run several times under reentrant checkpointing needs static_graph=True"
             )
-        self._trace("grad_ready", index)
-        self._mark_ready(index)
+        if self._hook_counts[index] == expected:
+            self._trace("grad_ready", index)
+            self._mark_ready(index)
 
     @torch.no_grad()
     def _mark_ready(self, index: int) -> None:
@@ -320,6 +340,8 @@ class DistributedDataParallel(nn.Module):
         if not self._backward_started:
             return  # e.g. torch.autograd.grad through the output: no .grad written, nothing to sync
         self._trace("finalize")
+        for i in self._arrival:  # static_graph's first iteration: reduce in arrival order
+            self._mark_ready(i)
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:
             self._mark_ready(i)  # launches the remaining buckets, in order
@@ -329,12 +351,14 @@ class DistributedDataParallel(nn.Module):
         self._trace("done")
         if self._ready_order is not None:
             self._rebuild_due = True
-        if self.static_graph and self._known_unused is None:
-            self._known_unused = [i for i, n in enumerate(use_counts) if n == 0]
+        if self._delay_all_reduce:
+            self._static_counts = list(self._hook_counts)
+            self._locally_unused = [i for i, n in enumerate(self._hook_counts) if n == 0]
+            self._global_unused = {i for i, n in enumerate(use_counts) if n == 0}
         self._sync_iterations += 1
         self._used_since_sync = [False] * len(self._params)
         self._reset_sync_state()
-        if use_counts is not None and not self.find_unused_parameters:
+        if use_counts is not None and not (self.find_unused_parameters or self.static_graph):
             self._raise_if_unused(use_counts)
 
     def _global_use_counts(self) -> list[int] | None:
@@ -343,7 +367,7 @@ class DistributedDataParallel(nn.Module):
         Costs one tiny all-reduce per synchronised iteration; with static_graph it is done in
         the first iteration only (the set of unused parameters cannot change).
         """
-        if self.static_graph and self._known_unused is not None:
+        if self.static_graph and self._static_counts is not None:
             return None
         used = torch.tensor(self._used_since_sync, dtype=torch.int32)  # (P,)
         self._collectives.all_reduce(used, group=self.process_group, async_op=True).wait()
@@ -363,9 +387,8 @@ class DistributedDataParallel(nn.Module):
                 )
             if result.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(result)
-        unused = set(self._known_unused or ())
         for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
-            if index in unused or (use_counts is not None and use_counts[index] == 0):
+            if index in self._global_unused or (use_counts is not None and use_counts[index] == 0):
                 continue  # unused on every rank: leave .grad alone, like torch DDP
             if self.gradient_as_bucket_view:
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
