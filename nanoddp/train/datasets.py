@@ -188,11 +188,28 @@ class DataSpec:
 
 
 def build_datasets(
-    data: str, seq_len: int, val_fraction: float, max_bytes: int = 0, synthetic_samples: int = 8192
+    data: str,
+    seq_len: int,
+    val_fraction: float,
+    max_bytes: int = 0,
+    synthetic_samples: int = 8192,
+    *,
+    model: str = "gpt",
 ) -> tuple[Dataset, Dataset, DataSpec]:
-    """(train, val, spec) for a `--data` value: text, synthetic, copy, digits, or a path."""
+    """(train, val, spec) for a `--data` value: text, synthetic, copy, digits, or a path.
+
+    `model="smollm2"` reads the same text but tokenizes it with SmolLM2's own tokenizer
+    (`nanoddp.train.hf_data`) instead of bytes.
+    """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if model == "smollm2":
+        from nanoddp.models import load_smollm2_tokenizer
+        from nanoddp.train.hf_data import tokenized_text_splits
+
+        tokenizer = load_smollm2_tokenizer()
+        train, val = tokenized_text_splits(data, seq_len, val_fraction, max_bytes, tokenizer)
+        return train, val, DataSpec("lm", len(tokenizer))
     if data == "digits":
         train, val = digits_splits(val_fraction)
         return train, val, DataSpec("classification", 10, in_features=train.features.shape[1])

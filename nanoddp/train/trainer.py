@@ -84,7 +84,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.out)
         self.train_set, self.val_set, self.spec = build_datasets(
-            config.data, config.seq_len, config.val_fraction, config.text_max_bytes
+            config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
         )
         check_data(config, env.world_size, len(self.train_set))
         self.micro_batch = config.batch_size // (env.world_size * config.grad_accum)
