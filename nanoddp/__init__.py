@@ -8,6 +8,7 @@ from nanoddp.launch import LaunchError, launch
 from nanoddp.parallel import hooks
 from nanoddp.parallel.ddp import DistributedDataParallel
 from nanoddp.parallel.dp import DataParallel
+from nanoddp.parallel.fsdp import fully_shard
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.parallel.replicas import verify_replicas
 from nanoddp.parallel.zero import ZeroRedundancyOptimizer
@@ -23,6 +24,7 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "__version__",
     "cleanup",
+    "fully_shard",
     "hooks",
     "init",
     "launch",

@@ -7,6 +7,8 @@
 | `allreduce` | nothing                             | one all-reduce per parameter after backward |
 | `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
 | `single`    | nothing (one process)               | none                                   |
+| `zero2`     | ZeRO-2 hooks on the module (`nanoddp.parallel.zero2`) | bucketed reduce-scatter into gradient shards |
+| `fsdp`      | `fully_shard` on each block, then the root | all-gather params per block, reduce-scatter grads |
 
 Gradient accumulation differs by kind: the DDP engines run the non-final micro-steps inside
 `no_sync()` so that backward skips the all-reduce; the manual engines simply do not call their
@@ -177,6 +179,36 @@ def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]
     return build
 
 
+# --- sharded engines (ZeRO-2, FSDP) ----------------------------------------------------------
+# The trainer builds its optimizer before the engine: both keep the parameter objects (their
+# data becomes this rank's 1-D shard piece), so that optimizer steps on shards only.
+# What the trainer still needs for them (not here: train/trainer.py): gradient clipping over
+# ranks (`nanoddp.parallel.fsdp.clip_grad_norm_`), snapshots and model.pt from every rank
+# (`module.full_state_dict()` is collective, or per-rank sharded state), and the same number
+# of eval forwards on every rank (fsdp all-gathers in every forward).
+
+
+def _zero2(module: nn.Module, env: DistEnv) -> Engine:
+    from nanoddp.comm.backend import collectives_for
+    from nanoddp.parallel.replicas import broadcast_coalesced
+    from nanoddp.parallel.zero2 import zero2
+
+    broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
+    return Engine("zero2", zero2(module), module)
+
+
+def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
+    """`fully_shard` each transformer block (a module's `blocks`, if it has them), then the root."""
+    from nanoddp.comm.backend import collectives_for
+    from nanoddp.parallel.fsdp import fully_shard
+    from nanoddp.parallel.replicas import broadcast_coalesced
+
+    broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
+    for block in getattr(module, "blocks", []):
+        fully_shard(block)
+    return Engine("fsdp", fully_shard(module), module)
+
+
 # The one engine registry: `nanoddp train --engine`, TrainConfig's Literal, `bench train` and the
 # traced engines all read it, so an engine added here is an engine everywhere.
 ENGINE_BUILDERS: dict[str, Callable[[nn.Module, DistEnv], Engine]] = {
@@ -185,6 +217,8 @@ ENGINE_BUILDERS: dict[str, Callable[[nn.Module, DistEnv], Engine]] = {
     "allreduce": _manual("allreduce", "allreduce_gradients"),
     "rs_ag": _manual("rs_ag", "reduce_scatter_all_gather_gradients"),
     "single": _single,
+    "zero2": _zero2,
+    "fsdp": _fsdp,
 }
 ENGINES = tuple(ENGINE_BUILDERS)
 EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
