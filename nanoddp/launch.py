@@ -45,16 +45,20 @@ class LaunchError(RuntimeError):
         super().__init__(f"rank {rank} failed: {details}")
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when its parent (thread) dies (no-op elsewhere).
 
-    Shared by launch's ranks and the notebook's workers."""
+    Shared by launch's ranks, the notebook's workers and `nanoddp train`'s workers. With
+    `parent_pid`, a parent that died before the request (the child was already re-parented)
+    ends this process at once, closing the window between fork and prctl."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
-        pass
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(128 + signal.SIGKILL)
 
 
 def _worker(

@@ -1,11 +1,14 @@
 """`nanoddp train` on torchrun's elastic agent: a SIGKILLed worker is restarted and the run ends
-bitwise equal to an uninterrupted one; two agents (`--nnodes 2`) train as one job; a crashing
-worker's traceback reaches the user. Loopback only, every launch bounded and killed on timeout.
+bitwise equal to an uninterrupted one; SIGTERM/SIGINT to the agent stop every rank at one step
+with a snapshot, and rerunning ends bitwise equal too; a SIGKILLed agent leaves no worker; two
+agents (`--nnodes 2`) train as one job; a crashing worker is summarised in one line per rank.
+Loopback only, every launch bounded and killed on timeout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from nanoddp.env import free_port
+from nanoddp.train import rundir, snapshot
 
 # GPT tiny on 32-byte windows: ~0.1 s a step on 2 busy cores, so a kill lands mid-run.
 TRAIN_ARGS = [
@@ -79,6 +83,60 @@ def test_sigkilled_worker_is_restarted_and_resume_is_bit_identical(reference_run
     assert expected.keys() == got.keys()
     for name, value in expected.items():
         assert torch.equal(value, got[name]), f"{name} differs after the restart"
+
+
+def _wait_for_snapshot(proc: subprocess.Popen, path: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before the signal"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_agent_snapshots_the_step_and_rerun_is_bit_identical(reference_run, tmp_path, sig):
+    """Preemption (SIGTERM) or Ctrl-C (SIGINT): every rank finishes the step, one snapshot at that
+    step, one line, exit 128 + signal; the same command again ends bitwise where no stop would."""
+    proc = _nanoddp_train("--nproc", "2", "--out", str(tmp_path))
+    _wait_for_snapshot(proc, tmp_path / "snapshots" / "step-00000005.pt")
+    proc.send_signal(sig)  # the agent only: its workers run in their own sessions
+    output = _finish(proc)
+    assert proc.returncode == 128 + sig, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"nanoddp: interrupted at step (\d+); snapshot saved; rerun the same command to continue", last
+    )
+    assert match, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    step = int(match.group(1))
+    assert 5 <= step < 30
+    assert snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", step))["interrupted"] == sig
+    rerun = _nanoddp_train("--nproc", "2", "--out", str(tmp_path))
+    output = _finish(rerun)
+    assert rerun.returncode == 0, output[-3000:]
+    assert f"resumed from {tmp_path / 'snapshots' / f'step-{step:08d}.pt'}" in output, output[-3000:]
+    expected, got = _params(reference_run), _params(tmp_path)
+    assert all(torch.equal(value, got[name]) for name, value in expected.items())
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_agent_leaves_no_worker_alive(tmp_path):
+    proc, workers = _nanoddp_train("--nproc", "2", "--out", str(tmp_path)), []
+    try:
+        _wait_for_snapshot(proc, tmp_path / "snapshots" / "step-00000005.pt")
+        workers = _workers(proc)
+        assert len(workers) == 2, workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=10)  # PR_SET_PDEATHSIG: the kernel kills them
+        assert not alive, alive
+        os.close(rundir.lock_run_dir(tmp_path))  # and the directory's lock went with the agent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
 
 
 @pytest.mark.timeout(600)

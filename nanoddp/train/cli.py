@@ -31,13 +31,15 @@ from pathlib import Path
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
-from nanoddp.train import preflight, rundir
+from nanoddp.launch import die_with_parent
+from nanoddp.train import preflight, rundir, signals
 from nanoddp.train.config import TrainConfig, validate
 from nanoddp.train.datasets import DataSpec
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "nanoddp.train"
+AGENT_PID_VAR = "NANODDP_AGENT_PID"
 PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the watchdog fires
 
 
@@ -184,19 +186,51 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     argv = torchrun_argv(args, config, nproc)
     nd.prepare_torchrun_launch()
+    os.environ[AGENT_PID_VAR] = str(os.getpid())  # workers die with this process (see worker_main)
+    if not getattr(args, "verbose", False):
+        _quiet_torchrun_logs()
     print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         return 1
+    except SignalException as exc:  # SIGTERM/SIGINT: torchrun forwarded it and the workers stopped
+        print(f"nanoddp: {signals.interrupt_line(*_newest_snapshot(config.out))}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     print(f"nanoddp: done; outputs in {config.out}/ (try: nanoddp sample --run {config.out})", file=sys.stderr)
     return 0
+
+
+class _TorchrunNoise(logging.Filter):
+    """Drop torchrun's own warnings (signal forwarding, per-worker failure dumps) in the agent:
+    the launcher prints one line per outcome instead. `nanoddp -v train` shows them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL or not record.name.startswith("torch.distributed")
+
+
+def _quiet_torchrun_logs() -> None:
+    noise = _TorchrunNoise()
+    for name in ("", "torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(noise)
+
+
+def _newest_snapshot(out: str) -> tuple[int | None, bool]:
+    """(step of the newest valid snapshot or None, whether the workers wrote it on the signal)."""
+    from nanoddp.train import snapshot
+
+    found = snapshot.find_latest_valid(Path(out) / "snapshots")
+    if found is None:
+        return None, False
+    return int(found[1]["step"]), bool(found[1].get("interrupted"))
 
 
 # --- worker -------------------------------------------------------------------------------
@@ -229,6 +263,9 @@ def worker_main(config: TrainConfig) -> int:
     from nanoddp.train.trainer import Trainer
 
     env = nd.DistEnv.from_environ()
+    # Die with the agent however it dies (SIGKILL included): no worker outlives its run.
+    die_with_parent(int(os.environ.get(AGENT_PID_VAR, os.getppid())))
+    signals.install()  # SIGTERM/SIGINT: finish the step, snapshot it, exit 128 + signal
     _setup_worker_logging(env.rank)
     # The watchdog reports a stuck nanoddp collective after collective_timeout; torch's own
     # collectives (torch DDP, loss averaging) fail through the process-group timeout a little
@@ -237,6 +274,10 @@ def worker_main(config: TrainConfig) -> int:
     watchdog.enable(config.collective_timeout)
     try:
         Trainer(config, env).train()
+    except signals.Interrupted as exc:  # every rank stopped at the same step, snapshot written
+        watchdog.disable()
+        nd.abandon()
+        return exc.exit_code
     except BaseException:
         watchdog.disable()
         nd.abandon()  # no closing barrier: a peer may be gone, and the error must surface

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Subset
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.train import rundir, snapshot
+from nanoddp.train import rundir, signals, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
 from nanoddp.train.data import ResumableDistributedSampler
 from nanoddp.train.datasets import build_datasets
@@ -292,12 +292,22 @@ class Trainer:
                 if final or _every(self.step, cfg.snapshot_every):
                     with window.paused():
                         self._save_snapshot()
+                signum = 0 if final else signals.agreed_stop(self.env.device)  # a collective
+                if signum:
+                    self._stop_interrupted(signum)
             progress.close()
         if self.step >= cfg.steps:
             self._export_final_model()
         if self.metrics is not None:
             self.metrics.close()
         return last
+
+    def _stop_interrupted(self, signum: int) -> None:
+        """Every rank agreed to stop after this step: snapshot it (collective), then raise."""
+        self._save_snapshot(interrupted=signum)
+        if self.metrics is not None:
+            self.metrics.close()
+        raise signals.Interrupted(self.step, signum)
 
     def _progress_bar(self, end: int):
         import sys
