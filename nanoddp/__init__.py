@@ -12,6 +12,8 @@ from nanoddp.parallel.fsdp import fully_shard
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.parallel.replicas import verify_replicas
 from nanoddp.parallel.zero import ZeroRedundancyOptimizer
+from nanoddp.train.gather import gather_for_metrics
+from nanoddp.train.state import load_state, save_state
 
 __version__ = "0.1.0"
 
@@ -25,9 +27,12 @@ __all__ = [
     "__version__",
     "cleanup",
     "fully_shard",
+    "gather_for_metrics",
     "hooks",
     "init",
     "launch",
+    "load_state",
+    "save_state",
     "seed_everything",
     "verify_replicas",
 ]

@@ -393,4 +393,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         for local_group, outer in zip(local_groups, self.param_groups, strict=True):
             local_group.update(_hyperparams(outer))
         self._inner.load_state_dict({"state": local_state, "param_groups": local_groups})
+        with torch.no_grad():  # the model may have been loaded since the pieces were cut: step from its values
+            for local, (p, start, stop) in piece_of.items():
+                if local is not p:
+                    local.copy_(p.detach().reshape(-1)[start:stop].view_as(local))
         self._consolidated = None

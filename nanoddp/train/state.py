@@ -1,0 +1,215 @@
+"""`save_state` / `load_state`: exact resume for people who keep their own training loop.
+
+`nanoddp.Trainer` snapshots everything a step depends on; a hand-written loop needs the same
+guarantees without adopting the Trainer. You name the objects, we sort them by kind::
+
+    nanoddp.save_state("ckpt/", step=step, model=ddp_model, optimizer=opt, scheduler=sched,
+                       sampler=sampler, scaler=scaler)
+    state = nanoddp.load_state("ckpt/", model=ddp_model, optimizer=opt, scheduler=sched,
+                               sampler=sampler, scaler=scaler)   # None: nothing saved yet
+    step = state["step"] if state else 0
+
+- modules are saved unwrapped (a DDP/DataParallel wrapper's inner module, so no `module.`
+  prefix), from rank 0: data parallelism keeps the replicas identical;
+- a ZeRO optimizer (ours or torch's) is consolidated onto rank 0 first, so the file holds the
+  whole optimizer state and resumes on any world size;
+- anything else with `state_dict`/`load_state_dict` (optimizers, LR schedulers, GradScalers,
+  `ResumableDistributedSampler`) is saved from rank 0; torch's `DistributedSampler` keeps its
+  epoch; any other value (ints, floats, strings, tensors, lists and dicts of them) is stored
+  as is and handed back by `load_state`;
+- every rank's RNG streams (python, numpy, torch CPU and CUDA) are gathered and restored per
+  rank, which is what makes dropout and augmentation continue bitwise after a resume.
+
+One thing the loop must do itself: give its `DataLoader` a `generator=` of its own. Otherwise
+every `iter(loader)` draws a seed from the global torch RNG, and a resumed run starts its
+iterator at another point of that stream than the uninterrupted run did.
+
+The file is a `nanoddp.train.snapshot` file: written atomically with a checksum, so a job
+killed mid-write leaves the previous file intact, and `load_state(directory)` skips a damaged
+newest file for the newest one that verifies. Both functions are collective when a process
+group is initialised: call them on every rank with the same names.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from nanoddp.parallel.ddp import DistributedDataParallel
+from nanoddp.parallel.dp import DataParallel
+from nanoddp.parallel.manual import SimpleDDP
+from nanoddp.train import snapshot
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "nanoddp.save_state/1"
+_WRAPPERS = (
+    torch.nn.parallel.DistributedDataParallel,
+    torch.nn.DataParallel,
+    DistributedDataParallel,
+    DataParallel,
+)
+
+
+def unwrap(module: torch.nn.Module | SimpleDDP) -> torch.nn.Module:
+    """The user's model inside any data-parallel wrappers (whose state_dict adds `module.`)."""
+    while isinstance(module, (*_WRAPPERS, SimpleDDP)):
+        module = module.model if isinstance(module, SimpleDDP) else module.module
+    return module
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, (torch.nn.Module, SimpleDDP)):
+        return "module"
+    if hasattr(obj, "consolidate_state_dict") and hasattr(obj, "load_state_dict"):
+        return "sharded_optimizer"
+    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
+        return "torch_sampler"
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return "stateful"
+    return "value"
+
+
+def _capture(obj: Any, kind: str, is_master: bool) -> Any:
+    """This object's saved form (collective for a sharded optimizer; None off rank 0)."""
+    if kind == "sharded_optimizer":
+        obj.consolidate_state_dict(to=0)  # every rank takes part in the gather
+    if not is_master:
+        return None
+    if kind == "module":
+        return unwrap(obj).state_dict()
+    if kind == "torch_sampler":
+        return {"epoch": obj.epoch}
+    if kind in ("stateful", "sharded_optimizer"):
+        return obj.state_dict()
+    return obj
+
+
+def _names_directory(path: str | Path) -> bool:
+    """A directory: one that exists, a path written with a trailing slash, or a new name with no suffix."""
+    as_path = Path(path)
+    if as_path.is_dir() or str(path).endswith(("/", "\\")):
+        return True
+    return not as_path.exists() and as_path.suffix == ""
+
+
+def _target_file(path: str | Path, objects: dict[str, Any]) -> Path:
+    """The file to write: `path` itself, or `step-<N>.pt` in directory `path` for step=N."""
+    if not _names_directory(path):
+        return Path(path)
+    step = objects.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"save_state({str(path)!r}) names a directory, so the file is step-<N>.pt and needs "
+            f"step=N (an int >= 0), got step={step!r}; pass step=..., or a file path such as state.pt"
+        )
+    return snapshot.snapshot_path(path, step)
+
+
+def save_state(path: str | Path, **objects: Any) -> Path:
+    """Save `objects` (see the module docstring) atomically; return the file written.
+
+    Collective when a process group is initialised. `path` is a file (`state.pt`), or a
+    directory (an existing one, `ckpt/`, or a new name without suffix) in which the file is
+    `step-<N>.pt` for `step=N`, so that `load_state(directory)` finds the newest.
+    """
+    if not objects:
+        raise ValueError("save_state needs at least one object to save, e.g. save_state(path, model=model)")
+    target = _target_file(path, objects)  # checked on every rank, before any collective
+    rank, world_size = _rank(), _world_size()
+    rng = snapshot.capture_rng_state()
+    rng_per_rank: list[Any] | None = [rng]
+    if _distributed():
+        rng_per_rank = [None] * world_size if rank == 0 else None
+        dist.gather_object(rng, rng_per_rank, dst=0)
+    saved = {}
+    for name, obj in objects.items():
+        kind = _kind(obj)
+        saved[name] = {"kind": kind, "state": _capture(obj, kind, rank == 0)}
+    if rank == 0:
+        state = {"format": FORMAT, "objects": saved, "rng": rng_per_rank, "world_size": world_size}
+        snapshot.save(target, state)
+        logger.info("saved state %s (%s)", target, ", ".join(objects))
+    if _distributed():
+        dist.barrier()  # nobody returns (and maybe loads) before the file exists
+    return target
+
+
+def _resolve(path: str | Path) -> Path | None:
+    """The file to load: `path` itself, or the newest valid snapshot in directory `path`."""
+    if not _names_directory(path):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no saved state at {path}: pass the file save_state wrote, or its directory")
+        return Path(path)
+    found = snapshot.find_latest_valid(path) if _rank() == 0 else None
+    chosen = [str(found[0]) if found else None]
+    if _distributed():
+        dist.broadcast_object_list(chosen, src=0)  # every rank loads the same file
+    return Path(chosen[0]) if chosen[0] else None
+
+
+def _restore(obj: Any, entry: dict[str, Any]) -> Any:
+    kind, state = entry["kind"], entry["state"]
+    if kind == "module":
+        unwrap(obj).load_state_dict(state)
+    elif kind == "torch_sampler":
+        obj.set_epoch(state["epoch"])
+    elif kind in ("stateful", "sharded_optimizer"):
+        obj.load_state_dict(state)
+    else:
+        return state  # a plain value: handed back, the caller rebinds it
+    return obj
+
+
+def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
+    """Restore `objects` in place from `path` and return every saved entry by name.
+
+    Modules, optimizers, schedulers, samplers and scalers are loaded into the objects passed;
+    plain values come back in the returned dict (`state["step"]`). When `path` is a directory
+    the newest valid `step-<N>.pt` is used, and None is returned if there is none yet (a first
+    run). Each rank gets back its own RNG streams when the world size is the one that saved.
+    """
+    file = _resolve(path)
+    if file is None:
+        logger.info("no saved state in %s: starting fresh", path)
+        return None
+    state = snapshot.load(file)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{file} was not written by nanoddp.save_state (format {state.get('format')!r})")
+    saved = state["objects"]
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise ValueError(f"{file} has no {missing}; it holds {sorted(saved)}: load with the names save_state used")
+    result = {name: entry["state"] for name, entry in saved.items() if entry["kind"] == "value"}
+    # Modules first: an optimizer that keeps its own copy of the parameters (ZeRO's pieces)
+    # refreshes it from the model when its state is loaded.
+    for name in sorted(objects, key=lambda n: saved[n]["kind"] != "module"):
+        result[name] = _restore(objects[name], saved[name])
+    rng = state["rng"]
+    if len(rng) == _world_size():
+        snapshot.restore_rng_state(rng[_rank()])
+    elif _rank() == 0:
+        logger.warning(
+            "state saved at world size %d, loaded at %d: RNG streams not restored (reseed them)",
+            len(rng),
+            _world_size(),
+        )
+    logger.info("loaded state %s", file)
+    return result
