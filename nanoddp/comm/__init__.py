@@ -59,7 +59,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "INLINE_MAX_BYTES", "INLINE_SEND_BYTES", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
-    "broadcast", "gather", "reduce", "reduce_scatter_tensor", "scatter",
+    "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "monitored_barrier",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
 ]  # fmt: skip
 
 _flat, _nbytes, _header = flat, nbytes, header
@@ -269,6 +271,37 @@ def reduce_scatter_tensor(
     return _submit(runner, "reduce_scatter", "reduce_scatter_tensor", prepare, async_op)
 
 
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: ReduceOp = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce `input_list[i]` over the group into group rank i's `output` (the list form of
+    `reduce_scatter_tensor`; the inputs are packed into one scratch buffer, never modified)."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+
+    def prepare() -> Prepared:
+        check(output, "output")
+        name = op_name(op, output)
+        check_list(input_list, runner.peers.size, "input_list", output)
+        inputs = list(input_list)
+
+        def body() -> None:
+            m = output.numel()
+            packed = runner.peers.scratch("reduce_scatter_list", len(inputs) * m, output.dtype, output.device)
+            for i, t in enumerate(inputs):  # (n * m,): input i at [i*m, (i+1)*m)
+                packed[i * m : (i + 1) * m].view(t.shape).copy_(t)
+            _reduce_scatter(runner.peers, output, packed, name)
+
+        return output.numel() * runner.peers.size, body, [output]
+
+    return _submit(runner, "reduce_scatter", "reduce_scatter", prepare, async_op)
+
+
 def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
     n, me, m = peers.size, peers.rank, output.numel()
     in_flat = _flat(input)
@@ -372,3 +405,20 @@ def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | No
         ring.wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
     for out, f in zip(targets, flats, strict=True):
         _write_back(out, f)
+
+
+# The rest of torch.distributed's surface, built on the above and on point-to-point (kept in
+# their own modules; imported last because they use this module's collectives).
+from nanoddp.comm.alltoall import (  # noqa: E402
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    monitored_barrier,
+)
+from nanoddp.comm.objects import (  # noqa: E402
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)

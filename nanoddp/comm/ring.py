@@ -55,6 +55,7 @@ DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 COLLECTIVES = (
     "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "scatter", "gather", "all_to_all", "barrier",
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
 )  # fmt: skip
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 
