@@ -1,7 +1,8 @@
-"""From `bench train`'s raw per-step samples to rows, the README's markdown table and a plot.
+"""From `bench train`'s raw per-step samples to rows, the markdown tables and a plot.
 
-Kept apart from the measuring code so that `nanoddp bench report FILE.json` can re-render the
-README figures from a saved JSON, on any machine, without running anything.
+Kept apart from the measuring code so that `nanoddp bench report FILE.json` and `nanoddp bench
+render` can re-derive every figure from a saved JSON's raw samples, on any machine, without
+running anything.
 """
 
 from __future__ import annotations
@@ -27,38 +28,57 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+# One definition per column, for every engine; printed under every table (`format_markdown`)
+# and quoted in docs/performance.md. The probes are in nanoddp.bench.probe.
+DEFINITIONS = (
+    "comm ms = gradient communication per step, rank mean: from the first gradient bucket handed to "
+    "the collective layer (DDP engines: the moment bucket 0's last gradient hook runs; manual engines: "
+    "the start of their after-backward sync) until the last reduced gradient is in place (DDP engines: "
+    "backward() returns, their end-of-backward callback has written the gradients; manual engines: the "
+    "sync returns). exposed ms = time from the last gradient hook to that same end: what backward() "
+    "(plus, for manual engines, the sync call) waits after the last gradient is computed. overlap = "
+    "1 − exposed ÷ comm, the share hidden under backward (≤ 0 %: nothing hidden; a manual engine starts "
+    "its sync after backward, so its exposed time is its comm time plus backward's tail). MB sent/step = "
+    "bytes the rank passed to write()/writev() during the step (/proc/self/io wchar), which is how "
+    "gloo's TCP transport sends: every collective of the step (gradients, buffer broadcasts, nanoddp's "
+    "used-parameter all-reduce and header frames, zero's parameter broadcast in optimizer.step), framing "
+    "included; rank mean; – where the transport is not visible (nccl). "
+    "Measured from outside, the same way for every engine: torch DDP runs stock (no comm hook, its C++ "
+    "all-reduce path), nanoddp DDP without its timeline; gradient times come from post-accumulate-grad "
+    "hooks that every engine's parameters carry, plus each wrapper's bucket layout. Not torch DDP's own "
+    "runtime stats (_get_ddp_logging_data: torch's reducer only, sampled on some iterations) nor the "
+    "profiler (per-op overhead, and it sees our collectives only as send/recv on a worker thread)."
+)
+OTHER_COLUMNS = (
+    "scaling eff. = samples/s ÷ (ws × single-process samples/s); nocomm = every rank trains on its share "
+    "of the batch without any gradient sync: the ceiling that compute alone leaves; peak MB/rank = what a "
+    "process running only that engine peaks at (RSS on CPU, CUDA allocated on GPU)."
+)
+
+
+def _mean(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present and len(present) == len(values) else None
+
+
 def _per_step(ranks: list[dict]) -> list[dict]:
-    """Merge ranks step by step: a step lasts as long as its slowest rank; comm is the rank mean."""
+    """Merge ranks step by step: a step lasts as long as its slowest rank; the rest is the rank mean."""
     merged = []
     for steps in zip(*(r["samples"] for r in ranks), strict=True):
-        row = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+        row = {key: _mean([s.get(key) for s in steps]) for key in steps[0]}
         row["step_s"] = max(s["step_s"] for s in steps)
         merged.append(row)
     return merged
-
-
-def _bytes_per_step(engine: str, n: int, meta: dict) -> tuple[int, int]:
-    """(payload bytes each rank hands to collectives per step, ring-estimate bytes it sends)."""
-    if n == 1 or engine in ("single", "single_allcores", "nocomm", "dp"):
-        return 0, 0
-    numel, tensors = meta["parameters"], meta["parameter_tensors"]
-    reduced = 4 * numel  # float32 gradients
-    if engine == "rs_ag":
-        reduced = 4 * (-(-numel // n) * n)  # padded to a multiple of the world size
-    if engine in ("nanoddp", "zero", "nanoddp_torchcomm"):
-        reduced += 4 * tensors  # the per-step int32 "which parameters got gradients" all-reduce
-    broadcast = 4 * numel if engine == "zero" else 0  # ZeRO-1: every shard sent from its owner
-    wire = reduced * 2 * (n - 1) / n + broadcast * (n - 1) / n
-    return reduced + broadcast, int(wire)
 
 
 def _row(engine: str, n: int, ranks: list[dict], meta: dict) -> dict:
     steps = _per_step(ranks)
     step_s = [s["step_s"] for s in steps]
     median = statistics.median(step_s)
-    comm = sum(s["comm_s"] for s in steps)
-    exposed = sum(s["exposed_comm_s"] for s in steps)
-    payload, wire = _bytes_per_step(engine, n, meta)
+    communicates = all(s["comm_s"] is not None for s in steps)
+    comm = sum(s["comm_s"] for s in steps) if communicates else 0.0
+    exposed = sum(s["exposed_comm_s"] for s in steps) if communicates else 0.0
+    sent = [s.get("bytes_sent") for s in steps]
     seq_len = meta["model_config"]["seq_len"]
     row = {
         "engine": engine, "world_size": n, "steps": len(steps),
@@ -70,13 +90,13 @@ def _row(engine: str, n: int, ranks: list[dict], meta: dict) -> dict:
         **{k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "sync_s", "optimizer_s")},
         "comm_time_s": comm / len(steps), "exposed_comm_s": exposed / len(steps),
         "overlap_fraction": (1.0 - exposed / comm) if comm > 0 else None,
-        "bytes_communicated_per_step": payload, "wire_bytes_per_rank_est": wire,
+        "bytes_sent_per_step": None if None in sent else sum(sent) / len(sent),
         "peak_mem_bytes_per_rank": max(r["base_bytes"] + r["persistent_bytes"] + r["transient_bytes"]
                                        for r in ranks),
         "engine_resident_bytes_per_rank": max(r["persistent_bytes"] for r in ranks),
     }  # fmt: skip
     row["compute_s"] = median - min(row["exposed_comm_s"], median)
-    if payload == 0:  # nothing crossed a process boundary: no comm figures to report
+    if not communicates:  # no gradient crossed a process boundary: no comm figures to report
         row.update(comm_time_s=None, exposed_comm_s=None, overlap_fraction=None)
     return row
 
@@ -91,6 +111,14 @@ def _mfu(row: dict, meta: dict) -> float | None:
     flops_per_token = 6 * meta["parameters"] + 12 * cfg["n_layers"] * cfg["seq_len"] * cfg["d_model"]
     devices = 1 if row["engine"] in ("single", "dp") else row["world_size"]
     return row["tokens_per_s"] * flops_per_token / (devices * peak)
+
+
+def results_of(data: dict) -> list[dict]:
+    """The rows of a `bench train --json` file, re-derived from its raw per-step samples (a file
+    without them, from before they were kept, gives its stored rows)."""
+    if "raw" not in data:
+        return data["results"]
+    return summarise({int(n): per_rank for n, per_rank in data["raw"].items()}, data["meta"])
 
 
 def summarise(per_ws: dict[int, list[dict]], meta: dict) -> list[dict]:
@@ -126,12 +154,50 @@ def caption(meta: dict) -> str:
         f"({meta['parameters'] / 1e6:.2f} M parameters, seq {meta['model_config']['seq_len']}), "
         f"global batch {meta['global_batch']}, AdamW fp32, {meta['threads_per_rank']} thread(s) per rank; "
         f"median of {meta['steps']} steps per engine, engines interleaved in blocks of {meta['block']}{load}."
+        + _provenance(meta)
+    )
+
+
+def _provenance(meta: dict) -> str:
+    """Date, commit and command line of the run (files from before they were recorded: none)."""
+    if not meta.get("command"):
+        return ""
+    return f" {meta['date'][:10]}, commit {meta.get('git_commit')}: `{meta['command']}`."
+
+
+def format_summary(data: dict, world_size: int = 2) -> str:
+    """The README's one-paragraph summary of one world size: each engine's ratio to torch DDP."""
+    meta = data["meta"]
+    rows = {r["engine"]: r for r in results_of(data) if r["world_size"] == world_size}
+    if "torch" not in rows:
+        raise ValueError(f"no torch DDP row at world size {world_size} to compare with; run with --engines ...,torch")
+
+    def ratio(engine: str, label: str) -> str | None:
+        row = rows.get(engine)
+        if row is None:
+            return None
+        overlap = row["overlap_fraction"]
+        hidden = "" if overlap is None else f", overlap {overlap:.0%}"
+        return f"{label} {row['vs_torch_ddp']:.2f}×{hidden}"
+
+    torch_overlap = rows["torch"]["overlap_fraction"]
+    parts = [ratio(e, label) for e, label in (("nanoddp", "nanoddp DDP"), ("nanoddp_torchcomm", "nanoddp DDP over "
+             "torch's collectives"), ("zero", "ZeRO-1"), ("allreduce", "manual all-reduce"), ("rs_ag",
+             "manual reduce-scatter + all-gather"), ("nocomm", "no sync at all (the compute ceiling)"))]  # fmt: skip
+    load = meta.get("load_average_before")
+    return (
+        f"- **Training, {meta['cpus']}-core CPU, {meta.get('backend', '?')}, GPT {meta['model']} "
+        f"({meta['parameters'] / 1e6:.1f} M parameters), global batch {meta['global_batch']}, "
+        f"{meta['date'][:10]}{f', 1-min load {load[0]:.1f}' if load else ''}:** samples/s at {world_size} "
+        f"processes relative to stock torch DDP (overlap {torch_overlap:.0%}): "
+        + "; ".join(p for p in parts if p)
+        + "."
     )
 
 
 def format_markdown(data: dict) -> str:
     """The README table: one row per (world size, engine)."""
-    meta, rows = data["meta"], data["results"]
+    meta, rows = data["meta"], results_of(data)
     gpu = any(r.get("mfu") is not None for r in rows)
     head = [
         "engine",
@@ -144,7 +210,7 @@ def format_markdown(data: dict) -> str:
         "comm ms",
         "exposed ms",
         "overlap",
-        "MB comm/step",
+        "MB sent/step",
         "peak MB/rank",
     ] + (["MFU"] if gpu else [])
     lines = [caption(meta), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -155,16 +221,11 @@ def format_markdown(data: dict) -> str:
             f"{r['tokens_per_s']:,.0f}", _fmt(r["vs_torch_ddp"], ".2f"), _fmt(r["scaling_efficiency"], ".0%"),
             _fmt(r["comm_time_s"], ".1f", 1e3),
             _fmt(r["exposed_comm_s"], ".1f", 1e3),
-            _fmt(r["overlap_fraction"], ".0%"), _fmt(r["bytes_communicated_per_step"] or None, ".1f", 1 / MB),
+            _fmt(r["overlap_fraction"], ".0%"), _fmt(r["bytes_sent_per_step"], ".1f", 1 / MB),
             f"{r['peak_mem_bytes_per_rank'] / MB:.0f}",
         ] + ([_fmt(r.get("mfu"), ".1%")] if gpu else [])  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "scaling eff. = samples/s ÷ (ws × single-process samples/s); overlap = share of the "
-              "gradient communication time hidden under backward; MB comm/step = payload each rank hands "
-              "to collectives (gradients, plus parameters for zero); nocomm = every rank trains on its "
-              "share of the batch without any gradient sync: the ceiling that compute alone leaves; peak "
-              "MB/rank = what a process running only that engine peaks at (RSS on CPU, CUDA allocated "
-              "on GPU)."]  # fmt: skip
+    lines += ["", DEFINITIONS, "", OTHER_COLUMNS]
     return "\n".join(lines)
 
 
@@ -176,7 +237,7 @@ def write_plot(path: str, data: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, meta = data["results"], data["meta"]
+    rows, meta = results_of(data), data["meta"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
     sizes = sorted({r["world_size"] for r in rows})
     for engine in dict.fromkeys(r["engine"] for r in rows):

@@ -30,6 +30,9 @@ import logging
 import math
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -38,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 import nanoddp
-from nanoddp.bench import add_output_args, parse_world_sizes, write_json
+from nanoddp.bench import add_output_args, parse_world_sizes, render, write_json
+from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
 from nanoddp.bench.report import format_markdown, summarise, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
@@ -114,10 +118,13 @@ class _Runner:
         torch.manual_seed(0)
         cfg = gpt_config(spec["model"], **spec["overrides"])
         module = GPT(cfg).to(env.device)
-        self._last_grad = 0.0
-        for p in module.parameters():  # registered before any wrapper's hooks, so they fire first
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.clock = GradClock(module)  # hooks registered before any wrapper's, so they fire first
+        self.layout: list[list[int]] | None = None  # the wrapper's buckets, read after warm-up
         self.engine, self.ddp = self._build(name, module, env, traced)
+        if not traced:  # no engine times itself: the probes time every engine from outside
+            self.engine.comm = None
+            if self.ddp is not None:
+                self.ddp.record_timeline = False
         if not isinstance(self.engine, _DPEngine):
             _forward_loss(self.engine)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -130,8 +137,9 @@ class _Runner:
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g).to(env.device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        self._last_grad = time.perf_counter()
+    def read_layout(self) -> None:
+        """After warm-up (buckets are rebuilt after the first iteration): the bucket layout."""
+        self.layout = bucket_layout(self.engine.model, self.clock)
 
     @staticmethod
     def _build(name: str, module, env: nanoddp.DistEnv, traced: bool):
@@ -158,8 +166,10 @@ class _Runner:
         threads = torch.get_num_threads()
         if self.name == ALLCORES:
             torch.set_num_threads(self.spec["allcores_threads"])
+        sent0 = bytes_written()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        self.clock.reset()
         with self.engine.micro_step(sync=True):
             with region("forward"):
                 loss = self.engine.forward_loss(self.x, self.y)
@@ -174,34 +184,33 @@ class _Runner:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
         t4 = time.perf_counter()
+        sent1 = bytes_written()
         torch.set_num_threads(threads)
-        return {"step_s": t4 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "sync_s": t3 - t2,
-                "optimizer_s": t4 - t3, **self._comm(t2, t3)}  # fmt: skip
+        sample = {"step_s": t4 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "sync_s": t3 - t2,
+                  "optimizer_s": t4 - t3, **self._comm(t2, t3),
+                  "bytes_sent": None if sent0 is None or self.env.device.type == "cuda" else sent1 - sent0}  # fmt: skip
+        return {k: v if isinstance(v, int) or v is None else round(v, 7) for k, v in sample.items()}
 
     def _comm(self, backward_end: float, sync_end: float) -> dict:
-        """Comm window and exposed comm of the step just taken (zeros when nothing was sent)."""
+        """Gradient comm window and exposed comm of the step just taken, from the outside probes
+        (report.DEFINITIONS). None where no gradient crosses a process boundary."""
         if self.env.world_size == 1 or self.name in ("dp", NOCOMM):
-            return {"comm_s": 0.0, "exposed_comm_s": 0.0}
-        if self.ddp is not None and self.ddp.record_timeline:
-            timeline = self.ddp.last_timeline
-            launches = [t for event, t, _ in timeline if event == "launch"]
-            done = [t for event, t, _ in timeline if event == "done"]
-            window = done[-1] - launches[0] if launches and done else 0.0
-        else:
-            window = self.engine.comm.pop_total() if self.engine.comm is not None else 0.0
-        if self.engine.model is self.engine.module:  # manual engines: all of the sync is waited on
-            exposed = sync_end - backward_end
-            window = max(window, exposed)
-        else:
-            exposed = max(backward_end - self._last_grad, 0.0)
-        return {"comm_s": window, "exposed_comm_s": min(exposed, window) if window else exposed}
+            return {"comm_s": None, "exposed_comm_s": None}
+        last_grad = self.clock.last_ready()
+        if self.engine.sync_grads is not None:  # manual: handed over when the sync call starts
+            start, end = backward_end, sync_end
+        else:  # DDP: bucket 0 handed over from its last gradient's hook; done when backward returns
+            start, end = self.clock.first_handoff(self.layout or []), backward_end
+            if start is None:  # no layout (warm-up) or bucket 0 without a gradient: from the last hook
+                start = last_grad
+        return {"comm_s": end - start, "exposed_comm_s": end - last_grad}
 
 
 class _DPEngine:
     """DataParallel behind the Engine interface: gradients are summed by autograd, no sync."""
 
     def __init__(self, model, module):
-        self.model, self.module, self.comm = model, module, None
+        self.model, self.module, self.comm, self.sync_grads = model, module, None, None
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -266,6 +275,7 @@ def _bench_worker(env: nanoddp.DistEnv, spec: dict) -> dict:
                 runner.step()
             runner.persistent_bytes = memory.now() - before
             runner.transient_bytes = memory.peak() - memory.now()
+            runner.read_layout()
         runners.append(runner)
     rounds = math.ceil(spec["steps"] / spec["block"])
     for r in range(rounds):
@@ -315,6 +325,27 @@ def machine_description() -> dict:
             "nanoddp": nanoddp.__version__}  # fmt: skip
 
 
+def command_line() -> str:
+    """How this process was started, as a user would type it (`nanoddp bench train ...`)."""
+    argv = list(sys.argv)
+    if argv and os.path.basename(argv[0]) in ("nanoddp", "__main__.py", "cli.py"):
+        argv[0] = "nanoddp"
+    return shlex.join(argv)
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with `+dirty` for local changes), or None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", global_batch: int = 32,
                   steps: int = 30, warmup: int = 3, block: int = 5, threads_per_rank: int = 1,
                   trace_dir: str | None = None, overrides: dict | None = None,
@@ -333,7 +364,8 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
             "parameter_tensors": len(list(GPT(cfg).parameters())), "global_batch": global_batch, "steps": steps,
             "warmup": spec["warmup"], "block": block, "threads_per_rank": threads_per_rank,
             "optimizer": "AdamW", "dtype": "float32", "date": datetime.now(timezone.utc).isoformat(),
-            "load_average_before": os.getloadavg(), "backend": backend,
+            "load_average_before": os.getloadavg(), "backend": backend, "command": command_line(),
+            "git_commit": _git_commit(),
             "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
     per_ws = {}
     for n in nprocs:
@@ -341,7 +373,9 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
         per_rank = nanoddp.launch(_bench_worker, n, args=(spec,), backend=backend)
         per_ws[n] = per_rank
     meta["load_average_after"] = os.getloadavg()
-    return {"meta": meta, "results": summarise(per_ws, meta)}
+    # raw: every per-step sample of every rank, so a table can be re-derived (report.results_of)
+    raw = {str(n): per_rank for n, per_rank in per_ws.items()}
+    return {"meta": meta, "results": summarise(per_ws, meta), "raw": raw}
 
 
 def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
@@ -392,6 +426,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("file", metavar="FILE.json")
     report.add_argument("--plot", default=None, metavar="FILE", help="also write the PNG")
     report.set_defaults(run=_run_report)
+    render.register_cli(bench_subparsers)  # `bench render`: the docs' tables from docs/bench/*.json
 
 
 def _run(args: argparse.Namespace) -> int:

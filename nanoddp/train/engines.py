@@ -146,14 +146,12 @@ def _single(module: nn.Module, env: DistEnv) -> Engine:
 
 
 def _torch_ddp(module: nn.Module, env: DistEnv) -> Engine:
+    """torch's DDP exactly as users construct it: no comm hook, so its C++ reducer runs its own
+    all-reduce path. Nothing here times it (`comm=None`); `nanoddp bench train` times every
+    engine from outside (gradient hooks on the parameters and backward()'s return)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from nanoddp.parallel.hooks import allreduce_hook  # torch's built-in math: divide, then sum
-
-    model = TorchDDP(module, device_ids=device_ids_for(env))
-    timer = CommTimer()
-    model.register_comm_hook(None, timed_comm_hook(allreduce_hook, timer))
-    return Engine("torch", model, module, comm=timer)
+    return Engine("torch", TorchDDP(module, device_ids=device_ids_for(env)), module)
 
 
 def _nanoddp_ddp(module: nn.Module, env: DistEnv) -> Engine:

@@ -1,0 +1,75 @@
+"""`nanoddp bench render`: rewrite the benchmark tables in markdown files from committed JSON.
+
+A table between `<!-- bench:table docs/bench/X.json -->` and `<!-- /bench -->` is replaced by
+`nanoddp bench report X.json`'s output; `<!-- bench:summary docs/bench/X.json ws=2 -->` by the
+one-paragraph summary of that world size. Paths are relative to the repository root. Every figure
+is re-derived from the JSON's raw per-step samples, so a table cannot drift from its data:
+`--check` (and the test suite) fails when a file differs from what its JSON renders to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from nanoddp.bench.report import format_markdown, format_summary
+from nanoddp.train.snapshot import atomic_write_bytes
+
+BLOCK = re.compile(
+    r"(?P<open><!-- bench:(?P<kind>table|summary) (?P<file>\S+)(?: ws=(?P<ws>\d+))? -->\n)"
+    r"(?P<body>.*?)(?P<close><!-- /bench -->)",
+    re.S,
+)
+DEFAULT_FILES = ("docs/performance.md", "README.md")
+
+
+def render_text(text: str, root: Path) -> str:
+    """`text` with every bench block re-rendered from its JSON under `root`."""
+
+    def block(match: re.Match) -> str:
+        path = root / match["file"]
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"bench block names {match['file']}, which cannot be read as JSON ({e})") from None
+        if not isinstance(data, dict) or "meta" not in data or "results" not in data:
+            raise ValueError(f"{match['file']} is not a `nanoddp bench train --json` file (no meta/results)")
+        body = format_markdown(data) if match["kind"] == "table" else format_summary(data, int(match["ws"] or 2))
+        return f"{match['open']}{body}\n{match['close']}"
+
+    return BLOCK.sub(block, text)
+
+
+def render_files(paths: list[Path], root: Path, check: bool = False) -> list[Path]:
+    """Re-render every bench block in `paths`; returns the files whose text changed (with
+    `check`, nothing is written)."""
+    changed = []
+    for path in paths:
+        text = path.read_text()
+        rendered = render_text(text, root)
+        if rendered != text:
+            changed.append(path)
+            if not check:
+                atomic_write_bytes(str(path), rendered.encode())
+    return changed
+
+
+def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "render", help="rewrite the tables in docs/performance.md and README.md from docs/bench/*.json"
+    )
+    parser.add_argument("files", nargs="*", metavar="FILE.md", help=f"default: {' '.join(DEFAULT_FILES)}")
+    parser.add_argument("--root", default=".", help="repository root the JSON paths are relative to")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    files = [Path(f) for f in args.files] or [root / f for f in DEFAULT_FILES]
+    changed = render_files(files, root, check=args.check)
+    for path in changed:
+        print(f"{'out of date' if args.check else 'rewrote'}: {path}")
+    return 1 if args.check and changed else 0
