@@ -1,0 +1,197 @@
+"""Mutation check: plant plausible bugs in the core, one at a time, and see which test catches each.
+
+    python tools/mutate.py            # every mutation, a markdown table at the end
+    python tools/mutate.py -k ring    # only mutations whose name contains "ring"
+    python tools/mutate.py --list
+
+Works on a copy of the committed tree (`git archive HEAD` into a temporary directory), never on
+the live checkout: the copy is what gets mutated and tested (PYTHONPATH points at it, and the
+script checks that `import nanoddp` really resolves there), and the whole directory is removed
+at the end, on Ctrl-C too. Each target test first runs unmutated (a test that fails anyway
+proves nothing); a mutation counts as caught when its targeted test then fails (pytest exit 1).
+Run it before closing a change to the core; a mutation that is not caught needs a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    test: tuple[str, ...]  # pytest arguments: the one file (and -k) that should catch it
+
+
+MUTATIONS = (
+    Mutation(
+        "ring reduction: pipelined ring drops the received piece",
+        "nanoddp/comm/ring.py",
+        "reduce_into(op, piece, scratch[j % 2, a:b])",
+        "pass",
+        ("tests/test_comm.py", "-k", "collectives_match_torch"),
+    ),
+    Mutation(
+        "ring reduction: fp16/bf16 accumulated in their own dtype",
+        "nanoddp/comm/ring.py",
+        "acc_dtype = torch.float32 if out.dtype in LOW_PRECISION else out.dtype",
+        "acc_dtype = out.dtype",
+        ("tests/test_comm_precision.py",),
+    ),
+    Mutation(
+        "bucket averaging: DDP sums instead of averaging",
+        "nanoddp/parallel/ddp.py",
+        "bucket.buffer.div_(self._world_size)",
+        "pass",
+        ("tests/test_ddp_no_sync_values.py", "-k", "nanoddp"),
+    ),
+    Mutation(
+        "no_sync: DDP reduces inside no_sync too",
+        "nanoddp/parallel/ddp.py",
+        "self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync",
+        "self._sync_this_backward = torch.is_grad_enabled()",
+        ("tests/test_ddp_no_sync_values.py", "-k", "nanoddp"),
+    ),
+    Mutation(
+        "sampler resume: position not restored",
+        "nanoddp/train/data.py",
+        'self.position = int(state["position"])',
+        "self.position = 0",
+        ("tests/test_data.py", "-k", "resume"),
+    ),
+    Mutation(
+        "checksum: snapshot digest never compared",
+        "nanoddp/train/snapshot.py",
+        "if hashlib.sha256(payload).hexdigest() != digest:",
+        "if False:",
+        ("tests/test_snapshot.py", "-k", "corrupted"),
+    ),
+    Mutation(
+        "ZeRO broadcast: owners' updated parameters not sent",
+        "nanoddp/parallel/zero_partition.py",
+        "self.comm.broadcast(flat, src=self.global_ranks[owner], group=self.group)",
+        "pass",
+        ("tests/test_zero.py", "-k", "matches_plain_optimizer"),
+    ),
+    Mutation(
+        "ZeRO all-gather: updated shards not gathered",
+        "nanoddp/parallel/zero_partition.py",
+        "self.comm.all_gather_into_tensor(full, shard, group=self.group)",
+        "pass",
+        ("tests/test_zero.py", "-k", "matches_plain_optimizer"),
+    ),
+    Mutation(
+        "bench exposed time: reported as 0 (a faked 100 % overlap)",
+        "nanoddp/bench/train.py",
+        '"exposed_comm_s": end - last_grad',
+        '"exposed_comm_s": 0.0 * (end - last_grad)',
+        ("tests/test_bench_measure.py",),
+    ),
+    Mutation(
+        "bench exposed time: reported as the whole comm window (0 % overlap)",
+        "nanoddp/bench/train.py",
+        '"exposed_comm_s": end - last_grad',
+        '"exposed_comm_s": end - start',
+        ("tests/test_bench_measure.py",),
+    ),
+)
+
+
+def _copy_tree(dest: Path) -> None:
+    """The committed tree (HEAD) into `dest`: a consistent state, whatever is being edited."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+
+
+def _env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    where = subprocess.run([sys.executable, "-c", "import nanoddp; print(nanoddp.__file__)"], cwd=tree, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    if not Path(where).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"nanoddp imports from {where}, not from the copy {tree}; mutations would not apply")
+    return env
+
+
+def _pytest(tree: Path, env: dict[str, str], args: tuple[str, ...], timeout: float) -> str:
+    """'pass', 'fail' (tests failed), 'timeout' or 'error' (collection/usage: exit 2-5)."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return {0: "pass", 1: "fail"}.get(result.returncode, f"error (exit {result.returncode})")
+
+
+def _apply(tree: Path, mutation: Mutation) -> str:
+    path = tree / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        raise ValueError(
+            f"{mutation.name}: {mutation.old!r} occurs {text.count(mutation.old)} times in {mutation.path}"
+        )
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return text
+
+
+def run(mutations: list[Mutation], timeout: float) -> list[tuple[Mutation, str]]:
+    """Each mutation -> 'yes' / 'NO' / why it could not be judged, on a temporary copy."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="nanoddp-mutate-") as tmp:  # removed on any exit
+        tree = Path(tmp)
+        _copy_tree(tree)
+        env = _env(tree)
+        baseline: dict[tuple[str, ...], str] = {}
+        for mutation in mutations:
+            if mutation.test not in baseline:
+                baseline[mutation.test] = _pytest(tree, env, mutation.test, timeout)
+            if baseline[mutation.test] != "pass":
+                rows.append((mutation, f"– (unmutated test: {baseline[mutation.test]})"))
+                continue
+            start = time.monotonic()
+            original = _apply(tree, mutation)
+            try:
+                outcome = _pytest(tree, env, mutation.test, timeout)
+            finally:
+                (tree / mutation.path).write_text(original)
+            verdict = {"fail": "yes", "pass": "NO", "timeout": "yes (hang)"}.get(outcome, f"– ({outcome})")
+            rows.append((mutation, verdict))
+            print(f"{verdict:>4}  {mutation.name}  ({time.monotonic() - start:.0f} s)", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  [{m.path}]  ->  pytest {' '.join(m.test)}")
+        return 0
+    if not chosen:
+        parser.error(f"no mutation name contains {args.k!r}; see --list")
+    rows = run(chosen, args.timeout)
+    print("\n| mutation | file | catching test | caught |\n|---|---|---|---|")
+    for m, verdict in rows:
+        print(f"| {m.name} | {m.path} | `{' '.join(m.test)}` | {verdict} |")
+    return 0 if all(v.startswith("yes") for _, v in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
