@@ -140,6 +140,11 @@ def summarise(per_ws: dict[int, list[dict]], meta: dict) -> list[dict]:
     return rows
 
 
+def _no_minus_zero(fraction: float | None) -> float | None:
+    """-0.3 % prints as "0%", not "-0%" (a manual engine's overlap is just below zero)."""
+    return 0.0 if fraction is not None and round(fraction * 100) == 0 else fraction
+
+
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "–" if value is None else format(value * scale, spec)
 
@@ -221,7 +226,7 @@ def format_markdown(data: dict) -> str:
             f"{r['tokens_per_s']:,.0f}", _fmt(r["vs_torch_ddp"], ".2f"), _fmt(r["scaling_efficiency"], ".0%"),
             _fmt(r["comm_time_s"], ".1f", 1e3),
             _fmt(r["exposed_comm_s"], ".1f", 1e3),
-            _fmt(r["overlap_fraction"], ".0%"), _fmt(r["bytes_sent_per_step"], ".1f", 1 / MB),
+            _fmt(_no_minus_zero(r["overlap_fraction"]), ".0%"), _fmt(r["bytes_sent_per_step"], ".1f", 1 / MB),
             f"{r['peak_mem_bytes_per_rank'] / MB:.0f}",
         ] + ([_fmt(r.get("mfu"), ".1%")] if gpu else [])  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

@@ -197,6 +197,8 @@ class _Runner:
         if self.env.world_size == 1 or self.name in ("dp", NOCOMM):
             return {"comm_s": None, "exposed_comm_s": None}
         last_grad = self.clock.last_ready()
+        if not last_grad:  # no gradient hook ran (a wrapper that swaps the parameters): unknown
+            return {"comm_s": None, "exposed_comm_s": None}
         if self.engine.sync_grads is not None:  # manual: handed over when the sync call starts
             start, end = backward_end, sync_end
         else:  # DDP: bucket 0 handed over from its last gradient's hook; done when backward returns
