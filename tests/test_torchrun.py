@@ -156,15 +156,23 @@ def test_two_agents_with_nnodes_2_train_like_one(reference_run, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_crash_without_restarts_shows_the_traceback(tmp_path):
-    bad = tmp_path / "bad.pt"
-    bad.write_text("not a snapshot")
-    proc = _nanoddp_train("--nproc", "2", "--max-restarts", "0", "--out", str(tmp_path / "run"),
-                          "--resume", str(bad))  # fmt: skip
+def test_crash_without_restarts_is_one_line_per_rank_with_its_log(reference_run, tmp_path):
+    """A failure only the workers can see (this snapshot passes the launcher's checks: header,
+    configuration, model shapes; its optimizer state does not load): one line per failed rank
+    with the exception and the path of that rank's full log, which holds the traceback."""
+    state = snapshot.load(snapshot.snapshot_path(reference_run / "snapshots", 30))
+    state["optimizer"] = {"state": {}, "param_groups": []}
+    bad = snapshot.save(tmp_path / "bad.pt", state)
+    out = tmp_path / "run"
+    proc = _nanoddp_train("--nproc", "2", "--max-restarts", "0", "--out", str(out), "--resume", str(bad))
     output = _finish(proc)
-    assert proc.returncode == 1
-    assert "Root Cause" in output and "Traceback" in output
-    assert f"SnapshotError: {bad} is not a nanoddp snapshot (bad header)" in output
+    assert proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output and "Root Cause" not in output, output[-3000:]
+    failed = re.findall(r"^nanoddp: rank (\d) failed: (.*) \(full log: (.*)\)$", output, flags=re.M)
+    assert failed and len(failed) == len({rank for rank, _, _ in failed}) <= 2, output[-3000:]
+    rank, message, log = next(f for f in failed if f[1].startswith("ValueError"))
+    assert "parameter groups" in message and log == str(out / "logs" / f"rank{rank}.log")
+    assert "Traceback" in Path(log).read_text() and "parameter groups" in Path(log).read_text()
 
 
 @pytest.mark.timeout(300)

@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,14 +34,13 @@ from nanoddp import env as nd
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
 from nanoddp.launch import die_with_parent
-from nanoddp.train import preflight, rundir, signals
+from nanoddp.train import agent, preflight, rundir, signals
 from nanoddp.train.config import TrainConfig, validate
 from nanoddp.train.datasets import DataSpec
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "nanoddp.train"
-AGENT_PID_VAR = "NANODDP_AGENT_PID"
 PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the watchdog fires
 
 
@@ -67,6 +68,31 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _OwnUsageParser(argparse.ArgumentParser):
+    """A subcommand parser that rejects unknown flags itself, so the error shows `train`'s usage
+    (argparse otherwise hands them up and the top-level parser prints its own)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def _load_config(args: argparse.Namespace) -> TrainConfig:
+    """The config from defaults, --config FILE and flags; a malformed file is named."""
+    import json
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        return config_from_args(TrainConfig, args, args.config)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {args.config!r} is not valid {Path(args.config).suffix[1:]}: {exc}") from None
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
@@ -74,6 +100,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         description="Train GPT (or an MLP) data-parallel. With no flags: GPT tiny on the Python "
         "standard library's source, 2 processes, outputs in runs/<timestamp>/.",
     )
+    train.__class__ = _OwnUsageParser
     add_train_args(train)
     add_launch_args(train)
     train.set_defaults(run=run_train)
@@ -111,7 +138,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     from nanoddp.train.config import check_data
     from nanoddp.train.datasets import build_datasets
 
-    config = config_from_args(TrainConfig, args, args.config)
+    config = _load_config(args)
     nproc = args.nproc if args.nproc is not None else default_nproc(config.engine)
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -171,66 +198,23 @@ def run_train(args: argparse.Namespace) -> int:
     if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
         return worker_main(config_from_args(TrainConfig, args, args.config))
     config, nproc, spec = prepare_launch(args)
+    created = not Path(config.out).exists()
     preflight.check_out_dir(config.out)
     # Node 0's agent owns OUT (rank 0, which writes it, runs there on a single node; other
     # nodes' agents share the job, not the directory).
     owner = args.node_rank == 0
     lock_fd = rundir.lock_run_dir(config.out) if owner else None
+    started = False
     try:
         if owner:
             print(f"nanoddp: {config.out}: {preflight.prepare_run_dir(config, spec, args.overwrite)}", file=sys.stderr)
-        return _launch(args, config, nproc)
+        started = True
+        return agent.run_agent(config, torchrun_argv(args, config, nproc), verbose=getattr(args, "verbose", False))
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
-
-
-def _launch(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    argv = torchrun_argv(args, config, nproc)
-    nd.prepare_torchrun_launch()
-    os.environ[AGENT_PID_VAR] = str(os.getpid())  # workers die with this process (see worker_main)
-    if not getattr(args, "verbose", False):
-        _quiet_torchrun_logs()
-    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
-    try:
-        run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
-        return 1
-    except SignalException as exc:  # SIGTERM/SIGINT: torchrun forwarded it and the workers stopped
-        print(f"nanoddp: {signals.interrupt_line(*_newest_snapshot(config.out))}", file=sys.stderr)
-        return 128 + int(exc.sigval)
-    print(f"nanoddp: done; outputs in {config.out}/ (try: nanoddp sample --run {config.out})", file=sys.stderr)
-    return 0
-
-
-class _TorchrunNoise(logging.Filter):
-    """Drop torchrun's own warnings (signal forwarding, per-worker failure dumps) in the agent:
-    the launcher prints one line per outcome instead. `nanoddp -v train` shows them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.CRITICAL or not record.name.startswith("torch.distributed")
-
-
-def _quiet_torchrun_logs() -> None:
-    noise = _TorchrunNoise()
-    for name in ("", "torch", "torch.distributed"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(noise)
-
-
-def _newest_snapshot(out: str) -> tuple[int | None, bool]:
-    """(step of the newest valid snapshot or None, whether the workers wrote it on the signal)."""
-    from nanoddp.train import snapshot
-
-    found = snapshot.find_latest_valid(Path(out) / "snapshots")
-    if found is None:
-        return None, False
-    return int(found[1]["step"]), bool(found[1].get("interrupted"))
+        if created and not started:  # refused before any worker: leave no empty run directory
+            rundir.remove_if_empty(config.out)
 
 
 # --- worker -------------------------------------------------------------------------------
@@ -250,12 +234,26 @@ class _RankFormatter(logging.Formatter):
         return f"[rank {self.rank}] {record.levelname.lower()} {record.name}: {message}"
 
 
-def _setup_worker_logging(rank: int) -> None:
+_RANK_LOG: dict[str, Path] = {}  # this worker's full log, once known
+
+
+def _setup_worker_logging(rank: int, out: str | None) -> None:
+    """stderr: rank 0's info lines, every rank's warnings. OUT/logs/rank<r>.log: everything,
+    with the traceback of a failure, which the agent summarises in one line (agent.failure_line)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_RankFormatter(rank))
+    handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handlers: list[logging.Handler] = [handler]
+    if out is not None:
+        path = agent.rank_log(out, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(path)
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(file_handler)
+        _RANK_LOG["path"] = path
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.handlers[:] = handlers
+    root.setLevel(logging.INFO)
 
 
 def worker_main(config: TrainConfig) -> int:
@@ -264,9 +262,9 @@ def worker_main(config: TrainConfig) -> int:
 
     env = nd.DistEnv.from_environ()
     # Die with the agent however it dies (SIGKILL included): no worker outlives its run.
-    die_with_parent(int(os.environ.get(AGENT_PID_VAR, os.getppid())))
+    die_with_parent(int(os.environ.get(agent.AGENT_PID_VAR, os.getppid())))
     signals.install()  # SIGTERM/SIGINT: finish the step, snapshot it, exit 128 + signal
-    _setup_worker_logging(env.rank)
+    _setup_worker_logging(env.rank, config.out)
     # The watchdog reports a stuck nanoddp collective after collective_timeout; torch's own
     # collectives (torch DDP, loss averaging) fail through the process-group timeout a little
     # later, so neither can block forever and torchrun gets to restart the group.
@@ -318,6 +316,10 @@ def run_sample(args: argparse.Namespace) -> int:
         raise ValueError(f"sample generates text, but run {run_dir} was trained on {config.data!r}")
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (1 = always the likeliest byte), got {args.top_k}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature}")
     encode, decode = _text_codec(config.model)
     model = build_model(config, DataSpec("lm", BYTE_VOCAB))
     if (run_dir / "model.pt").is_file():
@@ -347,11 +349,22 @@ def _text_codec(model: str):
 
 
 def worker_entry() -> int:
-    """`python -m nanoddp.train` under torchrun. `record` writes the
-    traceback of a crash to torchrun's error file, so the agent can show the root cause."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    """`python -m nanoddp.train` under torchrun. A crash goes to torchrun's error file (the
+    agent's one-line summary reads it) and, traceback included, to this rank's log file; the
+    console gets the traceback only when there is no log file to hold it."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-    return record(_worker_entry)()
+    error_handler = get_error_handler()
+    error_handler.initialize()
+    try:
+        return _worker_entry()
+    except Exception as exc:
+        error_handler.record_exception(exc)
+        if "path" not in _RANK_LOG:
+            raise
+        with open(_RANK_LOG["path"], "a") as log:
+            log.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ a process group waiting for a rank that already exited.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
     """Checks that need no data: raise ValueError naming the value, the rule and the fix."""
     if config.steps <= 0:
         raise ValueError(f"steps must be > 0, got {config.steps}")
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "collective_timeout", "val_fraction"):
+        value = getattr(config, name)
+        if not math.isfinite(value):  # nan passes every `<` check: `--grad-clip nan` would turn clipping off
+            raise ValueError(f"{name} must be a finite number, got {value}")
     for name in ("batch_size", "grad_accum", "seq_len", "log_every", "keep_snapshots"):
         _positive(name, getattr(config, name))
     for name in ("eval_every", "eval_samples", "snapshot_every", "warmup_steps", "text_max_bytes", "threads"):
@@ -146,6 +151,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"batch_size={config.batch_size} (global) must be divisible by world_size x grad_accum = "
             f"{world_size} x {config.grad_accum} = {per_step}; use e.g. --batch-size {suggestion}"
         )
+    if config.model == "gpt":  # the preset with its overrides must be a valid GPT (d_model % n_heads)
+        _check_gpt_shape(config)
     if config.engine not in ENGINES:
         raise ValueError(f"unknown engine {config.engine!r}; choose one of {list(ENGINES)}")
     if config.engine == "single" and world_size != 1:
@@ -178,6 +185,18 @@ def _validate_smollm2(config: TrainConfig) -> None:
     missing = smollm2_missing()
     if missing:
         raise ValueError(missing)
+
+
+def _check_gpt_shape(config: TrainConfig) -> None:
+    from nanoddp.models import gpt_config
+
+    overrides = {n: getattr(config, n) for n in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(config, n)}
+    try:
+        gpt_config(config.preset, seq_len=config.seq_len, **overrides)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} (preset {config.preset!r} with your overrides); adjust --d-model or --n-heads"
+        ) from None
 
 
 def threads_per_rank(config: TrainConfig, world_size: int) -> int:

@@ -125,6 +125,8 @@ def read_text_source(source: str, max_bytes: int = 0) -> bytes:
 def byte_text_splits(source: str, seq_len: int, val_fraction: float, max_bytes: int = 0):
     """Byte-level LM datasets (train, val); val is the last `val_fraction` of the bytes."""
     blob = read_text_source(source, max_bytes)
+    if not blob:  # torch.frombuffer would fail with an obscure "buffer length (0)" error
+        raise ValueError(f"data {source!r} is empty (0 bytes of text); give a non-empty text file or directory")
     tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # (N,)
     split = int(len(tokens) * (1.0 - val_fraction))
     train, val = TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len)

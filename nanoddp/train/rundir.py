@@ -140,6 +140,14 @@ def move_aside(out: str | Path) -> Path:
     return target
 
 
+def remove_if_empty(out: str | Path) -> None:
+    """Remove OUT if it holds nothing but its lock file (a run refused before it wrote anything)."""
+    out = Path(out)
+    if out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+        out.rmdir()
+
+
 def has_snapshots(out: str | Path) -> bool:
     from nanoddp.train import snapshot
 
