@@ -30,13 +30,15 @@ from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write
 
 logger = logging.getLogger(__name__)
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # the default set
+EXTRA_OPS = ("all_to_all",)  # on request (--ops): all_to_all_single, equal splits
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KB .. 64 MB, powers of 4
 BUSBW_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 SMALL_BYTES = 1 << 20  # below this, run 5x the iterations: small timings are noisier
 
@@ -57,6 +59,9 @@ def _op_pair(op: str, size: int, n: int, rank: int) -> tuple[Callable[[], object
         return lambda: comm.broadcast(x, src=0), lambda: dist.broadcast(x, src=0)
     part = max(1, numel // n)
     small, big = torch.randn(part), torch.empty(part * n)
+    if op == "all_to_all":  # size = the whole input; each rank sends size / n to each peer
+        x = torch.randn(part * n)
+        return lambda: comm.all_to_all_single(big, x), lambda: dist.all_to_all_single(big, x)
     if op == "all_gather":
         return (
             lambda: comm.all_gather_into_tensor(big, small),
@@ -184,7 +189,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sizes", nargs="+", default=None, help="bytes, K/M suffixes allowed (default: 4K..64M, powers of 4)"
     )
-    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
+    parser.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        help=f"comma-separated ops (default: {','.join(OPS)}; also {','.join(EXTRA_OPS)})",
+    )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
     add_output_args(parser, plot_help="write a busbw-vs-size PNG")
@@ -197,8 +206,8 @@ def _run(args: argparse.Namespace) -> int:
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if not sizes or any(s < 4 for s in sizes):
         raise ValueError(f"--sizes must be >= 4 bytes (one float32), got {sizes}")
-    if unknown := [op for op in ops if op not in OPS]:
-        raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS)}")
+    if unknown := [op for op in ops if op not in OPS + EXTRA_OPS]:
+        raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS + EXTRA_OPS)}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup)

@@ -4,6 +4,9 @@
 `reduce_scatter_tensor`, `scatter` and `gather` take the same arguments as their
 `torch.distributed` namesakes (src/dst are *global* ranks, `group` may be a subgroup) and give
 the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.comm.ring`).
+So do `reduce_scatter` (list form, here), `all_to_all_single`, `all_to_all`, `barrier`,
+`monitored_barrier`, `batch_isend_irecv` (`nanoddp.comm.alltoall`) and the object collectives
+(`nanoddp.comm.objects`; pickles: trusted ranks only).
 
 Algorithms. Every collective opens with one round of *frames* between all pairs: a header
 (collective, numel, dtype, op, root) so mismatched calls raise the same ValueError on every
