@@ -205,7 +205,7 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     rng = state["rng"]
     if len(rng) == _world_size():
         snapshot.restore_rng_state(rng[_rank()])
-    elif _rank() == 0:
+    elif _distributed() and _rank() == 0:  # one process reading a job's weights (eval, export) needs none
         logger.warning(
             "state saved at world size %d, loaded at %d: RNG streams not restored (reseed them)",
             len(rng),
