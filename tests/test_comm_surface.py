@@ -226,3 +226,30 @@ def test_rest_of_the_surface_matches_torch(world_size, tmp_path):
         assert f"global rank(s) {late} did not arrive" in per_rank[0]["monitored"], per_rank[0]["monitored"]
         assert all("monitored_barrier" in rank["monitored"] for rank in per_rank[1:])  # rank 1 may time out first
         assert all(f"{late} did not arrive" in per_rank[q]["monitored"] for q in late), "late ranks get the list"
+
+
+def _rank_1_skips_all_to_all(env, log_dir: str) -> str:
+    import logging
+
+    from nanoddp.comm import watchdog
+
+    logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
+    watchdog.enable(3.0, poll_s=0.2)
+    comm.barrier()  # #1, everyone
+    time.sleep(1.0)  # let progress #1 be published by every rank
+    if env.rank == 1:
+        time.sleep(120)  # the bug: rank 1 never joins the all_to_all
+    comm.all_to_all_single(torch.empty(6), torch.ones(6))
+    return "not reached"
+
+
+def test_new_ops_are_known_to_the_hang_watchdog(tmp_path):
+    from nanoddp import LaunchError
+    from nanoddp.comm import watchdog
+
+    with pytest.raises(LaunchError) as info:
+        run_on_ranks(_rank_1_skips_all_to_all, 2, str(tmp_path), timeout=90)
+    assert info.value.rank == 0 and info.value.exitcode == watchdog.HANG_EXIT_CODE
+    report = Path(tmp_path, "rank0.log").read_text()
+    assert "all_to_all_single #2 (6 elements, group [0, 1])" in report, report
+    assert "not arrived: ranks [1] (rank 1 at #1)" in report, report

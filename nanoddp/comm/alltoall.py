@@ -326,5 +326,14 @@ class _WatchedP2P:
         finally:
             watchdog.end(self._token)
 
-    def __getattr__(self, name: str):  # is_completed, is_success, get_future, ...
+    def get_future(self) -> torch.futures.Future:
+        """torch's future, ending the watchdog entry once it completes (for callers that never wait)."""
+
+        def release(done: torch.futures.Future):
+            watchdog.end(self._token)
+            return done.value()
+
+        return self._work.get_future().then(release)
+
+    def __getattr__(self, name: str):  # is_completed, is_success, ...
         return getattr(self._work, name)
