@@ -33,9 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms import Join, Joinable, JoinHook
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
 from nanoddp.parallel.buckets import Bucket, GradBucket, assign_buckets
+from nanoddp.parallel.join import DDPJoinHook, common_rank, global_requires_sync
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 from nanoddp.parallel.scatter_gather import move_to
 
@@ -74,7 +76,7 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(getattr(obj, field.name))
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper with torch DDP's constructor, attributes and gradients.
 
     `comm_backend="nanoddp"` reduces with `nanoddp.comm` (collectives over point-to-point);
@@ -98,6 +100,7 @@ class DistributedDataParallel(nn.Module):
         comm_backend: str = DEFAULT_COMM_BACKEND,
     ):
         super().__init__()
+        Joinable.__init__(self)
         self._validate_args(module, device_ids, bucket_cap_mb, comm_backend)
         self.module = module
         self.device_ids = list(device_ids) if device_ids is not None else None
@@ -130,11 +133,13 @@ class DistributedDataParallel(nn.Module):
         self._static_counts: list[int] | None = None
         self._locally_unused: list[int] = []
         self._global_unused: set[int] = set()
+        self._divide_by_initial_world_size = True  # set by join(); see nanoddp.parallel.join
         self._reset_sync_state()
         if not dist.is_initialized():
             self._world_size, self._rank, self._src = 1, 0, 0
         else:
             self._world_size, self._rank, self._src = group_size_rank_src(process_group)
+        self._divisor = self._world_size  # what bucket sums are divided by (see join())
         if self._world_size == 1:
             return  # the same object, as a pass-through: no hooks, no communication
         check_same_structure(module, self._collectives, process_group)
@@ -194,6 +199,8 @@ class DistributedDataParallel(nn.Module):
         (e.g. a tied embedding arrives last) is recorded during the first backward. Rank 0's order
         is broadcast so that every rank builds identical buckets.
         """
+        if len(self._ready_order) != len(self._params):  # a joined rank that never ran a backward
+            self._ready_order = [i for bucket in self._buckets for i in bucket.param_indices]
         order = torch.tensor(self._ready_order, dtype=torch.int64)  # (P,)
         self._collectives.broadcast(order, src=self._src, group=self.process_group)
         new_order = order.tolist()
@@ -223,18 +230,32 @@ class DistributedDataParallel(nn.Module):
                     tensor.register_hook(functools.partial(_output_grad_trampoline, engine_ref))
         return output
 
-    def _prepare_for_forward(self) -> None:
-        """Before the forward: rebuild buckets if due, sync buffers, arm (or not) the backward."""
+    def _prepare_for_forward(self, joined: bool = False) -> None:
+        """Before the forward: rebuild buckets if due, sync buffers, arm (or not) the backward.
+
+        Under a Join context, tell the joined ranks that this one still trains and whether its
+        backward synchronises; `joined=True` is a joined rank shadowing these collectives.
+        """
         if self.record_timeline:
             self.last_timeline = [("forward", time.perf_counter(), None)]
+        if not joined:
+            work = Join.notify_join_context(self)  # None outside a join context
+            self._divisor = self._world_size
+            if work is not None and not self._divide_by_initial_world_size:
+                self._divisor = int(work.get_future().wait()[0].item())  # ranks that have not joined
         if self._rebuild_due:
             self._rebuild_buckets()
         if self.broadcast_buffers:
             buffers = list(self.module.buffers())
             if buffers:
-                broadcast_coalesced(buffers, self._collectives, self.process_group, self._src)
+                src = common_rank(self, not joined) if self._join_config.enable else self._src
+                broadcast_coalesced(buffers, self._collectives, self.process_group, src)
+        if joined:
+            return
         self._reset_sync_state()
         self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            global_requires_sync(self, self._sync_this_backward)
 
     def _reset_sync_state(self) -> None:
         self._ready = [False] * len(self._params)
@@ -309,15 +330,24 @@ class DistributedDataParallel(nn.Module):
         """Launch complete buckets in index order; a complete bucket behind an incomplete one
         waits, because every rank must issue its collectives in the same order."""
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
-            bucket = self._buckets[self._next_bucket]
-            self._trace("launch", bucket.index)
-            if self._comm_hook is None:
-                bucket.buffer.div_(self._world_size)  # average as we sum: (N,)
-                bucket.handle = self._collectives.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-            else:
-                grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
-                bucket.handle = self._comm_hook(self._comm_hook_state, grad_bucket)
+            self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start reducing one bucket (the default averaging all-reduce, or the comm hook)."""
+        self._trace("launch", bucket.index)
+        if self._comm_hook is None:
+            # average as we sum: (N,). torch's reducer multiplies by 1/n when it copies a gradient
+            # into its bucket and divides a bucket-view gradient in place; the same ops here
+            # give its rounding bit for bit when n is not a power of two.
+            if self.gradient_as_bucket_view:
+                bucket.buffer.div_(self._divisor)
+            else:
+                bucket.buffer.mul_(1.0 / self._divisor)
+            bucket.handle = self._collectives.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        else:
+            grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
+            bucket.handle = self._comm_hook(self._comm_hook_state, grad_bucket)
 
     # ---- end of backward ------------------------------------------------------------------------
 
@@ -349,27 +379,36 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, use_counts)
         self._trace("done")
-        if self._ready_order is not None:
-            self._rebuild_due = True
-        if self._delay_all_reduce:
-            self._static_counts = list(self._hook_counts)
-            self._locally_unused = [i for i, n in enumerate(self._hook_counts) if n == 0]
-            self._global_unused = {i for i, n in enumerate(use_counts) if n == 0}
-        self._sync_iterations += 1
-        self._used_since_sync = [False] * len(self._params)
-        self._reset_sync_state()
+        self._after_sync_iteration(use_counts)
         if use_counts is not None and not (self.find_unused_parameters or self.static_graph):
             self._raise_if_unused(use_counts)
 
-    def _global_use_counts(self) -> list[int] | None:
-        """How many ranks produced a gradient for each parameter since the last sync.
+    def _after_sync_iteration(self, use_counts: list[int] | None, shadowed: bool = False) -> None:
+        """Bookkeeping after a synchronised iteration, run or (joined rank) shadowed."""
+        if self._ready_order is not None:
+            self._rebuild_due = True
+        if self._delay_all_reduce:
+            counts = [0] * len(self._params) if shadowed else list(self._hook_counts)
+            self._static_counts = counts
+            self._locally_unused = [i for i, n in enumerate(counts) if n == 0]
+            per_param = (use_counts or counts)[: len(self._params)]
+            self._global_unused = {i for i, n in enumerate(per_param) if n == 0}
+        self._sync_iterations += 1
+        self._used_since_sync = [False] * len(self._params)
+        self._reset_sync_state()
+
+    def _global_use_counts(self, active: bool = True) -> list[int] | None:
+        """How many ranks produced a gradient for each parameter since the last sync, and (last
+        entry) how many ranks took part: fewer than the world size under join().
 
         Costs one tiny all-reduce per synchronised iteration; with static_graph it is done in
         the first iteration only (the set of unused parameters cannot change).
         """
         if self.static_graph and self._static_counts is not None:
             return None
-        used = torch.tensor(self._used_since_sync, dtype=torch.int32)  # (P,)
+        used = torch.tensor(self._used_since_sync + [active], dtype=torch.int32)  # (P + 1,)
+        if not active:
+            used.zero_()
         self._collectives.all_reduce(used, group=self.process_group, async_op=True).wait()
         return used.tolist()
 
@@ -400,10 +439,10 @@ class DistributedDataParallel(nn.Module):
 
     def _raise_if_unused(self, use_counts: list[int]) -> None:
         """Raised on every rank (all see the same counts), after all collectives completed."""
-        missing = [(self._param_names[i], n) for i, n in enumerate(use_counts) if n < self._world_size]
+        *use_counts, ws = use_counts  # ws: ranks that took part (fewer once some have joined)
+        missing = [(self._param_names[i], n) for i, n in enumerate(use_counts) if n < ws]
         if not missing:
             return
-        ws = self._world_size
         listed = ", ".join(f"{name} (no gradient on {ws - n} of {ws} ranks)" for name, n in missing)
         raise RuntimeError(
             f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this backward: "
@@ -434,3 +473,33 @@ class DistributedDataParallel(nn.Module):
         if self._sync_iterations > 0:
             raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
         self._comm_hook, self._comm_hook_state = hook, state
+
+    # ---- uneven inputs: torch's Joinable protocol (see nanoddp.parallel.join) -------------------
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Context manager for uneven inputs, as torch DDP's: ranks that run out of batches
+        shadow the others' collectives with zero gradients until every rank is done.
+
+        divide_by_initial_world_size: average over the initial world size (True, torch's
+        default) or over the ranks still training. throw_on_early_termination: instead, raise on
+        every rank as soon as one has run out of data.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device or (self._params[0].device if self._params else torch.device("cpu"))
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
