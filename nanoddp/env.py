@@ -164,6 +164,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def loopback_store(port: int, rank: int, world_size: int, timeout: timedelta = DEFAULT_PG_TIMEOUT) -> dist.TCPStore:
+    """A TCPStore on 127.0.0.1:`port` that listens on loopback only (the rank-0 server).
+
+    torch's TCPStore server listens on every interface, whatever host it is given, so a local
+    job would accept connections from the network. Rank 0 binds the listening socket to loopback
+    itself and hands it over (`master_listen_fd`); `multi_tenant` lets a later TCPStore for the
+    same port in this process (torchrun's rendezvous) reuse this server.
+    """
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.fileno(),
+    )
+    listener.detach()  # the store's server owns the descriptor now (and closes it)
+    return store
+
+
 def init(
     env: DistEnv | None = None,
     init_method: str | None = None,
@@ -172,19 +200,23 @@ def init(
     """Initialise the default process group for `env` (from the environment when None).
 
     `timeout` bounds torch's own collectives so that a lost peer becomes an error, not a hang.
-    A single-process env without MASTER_ADDR gets a private loopback rendezvous so that code
-    written for N ranks (DDP, collectives) runs unchanged with one.
+    Private by default: a single-process env without MASTER_ADDR gets a loopback-only rendezvous
+    (so code written for N ranks runs unchanged with one), and so does a torchrun job whose ranks
+    all run on this node. Multi-node jobs use torch's env:// rendezvous at MASTER_ADDR.
     """
     env = env or DistEnv.from_environ()
     if dist.is_initialized():
         return env
+    store = None
     if init_method is None:
-        if env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
+        if env.torchrun and env.local_world_size == env.world_size and env.master_port is not None:
+            store = loopback_store(env.master_port, env.rank, env.world_size, timeout)
+        elif env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
             init_method = "env://"
         elif env.master_addr is not None and env.master_port is not None:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         elif env.world_size == 1:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+            store = loopback_store(0, 0, 1, timeout)
         else:
             raise ValueError(f"world_size={env.world_size} needs MASTER_ADDR/MASTER_PORT or init_method")
     if env.backend == "nccl":
@@ -192,13 +224,14 @@ def init(
     dist.init_process_group(
         backend=env.backend,
         init_method=init_method,
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
         # nccl: bind the group to this rank's GPU (torch otherwise guesses it from the rank)
         device_id=torch.device(env.device) if env.backend == "nccl" else None,
     )
-    logger.debug("rank %d/%d joined via %s (%s)", env.rank, env.world_size, init_method, env.backend)
+    logger.debug("rank %d/%d joined via %s (%s)", env.rank, env.world_size, init_method or "loopback", env.backend)
     return env
 
 

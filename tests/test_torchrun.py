@@ -120,12 +120,17 @@ def test_signal_to_the_agent_snapshots_the_step_and_rerun_is_bit_identical(refer
 
 
 @pytest.mark.timeout(300)
-def test_sigkilled_agent_leaves_no_worker_alive(tmp_path):
+def test_sigkilled_agent_leaves_no_worker_alive_and_sockets_are_private(tmp_path):
     proc, workers = _nanoddp_train("--nproc", "2", "--out", str(tmp_path)), []
     try:
         _wait_for_snapshot(proc, tmp_path / "snapshots" / "step-00000005.pt")
         workers = _workers(proc)
         assert len(workers) == 2, workers
+        # private by default: the agent's rendezvous store and the workers' store and gloo
+        # sockets listen on loopback only, never on *:port
+        listening = {c.laddr.ip for p in [psutil.Process(proc.pid), *workers] for c in p.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}  # fmt: skip
+        assert listening == {"127.0.0.1"}, listening
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         _, alive = psutil.wait_procs(workers, timeout=10)  # PR_SET_PDEATHSIG: the kernel kills them

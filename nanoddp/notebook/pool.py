@@ -12,6 +12,7 @@ The pool knows nothing of IPython: output goes to a `sink` object (`stream(rank,
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
@@ -42,6 +44,8 @@ PEER_FAILURE_GRACE_S = 2.0
 IDLE_WAIT_S = 1.0  # before a new request: how long ranks still busy get before SIGINT (+ grace)
 SHUTDOWN_GRACE_S = 10.0  # then SIGTERM, then SIGKILL
 POLL_S = 0.1
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection must authenticate and say hello within this
+DIR_PREFIX = "nanoddp-nb-"
 
 
 class PoolError(RuntimeError):
@@ -142,10 +146,16 @@ class WorkerPool:
     # ----------------------------------------------------------------- start
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Spawn the workers and wait until every one has joined the process group."""
-        self._dir = tempfile.mkdtemp(prefix="nanoddp-nb-")  # mode 0700: private to this user
+        _remove_stale_dirs()
+        # mode 0700: private to this user; named by our pid so a later start can remove it if
+        # this process is killed before its own cleanup runs
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
         address = os.path.join(self._dir, "sock")
         authkey = secrets.token_bytes(32)
-        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        # No authkey here: Listener.accept would run the handshake inline, so one connection that
+        # sends nothing would block every worker behind it. Each is authenticated on its own
+        # thread with a deadline instead (_authenticate).
+        self._listener = Listener(address, family="AF_UNIX")
         use_pdeathsig = threading.current_thread() is threading.main_thread()
         try:
             for rank in range(self.num_processes):
@@ -177,10 +187,11 @@ class WorkerPool:
         def accept_loop() -> None:
             while not stop.is_set():
                 try:
-                    accepted.put(self._listener.accept())
-                except Exception as exc:  # a bad authkey, or the listener closed under us
+                    conn = self._listener.accept()
+                except OSError as exc:  # the listener closed under us
                     accepted.put(exc)
                     return
+                threading.Thread(target=_authenticate, args=(conn, authkey, accepted), daemon=True).start()
 
         thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)
         thread.start()
@@ -194,14 +205,17 @@ class WorkerPool:
                     continue
                 if isinstance(conn, Exception):
                     raise PoolError(f"a worker failed to connect: {conn}")
-                _, rank, pid = conn.recv()  # ("hello", rank, pid)
+                conn, (_, rank, pid) = conn  # ("hello", rank, pid), authenticated
+                if rank not in pending or pid != self.workers[rank].process.pid:
+                    conn.close()  # not one of the workers we are waiting for
+                    continue
                 self.workers[rank].conn = conn
                 pending.discard(rank)
         finally:
             stop.set()
             if thread.is_alive():  # wake the blocked accept() so the thread can end
                 with suppress(OSError):
-                    Client(address, family="AF_UNIX", authkey=authkey).close()
+                    Client(address, family="AF_UNIX").close()
                 thread.join(timeout=5.0)
             self._listener.close()  # every worker is in: stop listening at once
             self._listener = None
@@ -426,6 +440,44 @@ class WorkerPool:
                     open_conns.remove(conn)
             if not open_conns:
                 time.sleep(POLL_S)
+
+
+def _authenticate(conn: Connection, authkey: bytes, accepted: queue.Queue) -> None:
+    """The handshake `Listener(authkey=...)` does, plus the worker's hello, within a deadline.
+
+    A connection that fails authentication, or sends nothing for HANDSHAKE_TIMEOUT_S (a local
+    process poking at the socket), is hung up on and ignored; startup keeps waiting for the
+    workers. Hanging up is a socket shutdown, which wakes the blocked read on this thread."""
+    import socket
+    from multiprocessing.connection import AuthenticationError, answer_challenge, deliver_challenge
+
+    def hang_up() -> None:
+        with suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(HANDSHAKE_TIMEOUT_S, hang_up)
+    timer.start()
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        hello = conn.recv()
+        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello"):
+            raise AuthenticationError(f"unexpected first message {hello!r:.80}")
+    except (AuthenticationError, EOFError, OSError, ValueError) as exc:
+        logger.warning("ignored a connection to the notebook socket: %s", exc or type(exc).__name__)
+        conn.close()
+        return
+    finally:
+        timer.cancel()
+    accepted.put((conn, hello))
+
+
+def _remove_stale_dirs() -> None:
+    """Remove socket dirs left by notebook kernels that were killed (their pid is gone)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
+        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
