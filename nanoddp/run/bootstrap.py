@@ -1,0 +1,112 @@
+"""What each worker of `nanoddp run` executes: arm the hang watchdog, then run the user's script.
+
+torchrun starts `python -m nanoddp.run.bootstrap --collective-timeout S -- SCRIPT ARGS...` on
+every rank. Before the script runs, torch.distributed's collectives are replaced by the
+watched versions in `nanoddp.comm.watchdog` (a pass-through while no watchdog is active), and
+`init_process_group` is wrapped so that the watchdog starts as soon as the script creates its
+process group: it needs that group's store to compare the ranks' progress. The script then runs
+as `__main__`, exactly as `python SCRIPT ARGS...` would run it.
+
+Torch's own C++ paths (DDP's gradient buckets) do not go through the Python functions; for
+them the process-group timeout is set, unless the script passes one, to the collective timeout
+plus a margin, so they fail soon after the watchdog would have fired instead of hanging.
+
+A hang ends the process from the watchdog thread; the report it logs is also written to
+torchrun's error file, so the launcher's one-line summary says what hung, where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import runpy
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from nanoddp.comm import watchdog
+
+PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
+# torch.distributed's functions a script may call, and the argument that holds their tensors.
+WATCHED = {
+    **{
+        name: getattr(watchdog.TORCH_COLLECTIVES, name)
+        for name in vars(watchdog.TORCH_COLLECTIVES)
+        if name != "ReduceOp"
+    },
+    "barrier": watchdog._watched(dist.barrier, "barrier", 0),
+}
+
+
+class CollectiveHang(RuntimeError):
+    """The watchdog's report, as the exception recorded in torchrun's error file."""
+
+
+class _HangToErrorFile(logging.Handler):
+    """Copy the watchdog's hang report into this rank's torchrun error file before it exits,
+    and to stderr when the script set up no logging of its own."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR and record.getMessage().startswith("collective hang"):
+            ErrorHandler().record_exception(CollectiveHang(record.getMessage()))
+        if not logging.getLogger().handlers:  # as logging's last resort would, had we not added a handler
+            sys.stderr.write(self.format(record) + "\n")
+
+
+def arm_watchdog(timeout_s: float) -> None:
+    """Patch torch.distributed so that the script's collectives are watched (see the docstring)."""
+    original_init = dist.init_process_group
+    original_destroy = dist.destroy_process_group
+
+    @functools.wraps(original_init)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("timeout", timedelta(seconds=timeout_s + PG_TIMEOUT_MARGIN_S))
+        excepthook = sys.excepthook
+        original_init(*args, **kwargs)
+        sys.excepthook = excepthook  # torch's adds "[rank1]: " to tracebacks; the launcher prefixes already
+        watchdog.enable(timeout_s)
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            watchdog.disable()  # its thread reads the store the group is about to close
+        original_destroy(group)
+
+    dist.init_process_group = init_process_group
+    dist.destroy_process_group = destroy_process_group
+    for name, watched in WATCHED.items():
+        setattr(dist, name, watched)
+    logging.getLogger(watchdog.__name__).addHandler(_HangToErrorFile())
+
+
+def run_script(target: str, args: list[str], as_module: bool) -> None:
+    """Run `target` as `__main__` with `sys.argv` as `python target args...` would set it."""
+    sys.argv = [target, *args]
+    if as_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = str(Path(target).resolve().parent)  # what `python target` puts first
+        runpy.run_path(target, run_name="__main__")
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nanoddp.run.bootstrap")
+    parser.add_argument("--collective-timeout", type=float, required=True)
+    parser.add_argument("-m", dest="as_module", action="store_true")
+    parser.add_argument("target")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parsed = parser.parse_args(argv)
+    arm_watchdog(parsed.collective_timeout)
+    try:
+        run_script(parsed.target, parsed.args, parsed.as_module)
+    finally:
+        watchdog.disable()
+
+
+if __name__ == "__main__":
+    record(_main)()

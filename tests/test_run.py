@@ -1,0 +1,136 @@
+"""`nanoddp run SCRIPT`: user scripts on torchrun's agent, with rank prefixes, a failure summary,
+restarts and the hang watchdog on torch.distributed's collectives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nanoddp.comm.watchdog import HANG_EXIT_CODE
+
+PREAMBLE = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+"""
+
+SCRIPTS = {
+    "all_reduce.py": """
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value)
+        expected = torch.tensor([float(sum(range(1, world_size + 1)))])
+        reference = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(reference, torch.tensor([float(rank + 1)]))
+        print(f"all_reduce = {value.item():g}, sum of all_gather = {sum(reference).item():g}, argv {sys.argv[1:]}")
+        dist.destroy_process_group()
+    """,
+    "crash.py": """
+        dist.barrier()
+        if rank == 1:
+            raise ValueError("bad batch shape (3, 7) on purpose")
+        time.sleep(120)  # rank 0 waits until the agent stops it
+    """,
+    "killed_once.py": """
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 0 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        value = torch.tensor([1.0])
+        dist.all_reduce(value)
+        print(f"attempt {attempt}: all_reduce = {value.item():g}")
+        dist.destroy_process_group()
+    """,
+    "skips_collective.py": """
+        value = torch.ones(4)
+        dist.all_reduce(value)  # #1: both ranks
+        if rank != 1:
+            dist.all_reduce(value)  # #2: rank 1 never arrives
+        time.sleep(600)  # rank 1 is "stuck elsewhere"
+    """,
+}
+
+
+def _write(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.write_text(PREAMBLE + textwrap.dedent(SCRIPTS[name]))
+    return path
+
+
+def nanoddp_run(args: list[str], timeout: float) -> tuple[int, str]:
+    """`python -m nanoddp.run ARGS` in its own session; past `timeout`, kill every descendant."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanoddp.run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):  # torchrun's workers have own sessions
+            child.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"nanoddp run timed out after {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.timeout(240)
+def test_all_reduce_script_with_rank_prefixes(tmp_path):
+    code, out = nanoddp_run(["--nproc", "2", str(_write(tmp_path, "all_reduce.py")), "--lr", "3e-4"], timeout=220)
+    assert code == 0, out[-3000:]
+    for rank in (0, 1):  # torch's own all_gather is the reference for the sum
+        assert f"[rank {rank}] all_reduce = 3, sum of all_gather = 3, argv ['--lr', '3e-4']" in out, out[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_crash_on_rank_1_is_summarised(tmp_path):
+    code, out = nanoddp_run(["--nproc", "2", str(_write(tmp_path, "crash.py"))], timeout=220)
+    assert code == 1, out[-3000:]
+    summary = [line for line in out.splitlines() if line.startswith("nanoddp run: ")]
+    assert len(summary) == 1, out[-3000:]
+    assert "crash.py failed on rank 1 (exit code 1): ValueError: bad batch shape (3, 7) on purpose" in summary[0]
+    assert "[rank 1] ValueError: bad batch shape" in out  # the traceback, prefixed
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_worker_restarts_and_finishes(tmp_path):
+    script = str(_write(tmp_path, "killed_once.py"))
+    code, out = nanoddp_run(["--nproc", "2", "--max-restarts", "1", script], timeout=280)
+    assert code == 0, out[-3000:]
+    assert "[rank 0] attempt 1: all_reduce = 2" in out and "[rank 1] attempt 1: all_reduce = 2" in out, out[-3000:]
+    assert "attempt 0: all_reduce" not in out  # rank 1 died first, so rank 0 waited in all_reduce
+    code, out = nanoddp_run(["--nproc", "2", script], timeout=220)  # no restarts allowed: the kill is reported
+    assert code == 1 and "killed_once.py failed on rank 1 (exit code -9): killed by SIGKILL" in out, out[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_watchdog_names_the_rank_that_skipped_a_collective(tmp_path):
+    script = str(_write(tmp_path, "skips_collective.py"))
+    code, out = nanoddp_run(["--nproc", "2", "--collective-timeout", "4", script], timeout=220)  # rank 1 sleeps 600 s
+    assert code == 1, out[-3000:]
+    assert "[rank 0] collective hang on rank 0: all_reduce #2" in out, out[-3000:]
+    assert "not arrived: ranks [1] (rank 1 at #1)" in out
+    summary = next(line for line in out.splitlines() if line.startswith("nanoddp run: "))
+    assert f"failed on rank 0 (exit code {HANG_EXIT_CODE}): CollectiveHang: collective hang on rank 0" in summary
+    assert "timeout 4s" in summary
+
+
+def test_bad_input_fails_before_launch(tmp_path):
+    code, out = nanoddp_run(["--nproc", "0", str(_write(tmp_path, "crash.py"))], timeout=60)
+    assert code == 2 and "--nproc must be >= 1, got 0" in out
+    code, out = nanoddp_run([str(tmp_path / "missing.py")], timeout=60)
+    assert code == 2 and "script" in out and "missing.py' not found" in out
+    code, out = nanoddp_run(["--collective-timeout", "0", str(_write(tmp_path, "crash.py"))], timeout=60)
+    assert code == 2 and "--collective-timeout must be > 0 seconds, got 0.0" in out
