@@ -31,7 +31,10 @@ SCRIPTS = {
         expected = torch.tensor([float(sum(range(1, world_size + 1)))])
         reference = [torch.zeros(1) for _ in range(world_size)]
         dist.all_gather(reference, torch.tensor([float(rank + 1)]))
+        positional = torch.ones(1)
+        dist.all_reduce(positional, dist.ReduceOp.SUM, None, False)  # group and async_op passed positionally
         print(f"all_reduce = {value.item():g}, sum of all_gather = {sum(reference).item():g}, argv {sys.argv[1:]}")
+        print(f"positional all_reduce = {positional.item():g}")
         dist.destroy_process_group()
     """,
     "crash.py": """
@@ -92,6 +95,7 @@ def test_all_reduce_script_with_rank_prefixes(tmp_path):
     assert code == 0, out[-3000:]
     for rank in (0, 1):  # torch's own all_gather is the reference for the sum
         assert f"[rank {rank}] all_reduce = 3, sum of all_gather = 3, argv ['--lr', '3e-4']" in out, out[-3000:]
+        assert f"[rank {rank}] positional all_reduce = 2" in out
 
 
 @pytest.mark.timeout(240)

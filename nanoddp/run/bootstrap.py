@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import logging
 import runpy
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,15 +34,31 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from nanoddp.comm import watchdog
 
 PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
-# torch.distributed's functions a script may call, and the argument that holds their tensors.
+
+
+def _positional_group_ok(original: Callable[..., Any], watched: Callable[..., Any]) -> Callable[..., Any]:
+    """The watched function, also for calls that pass `group`/`async_op` positionally
+    (`dist.all_reduce(t, op, group)` is valid torch; the watched version takes them by keyword)."""
+    names = list(inspect.signature(original).parameters)
+    cut = names.index("group") if "group" in names else len(names)
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > cut:
+            kwargs.update(zip(names[cut:], args[cut:], strict=False))
+            args = args[:cut]
+        return watched(*args, **kwargs)
+
+    return call
+
+
+# torch.distributed's collectives, watched: the set nanoddp's engines use, plus barrier.
 WATCHED = {
-    **{
-        name: getattr(watchdog.TORCH_COLLECTIVES, name)
-        for name in vars(watchdog.TORCH_COLLECTIVES)
-        if name != "ReduceOp"
-    },
-    "barrier": watchdog._watched(dist.barrier, "barrier", 0),
+    name: _positional_group_ok(getattr(dist, name), fn)
+    for name, fn in vars(watchdog.TORCH_COLLECTIVES).items()
+    if name != "ReduceOp"
 }
+WATCHED["barrier"] = _positional_group_ok(dist.barrier, watchdog._watched(dist.barrier, "barrier", 0))
 
 
 class CollectiveHang(RuntimeError):
