@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,8 +72,14 @@ def _params(run_dir: Path) -> dict[str, torch.Tensor] | None:
 
 
 def run_trials(trials: int, seed: int, max_delay_s: float) -> dict:
+    """Every run's directory lives in one temp dir, removed when the trials end (pass, fail or
+    Ctrl-C); each trial's own directory (~50 MB of snapshots) goes as soon as it is compared."""
+    with tempfile.TemporaryDirectory(prefix="nanoddp-kill-") as root:
+        return _run_trials(Path(root), trials, seed, max_delay_s)
+
+
+def _run_trials(root: Path, trials: int, seed: int, max_delay_s: float) -> dict:
     rng = random.Random(seed)
-    root = Path(tempfile.mkdtemp(prefix="nanoddp-kill-"))
     reference = _start(root / "reference", max_restarts=0)
     output = _finish(reference)
     expected = _params(root / "reference")
@@ -86,6 +93,7 @@ def run_trials(trials: int, seed: int, max_delay_s: float) -> dict:
         output = _finish(proc)
         got = _params(out)
         identical = got is not None and all(torch.equal(v, got[k]) for k, v in expected.items())
+        shutil.rmtree(out, ignore_errors=True)
         results.append({
             "trial": trial, "returncode": proc.returncode, "snapshots_at_kill": snapshots,
             "restarted": "restart 1: resumed from" in output, "bit_identical": identical,

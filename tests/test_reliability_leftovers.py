@@ -1,0 +1,68 @@
+"""No leftovers: `bench restarts` and the runs it starts remove every temp dir (theirs and
+torchelastic's), and the notebook's socket dir does not outlive a killed kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nanoddp.notebook import pool as nb_pool
+
+
+@pytest.mark.timeout(900)
+def test_bench_restarts_leaves_an_empty_temp_dir(tmp_path):
+    """One kill trial (a reference run, a killed and restarted run) with a private TMPDIR: every
+    temp dir the bench, the agents (torchelastic's log dirs) and the workers made is gone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--max-delay", "0.5",
+         "--json", str(report)],
+        capture_output=True, text=True, timeout=850, env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert json.loads(report.read_text())["passed"] == 1
+    # torchinductor_<user> is torch's per-user kernel cache, shared by all runs and meant to stay
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
+
+
+KERNEL = """
+import sys
+from nanoddp.notebook.pool import WorkerPool
+pool = WorkerPool(1, "gloo", ["cpu"], num_threads=1, pg_timeout_s=60)
+pool.start(timeout_s=120)
+print(pool._dir, *pool.pids(), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.timeout(240)
+def test_socket_dir_of_a_killed_kernel_is_removed_by_the_next_start(tmp_path, monkeypatch):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    try:
+        socket_dir, worker_pid = kernel.stdout.readline().split()
+        assert Path(socket_dir).parent == tmp_path and Path(socket_dir).is_dir()
+        kernel.send_signal(signal.SIGKILL)  # no atexit, no cleanup: the dir stays behind
+        kernel.wait(timeout=30)
+        psutil.wait_procs([psutil.Process(int(worker_pid))], timeout=10)  # dies with its parent
+        assert Path(socket_dir).is_dir()
+        live = Path(tempfile.mkdtemp(prefix=f"{nb_pool.DIR_PREFIX}{os.getpid()}-", dir=tmp_path))
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        nb_pool._remove_stale_dirs()  # what WorkerPool.start does first
+        assert not Path(socket_dir).exists()
+        assert live.is_dir()  # a live kernel's dir is left alone
+    finally:
+        kernel.kill()
+        kernel.wait()
