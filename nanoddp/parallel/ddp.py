@@ -21,23 +21,24 @@ With world size 1 the wrapper is a plain pass-through: no hooks, no communicatio
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.algorithms import Join, Joinable
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel.autograd_hooks import grad_ready_trampoline, output_grad_trampoline, tensors_in
 from nanoddp.parallel.buckets import Bucket, GradBucket, assign_buckets
-from nanoddp.parallel.join import DDPJoinHook, common_rank, global_requires_sync
+from nanoddp.parallel.ddp_args import resolve_args
+from nanoddp.parallel.join import JoinableDDP, common_rank, global_requires_sync
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 from nanoddp.parallel.scatter_gather import move_to
 
@@ -46,43 +47,25 @@ logger = logging.getLogger(__name__)
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-def _grad_ready_trampoline(engine_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
-    """The hook autograd holds: a weak reference, so a discarded wrapper leaves no live hooks."""
-    engine = engine_ref()
-    if engine is not None:
-        engine._on_grad_ready(index, param)
-
-
-def _output_grad_trampoline(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
-    """Hook on a forward output: its gradient is computed by the backward that consumes the
-    output, i.e. the OUTER backward, never by a reentrant checkpoint's inner one."""
-    engine = engine_ref()
-    if engine is not None:
-        engine._queue_finalize()
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) forward output: tensors, sequences, mappings, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from _tensors_in(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from _tensors_in(getattr(obj, field.name))
-
-
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
     """Data-parallel wrapper with torch DDP's constructor, attributes and gradients.
 
     `comm_backend="nanoddp"` reduces with `nanoddp.comm` (collectives over point-to-point);
     `"torch"` with torch.distributed's built-ins, for comparison. Everything else is the same code.
-    `output_device` is accepted for compatibility; like torch DDP for single-device modules,
-    outputs stay where the module puts them.
+
+    The positional and keyword arguments are torch 2.13's, with torch's defaults
+    (`bucket_cap_mb=None`: 25 MB; `broadcast_buffers=None`: True; `forward_sync_buffers`
+    replaces it but buffers are then always synced at construction; `init_sync=False` skips
+    the construction-time shape check and broadcast; `device_mesh`: a 1-D mesh's group).
+    Accepted with no effect here, because they only matter on other hardware or are
+    optimisations that do not change results:
+    `output_device` and `dim` (multi-device scatter/gather: outputs stay where the module puts
+    them, as torch DDP does for single-device modules), `batched_grad_copy` (fewer GPU kernel
+    launches), `skip_all_reduce_unused_params` (torch then sends no bytes for parameters unused
+    on every rank; nanoddp reduces their zeros, and their `.grad` is left alone either way),
+    `check_reduction` (deprecated in torch). Not implemented yet, refused with a clear error:
+    `mixed_precision`, `delay_all_reduce_named_params` / `param_to_hook_all_reduce`,
+    `bucket_cap_mb_list`.
     """
 
     def __init__(
@@ -90,22 +73,44 @@ class DistributedDataParallel(nn.Module, Joinable):
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
-        broadcast_buffers: bool = True,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         comm_backend: str = DEFAULT_COMM_BACKEND,
     ):
         super().__init__()
         Joinable.__init__(self)
-        self._validate_args(module, device_ids, bucket_cap_mb, comm_backend)
+        args = resolve_args(
+            module, device_ids, bucket_cap_mb, comm_backend, broadcast_buffers, forward_sync_buffers,
+            process_group, device_mesh, check_reduction, delay_all_reduce_named_params,
+            param_to_hook_all_reduce, mixed_precision, bucket_cap_mb_list,
+        )  # fmt: skip
+        process_group, bucket_cap_mb = args.process_group, args.bucket_cap_mb
+        self.dim = dim
+        self.device_mesh = device_mesh
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = mixed_precision
+        self.forward_sync_buffers = args.forward_sync_buffers
         self.module = module
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = args.forward_sync_buffers  # the attribute torch code reads
         self.process_group = process_group
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
@@ -142,30 +147,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divisor = self._world_size  # what bucket sums are divided by (see join())
         if self._world_size == 1:
             return  # the same object, as a pass-through: no hooks, no communication
-        check_same_structure(module, self._collectives, process_group)
-        broadcast_coalesced(
-            list(module.parameters()) + list(module.buffers()), self._collectives, process_group, self._src
-        )
+        if init_sync:
+            check_same_structure(module, self._collectives, process_group)
+            states = list(module.parameters()) + (list(module.buffers()) if args.init_sync_buffers else [])
+            broadcast_coalesced(states, self._collectives, process_group, self._src)
         self._build_buckets(list(reversed(range(len(self._params)))))
         engine_ref = weakref.ref(self)
         handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_trampoline, engine_ref, i))
+            p.register_post_accumulate_grad_hook(functools.partial(grad_ready_trampoline, engine_ref, i))
             for i, p in enumerate(self._params)
         ]
         weakref.finalize(self, lambda: [h.remove() for h in handles])
-
-    @staticmethod
-    def _validate_args(module, device_ids, bucket_cap_mb, comm_backend) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-        if not is_number or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}")
-        check_comm_backend(comm_backend)
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                f"device_ids must name at most one device (one process per device), got {list(device_ids)}"
-            )
 
     # ---- buckets ------------------------------------------------------------------------------
 
@@ -225,9 +217,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         output = self.module(*inputs, **kwargs)
         if self._sync_this_backward:
             engine_ref = weakref.ref(self)
-            for tensor in _tensors_in(output):
+            for tensor in tensors_in(output):
                 if tensor.grad_fn is not None:
-                    tensor.register_hook(functools.partial(_output_grad_trampoline, engine_ref))
+                    tensor.register_hook(functools.partial(output_grad_trampoline, engine_ref))
         return output
 
     def _prepare_for_forward(self, joined: bool = False) -> None:
@@ -473,33 +465,3 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._sync_iterations > 0:
             raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
         self._comm_hook, self._comm_hook_state = hook, state
-
-    # ---- uneven inputs: torch's Joinable protocol (see nanoddp.parallel.join) -------------------
-
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """Context manager for uneven inputs, as torch DDP's: ranks that run out of batches
-        shadow the others' collectives with zero gradients until every rank is done.
-
-        divide_by_initial_world_size: average over the initial world size (True, torch's
-        default) or over the ranks still training. throw_on_early_termination: instead, raise on
-        every rank as soon as one has run out of data.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device or (self._params[0].device if self._params else torch.device("cpu"))
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group if self.process_group is not None else dist.group.WORLD

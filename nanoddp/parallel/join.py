@@ -23,12 +23,12 @@ broadcasts the last joiner's parameters (and buffers) so every replica ends iden
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms import JoinHook
+from torch.distributed.algorithms import Join, JoinHook
 
 from nanoddp.parallel.buckets import Bucket
 from nanoddp.parallel.replicas import broadcast_coalesced
@@ -96,3 +96,35 @@ def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None
     if ddp.broadcast_buffers:
         tensors += list(ddp.module.buffers())
     broadcast_coalesced(tensors, ddp._collectives, ddp.process_group, src)
+
+
+class JoinableDDP:
+    """The Joinable half of DistributedDataParallel: torch's join() API over the hook above."""
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """Context manager for uneven inputs, as torch DDP's: ranks that run out of batches
+        shadow the others' collectives with zero gradients until every rank is done.
+
+        divide_by_initial_world_size: average over the initial world size (True, torch's
+        default) or over the ranks still training. throw_on_early_termination: instead, raise on
+        every rank as soon as one has run out of data.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device or (self._params[0].device if self._params else torch.device("cpu"))
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
