@@ -63,6 +63,10 @@ def _eval_worker(env) -> dict:
             "names": names,
             "naive": torch.cat(local_preds).numel() * env.world_size,
         }
+    # An unpadded shard (nanoddp.train.data.shard(drop_last=False)): rank r holds dataset[r::W], so the
+    # first len % W ranks hold one more sample; the gathered order must still be the dataset's.
+    unpadded = torch.arange(DATASET_LEN)[env.rank :: env.world_size]
+    results["unpadded"] = nanoddp.gather_for_metrics(unpadded.float().unsqueeze(1))  # (n_r, 1) -> (N, 1)
     try:  # ranks disagree on the trailing shape: the same clear error everywhere, no hang
         nanoddp.gather_for_metrics(torch.zeros(2, 1 + env.rank))
     except ValueError as exc:
@@ -77,6 +81,7 @@ def test_accuracy_equals_single_process(world_size):
     per_rank = run_on_ranks(_eval_worker, world_size, timeout=180)
     for rank_results in per_rank:
         assert "same trailing shape and dtype on every rank" in rank_results["error"]
+        assert torch.equal(rank_results["unpadded"], torch.arange(DATASET_LEN).float().unsqueeze(1))
         for name in ("torch", "nanoddp"):
             got = rank_results[name]
             assert got["naive"] > DATASET_LEN  # the sampler did pad: a plain gather would count duplicates
