@@ -102,6 +102,18 @@ def assert_matches_reference(env, got: dict[str, torch.Tensor]) -> int:
     return unsharded_state
 
 
+def assert_full_round_trip(fresh: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Whole tensors loaded into a freshly sharded model come back bitwise (resharding works
+    from any world size's full state: each rank cuts its own pieces)."""
+    fresh.load_full_state_dict(full)
+    again = fresh.full_state_dict()
+    for name, value in full.items():
+        assert torch.equal(again[name], value), name
+    bad = {**full, "head.bias": torch.zeros(4)}
+    with pytest.raises(ValueError, match="head.bias: state dict has shape"):
+        fresh.load_full_state_dict(bad)
+
+
 def case_zero1(env, partition: str = "element") -> None:
     model = Awkward()
     ddp = nanoddp.DistributedDataParallel(model)
@@ -130,16 +142,20 @@ def case_zero1_parameter_partition_is_uneven(env) -> None:
 
 
 def case_zero2(env, comm_backend: str = "nanoddp", accumulate: bool = False) -> None:
-    model = zero2(Awkward(), comm_backend=comm_backend)
+    # ~100-element buckets: several reduce-scatters per backward, launched as buckets fill
+    model = zero2(Awkward(), comm_backend=comm_backend, bucket_cap_mb=100 * 4 / 2**20)
+    assert len(model._zero2_units) >= 2
     full_params = param_bytes(Awkward())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # steps on the shards
     train(env, model, opt, accumulate=accumulate)
     held = model.sharded_bytes()
-    unsharded = assert_matches_reference(env, model.full_state_dict())
+    full = model.full_state_dict()
+    unsharded = assert_matches_reference(env, full)
     bound = 1 / env.world_size * SLACK
     assert held["grads"] <= full_params * bound, (held, full_params)
     assert per_element_state_bytes(opt) <= unsharded * bound, (per_element_state_bytes(opt), unsharded)
     assert held["params"] >= full_params  # ZeRO-2 keeps the parameters whole
+    assert_full_round_trip(zero2(Awkward(), bucket_cap_mb=1e-4), full)  # other buckets, same values
 
 
 def case_fsdp(env, comm_backend: str = "nanoddp", accumulate: bool = False, reshard: bool = True) -> None:
@@ -152,7 +168,9 @@ def case_fsdp(env, comm_backend: str = "nanoddp", accumulate: bool = False, resh
     assert param_bytes(model) <= full_params / env.world_size * SLACK
     train(env, model, opt, accumulate=accumulate)
     held = model.sharded_bytes()
-    unsharded = assert_matches_reference(env, model.full_state_dict())
+    full = model.full_state_dict()
+    unsharded = assert_matches_reference(env, full)
+    assert_full_round_trip(fully_shard(Awkward()), full)  # one unit instead of three
     bound = 1 / env.world_size * SLACK
     if reshard:  # between steps only the shards are resident
         assert held["params"] <= full_params * bound, (held, full_params)

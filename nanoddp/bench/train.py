@@ -53,8 +53,11 @@ logger = logging.getLogger(__name__)
 
 TORCHCOMM = "nanoddp_torchcomm"  # our DDP engine over torch.distributed's collectives (comm_backend="torch")
 # The trainer's engines (one registry, train.engines) plus the variants only a benchmark runs:
-# single-process DataParallel, ZeRO-1 under our DDP, and our DDP over torch's collectives.
-ENGINES = (*TRAIN_ENGINES, "dp", "zero", TORCHCOMM)
+# single-process DataParallel, ZeRO-1 under our DDP, our DDP over torch's collectives, and
+# torch's own FSDP2 (`torch.distributed.fsdp.fully_shard`, each block then the root): the peer
+# of our `fsdp` engine.
+TORCH_FSDP = "torch_fsdp"
+ENGINES = (*TRAIN_ENGINES, "dp", "zero", TORCHCOMM, TORCH_FSDP)
 ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
 # Every rank trains its own replica on its per-rank batch and never syncs: what ws processes
 # reach with free communication, so scaling lost to compute (smaller batches, cores and memory
@@ -153,6 +156,12 @@ class _Runner:
             ddp = nanoddp.DistributedDataParallel(module, device_ids=device_ids, comm_backend="torch")
             ddp.record_timeline = env.world_size > 1
             return Engine(name, ddp, module, comm=CommTimer()), ddp
+        if name == TORCH_FSDP:
+            from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+            for block in module.blocks:
+                torch_fully_shard(block)
+            return Engine(name, torch_fully_shard(module), module), None
         if name == NOCOMM:  # the module itself, never synced (build_engine refuses `single` at ws > 1)
             return Engine(name, module, module), None
         base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name

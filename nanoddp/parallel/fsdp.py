@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel import flat
 from nanoddp.parallel.flat import FlatParamUnit, GradReduceScatter, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -72,17 +73,16 @@ class FSDPModule:
         finally:
             self.set_requires_gradient_sync(True)
 
+    def _units(self) -> list[FlatParamUnit]:
+        return [m._fsdp_unit for m in self._fsdp_tree() if m._fsdp_unit is not None]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded `state_dict` (CPU tensors, original shapes). Collective: all ranks call it."""
-        units = [m._fsdp_unit for m in self._fsdp_tree() if m._fsdp_unit is not None]
-        full = {}
-        for unit in units:
-            for p, value in zip(unit.params, unit.full_tensors(), strict=True):
-                full[id(p)] = value
-        out = {}
-        for name, value in self.state_dict(keep_vars=True).items():
-            out[name] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
-        return out
+        return flat.full_state_dict(self, self._units())
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (saved at any world size, or by a plain model); each rank keeps its pieces."""
+        flat.load_full_state_dict(self, self._units(), state)
 
     def sharded_bytes(self) -> dict[str, int]:
         """Parameter and gradient bytes this rank holds now, over every unit in the tree."""

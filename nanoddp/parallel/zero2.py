@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel import flat
 from nanoddp.parallel.flat import FlatParamUnit, GradReduceScatter, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -72,16 +73,16 @@ class Zero2Module:
         finally:
             self._zero2_reduce.sync = True
 
+    def _units(self) -> list[FlatParamUnit]:
+        return self._zero2_units
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded `state_dict` (CPU tensors). Collective: every rank must call it."""
-        full = {}
-        for unit in self._zero2_units:
-            for p, value in zip(unit.params, unit.full_tensors(), strict=True):
-                full[id(p)] = value
-        return {
-            name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
-            for name, v in self.state_dict(keep_vars=True).items()
-        }
+        """The unsharded `state_dict` (CPU tensors, original shapes). Collective: all ranks call it."""
+        return flat.full_state_dict(self, self._units())
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (saved at any world size, or by a plain model); each rank keeps its pieces."""
+        flat.load_full_state_dict(self, self._units(), state)
 
     def sharded_bytes(self) -> dict[str, int]:
         """Parameter (whole) and gradient (sharded) bytes this rank holds now."""
