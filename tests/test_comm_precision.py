@@ -51,3 +51,24 @@ def test_low_precision_all_reduce_equals_the_fp32_sum_rounded_once(dtype, op):
     for result in run_on_ranks(_all_reduce, WORLD_SIZE, dtype, op, timeout=120):
         # bitwise: fp32 partial sums of these fp16/bf16 inputs are exact, and the one rounding is the same
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+RING_NUMEL = 1 << 20  # 4 MB of fp32: above the one-round limit at every world size, so the ring runs
+
+
+def _ring_all_reduce(env) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(env.rank)
+    ours = torch.randn(RING_NUMEL, generator=g)
+    reference = ours.clone()
+    comm.all_reduce(ours)
+    dist.all_reduce(reference)  # torch's gloo all-reduce of the same inputs
+    return ours, reference
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_all_reduce_sums_every_piece_like_torch(world_size):
+    for ours, reference in run_on_ranks(_ring_all_reduce, world_size, timeout=120):
+        # fp32 sums of 2-3 terms in another order: a few ulps; a dropped or doubled piece is O(1)
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
