@@ -354,7 +354,7 @@ def _mismatches(env) -> list[str]:
         lambda: comm.all_reduce(torch.ones(4, dtype=torch.int64), op=ReduceOp.AVG),
         lambda: comm.scatter(torch.ones(4), None, src=r),
     ):
-        with pytest.raises(ValueError):  # raised at once, before any message is sent
+        with pytest.raises(ValueError):  # bad on every rank: each raises (after the header round)
             bad()
     with pytest.raises(TypeError):
         comm.all_reduce([1.0, 2.0])

@@ -29,7 +29,7 @@ BAD_ON_ONE_RANK = [  # (name, fn(rank, n, bad: bool), exception type, words of t
         "output size",
         lambda r, n, bad: comm.all_gather_into_tensor(torch.empty(n * 4 + bad), torch.ones(4)),
         ValueError,
-        "output_tensor must be",
+        "nanoddp.comm.all_gather_into_tensor: invalid call on group rank",  # the public name
     ),
     (
         "list length",

@@ -37,13 +37,13 @@ def submit(runner: GroupRunner, kind: str, name: str, prepare: Callable[[], Prep
         numel, body, result = prepare()
     except (TypeError, ValueError) as exc:
         error = exc  # `exc` is unbound after the except block; the body runs later
-        numel, body, result = 0, lambda: fail_everywhere(runner.peers, kind, error), []
+        numel, body, result = 0, lambda: fail_everywhere(runner.peers, kind, name, error), []
     return runner.submit(name, numel, body, result, async_op)
 
 
-def fail_everywhere(peers: Peers, kind: str, exc: Exception) -> None:
-    """The body of an invalid call: one header round carrying the error, then every rank raises."""
-    code, message = ring.error_frame(exc)
+def fail_everywhere(peers: Peers, kind: str, name: str, exc: Exception) -> None:
+    """The body of an invalid call to `name`: one header round carrying the error, then every rank raises."""
+    code, message = ring.error_frame(name, exc)
     header = [KIND[kind], 0, -1, -1, -1]
     ring.exchange_frames(peers, header, [message] * peers.size, default_device(peers), error=code)
     raise exc  # not reached: exchange_frames raised the shared error (kept for type checkers)

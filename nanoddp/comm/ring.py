@@ -166,10 +166,10 @@ def exchange_frames(
 ERRORS = {1: ValueError, 2: TypeError}
 
 
-def error_frame(exc: Exception) -> tuple[int, torch.Tensor]:
-    """(error code, message bytes) for a call that failed this rank's argument checks."""
+def error_frame(name: str, exc: Exception) -> tuple[int, torch.Tensor]:
+    """(error code, message bytes) for a call to `name` that failed this rank's argument checks."""
     code = 2 if isinstance(exc, TypeError) else 1
-    message = str(exc).encode()[:INLINE_MAX_BYTES]
+    message = f"{name}\n{exc}".encode()[:INLINE_MAX_BYTES]
     return code, torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(
         0, dtype=torch.uint8
     )
@@ -184,11 +184,10 @@ def raise_invalid(slots: list[list[int]], payloads: Sequence[torch.Tensor | None
     if not bad:
         return
     first = bad[0]
-    message = bytes(payloads[first].tolist()).decode(errors="replace")
+    name, _, message = bytes(payloads[first].tolist()).decode(errors="replace").partition("\n")
     others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
-    collective = COLLECTIVES[slots[first][0]]
     raise ERRORS[slots[first][-1]](
-        f"nanoddp.comm.{collective}: invalid call on group rank {first}{others}: {message} "
+        f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "
         "[raised on every rank of the group; no data moved]"
     )
 
