@@ -78,32 +78,36 @@ def _still_usable(n: int) -> None:
     assert ok.tolist() == [float(n)] * 4, "the group must be usable after an invalid call"
 
 
-def _invalid_calls(env, bad_ranks: list[int]) -> list[tuple[str, str]]:
-    """Run every case with the bad argument on `bad_ranks`; return (type, message) per case."""
-    r, n, seen = env.rank, env.world_size, []
-    for name, call, expected, _ in BAD_ON_ONE_RANK:
-        try:
-            call(r, n, r in bad_ranks)
-        except expected as exc:
-            seen.append((type(exc).__name__, str(exc)))
-        else:
-            raise AssertionError(f"{name}: rank {r} did not raise {expected.__name__}")
-        _still_usable(n)
-    return seen
+def _invalid_calls(env, bad_rank_sets: list[list[int]]) -> list[list[tuple[str, str]]]:
+    """Run every case with the bad argument on each set of ranks; (type, message) per set and case."""
+    r, n, per_set = env.rank, env.world_size, []
+    for bad_ranks in bad_rank_sets:
+        seen = []
+        for name, call, expected, _ in BAD_ON_ONE_RANK:
+            try:
+                call(r, n, r in bad_ranks)
+            except expected as exc:
+                seen.append((type(exc).__name__, str(exc)))
+            else:
+                raise AssertionError(f"{name}: rank {r} did not raise {expected.__name__}")
+            _still_usable(n)
+        per_set.append(seen)
+    return per_set
 
 
-@pytest.mark.parametrize(("world_size", "bad_ranks"), [(2, [1]), (3, [1]), (3, [2, 1])])
-def test_invalid_call_on_some_ranks_raises_the_same_error_on_every_rank(world_size, bad_ranks):
-    per_rank = run_on_ranks(_invalid_calls, world_size, bad_ranks, timeout=120)
-    first = min(bad_ranks)
-    for i, (name, _, expected, words) in enumerate(BAD_ON_ONE_RANK):
-        kinds = {rank_seen[i] for rank_seen in per_rank}
-        assert len(kinds) == 1, f"{name}: ranks raised different errors: {kinds}"
-        kind, message = kinds.pop()
-        assert kind == expected.__name__ and words in message, f"{name}: {message}"
-        assert f"invalid call on group rank {first}" in message, message
-        if len(bad_ranks) > 1:
-            assert f"and on group ranks {sorted(bad_ranks)[1:]}" in message, message
+@pytest.mark.parametrize(("world_size", "bad_rank_sets"), [(2, [[1]]), (3, [[1], [2, 1]])])
+def test_invalid_call_on_some_ranks_raises_the_same_error_on_every_rank(world_size, bad_rank_sets):
+    per_rank = run_on_ranks(_invalid_calls, world_size, bad_rank_sets, timeout=120)
+    for s, bad_ranks in enumerate(bad_rank_sets):
+        first = min(bad_ranks)
+        for i, (name, _, expected, words) in enumerate(BAD_ON_ONE_RANK):
+            kinds = {rank_seen[s][i] for rank_seen in per_rank}
+            assert len(kinds) == 1, f"{name} (bad on {bad_ranks}): ranks raised different errors: {kinds}"
+            kind, message = kinds.pop()
+            assert kind == expected.__name__ and words in message, f"{name}: {message}"
+            assert f"invalid call on group rank {first}" in message, message
+            if len(bad_ranks) > 1:
+                assert f"and on group ranks {sorted(bad_ranks)[1:]}" in message, message
 
 
 def _interrupted(env) -> dict:
