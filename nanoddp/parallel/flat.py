@@ -116,7 +116,15 @@ class FlatParamUnit:
     the module sees between `use_unsharded()` and `use_sharded()`.
     """
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], group, collectives: Collectives):
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        group,
+        collectives: Collectives,
+        *,
+        shard_in_full: bool = False,
+    ):
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"one flat unit needs one dtype and device, got {sorted(map(str, dtypes))}")
@@ -131,7 +139,11 @@ class FlatParamUnit:
         with torch.no_grad():
             self.full = self.layout.flatten([p.detach() for p in params], params[0])  # (ws * chunk,)
             c = self.layout.chunk
-            self.shard = self.full[self.rank * c : (self.rank + 1) * c].clone()  # (chunk,)
+            own = self.full[self.rank * c : (self.rank + 1) * c]  # (chunk,)
+            # ZeRO-2 never frees the full buffer, so the shard can live inside it (no second copy);
+            # FSDP frees it, so its shard needs storage of its own.
+            self.shard = own.data if shard_in_full else own.clone()
+        self.shard_in_full = shard_in_full
         self.full_nbytes = self.full.untyped_storage().nbytes()
         # Refills go through an alias with its own version counter: autograd saved the views
         # in forward, and the bytes it finds after a free + gather are the same values.
@@ -172,12 +184,15 @@ class FlatParamUnit:
 
     def free(self) -> None:
         """Release the full values' memory; the views stay valid objects, refilled by `gather`."""
+        if self.shard_in_full:
+            raise RuntimeError("this unit's shard lives in its full buffer, which can't be freed")
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def resident_bytes(self) -> int:
         """Parameter bytes held now: the shard plus the full buffer if it is allocated."""
-        return self.shard.numel() * self.shard.element_size() + self.full.untyped_storage().nbytes()
+        full = self.full.untyped_storage().nbytes()
+        return full if self.shard_in_full else self.shard.numel() * self.shard.element_size() + full
 
     def use_unsharded(self) -> None:
         """Register the full views on the module (for its forward and backward)."""

@@ -129,7 +129,9 @@ def zero2(
     if not params:
         raise ValueError("zero2 needs a module with parameters")
     cap = max(1, int(bucket_cap_mb * 2**20) // params[0].element_size())
-    units = [FlatParamUnit(module, bucket, group, collectives) for bucket in bucket_params(params, cap)]
+    units = [
+        FlatParamUnit(module, bucket, group, collectives, shard_in_full=True) for bucket in bucket_params(params, cap)
+    ]
     cls = module.__class__
     module.__class__ = type(f"Zero2{cls.__name__}", (Zero2Module, cls), {})
     module._zero2_units = units
