@@ -29,6 +29,7 @@ import tempfile
 
 from nanoddp import env as nd
 from nanoddp.comm.watchdog import HANG_EXIT_CODE
+from nanoddp.train.agent import private_rendezvous
 from nanoddp.train.cli import add_launch_args, default_nproc
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
@@ -139,13 +140,16 @@ def run(args: argparse.Namespace) -> int:
     nd.prepare_torchrun_launch()
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
     with tempfile.TemporaryDirectory(prefix="nanoddp-run-") as scratch:
-        argv = agent_argv(args, nproc, args.log_dir or scratch)
+        # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
+        argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, args.log_dir or scratch))
         print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
         try:
             torchrun(get_args_parser().parse_args(argv))
         except ChildFailedError as exc:
             print(failure_summary(args.script, exc.failures), file=sys.stderr)
             return 1
+        finally:
+            del rendezvous_store  # referenced until the agent is done with it
     return 0
 
 
