@@ -285,9 +285,10 @@ def load_smollm2(*, grad_checkpoint: bool = False, cache_dir: str | Path | None 
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(_smollm2_cache(cache_dir), dtype=torch.float32)
+    model = HFCausalLM(lm)
     if grad_checkpoint:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return HFCausalLM(lm)
+        model.enable_checkpointing()
+    return model
 
 
 class HFCausalLM(nn.Module):
@@ -304,6 +305,18 @@ class HFCausalLM(nn.Module):
         self.lm = lm
         self.seq_len = int(lm.config.max_position_embeddings)
         self.eos_token_id = lm.config.eos_token_id
+
+    def enable_checkpointing(self) -> None:
+        """Recompute each decoder layer in backward (non-reentrant: hooks fire once per parameter)."""
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.lm, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            self.lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    @property
+    def checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.lm.modules())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape

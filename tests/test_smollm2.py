@@ -60,8 +60,8 @@ def test_loads_the_pretrained_checkpoint():
     stored = [p.grad.clone() for p in model.parameters()]
     # --grad-checkpoint: recomputing each layer's forward in backward gives the same gradients.
     model.zero_grad(set_to_none=True)
-    model.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert model.lm.is_gradient_checkpointing
+    model.enable_checkpointing()  # what load_smollm2(grad_checkpoint=True) does
+    assert model.checkpointing
     model(ids[:, :-1], ids[:, 1:])[1].backward()
     for expected, p in zip(stored, model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, expected, rtol=0, atol=0)  # same ops, same order: bitwise
