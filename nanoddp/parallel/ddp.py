@@ -367,6 +367,11 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:
             self._mark_ready(i)  # launches the remaining buckets, in order
+        if self._comm_hook is not None:
+            # a hook may issue more collectives from its futures' callbacks, on another thread
+            # (PowerSGD does): let them all finish before this thread issues the next collective
+            for bucket in self._buckets:
+                bucket.handle.wait()
         use_counts = self._global_use_counts()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, use_counts)
