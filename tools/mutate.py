@@ -15,6 +15,7 @@ Run it before closing a change to the core; a mutation that is not caught needs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -128,14 +129,24 @@ def _env(tree: Path) -> dict[str, str]:
 
 
 def _pytest(tree: Path, env: dict[str, str], args: tuple[str, ...], timeout: float) -> str:
-    """'pass', 'fail' (tests failed), 'timeout' or 'error' (collection/usage: exit 2-5)."""
+    """'pass', 'fail' (tests failed), 'timeout' or 'error' (collection/usage: exit 2-5).
+
+    pytest runs in its own session, and the whole process group (its rank processes too) is
+    killed on a timeout or Ctrl-C: nothing it started outlives it.
+    """
     # pytest-timeout's per-test limit raised to ours: a loaded host must not read as "caught"
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={timeout:.0f}", *args]
+    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
     try:
-        result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        returncode = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout"
-    return {0: "pass", 1: "fail"}.get(result.returncode, f"error (exit {result.returncode})")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a finished run, or the whole run
+        proc.wait()
+    return {0: "pass", 1: "fail"}.get(returncode, f"error (exit {returncode})")
 
 
 def _apply(tree: Path, mutation: Mutation) -> str:
