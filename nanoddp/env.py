@@ -209,7 +209,10 @@ def init(
         return env
     store = None
     if init_method is None:
-        if env.torchrun and env.local_world_size == env.world_size and env.master_port is not None:
+        # torchrun >= 2.5 may hand its workers the agent's own store (MASTER_PORT is then the
+        # agent's server): only when the workers host their own store can they bind it here.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if env.torchrun and env.local_world_size == env.world_size and env.master_port is not None and not agent_store:
             store = loopback_store(env.master_port, env.rank, env.world_size, timeout)
         elif env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
             init_method = "env://"
