@@ -11,9 +11,9 @@ Both partitions answer the same three questions for the optimizer:
 dtype/device (`nanoddp.parallel.flat.FlatLayout`) and rank r owns elements [r*c, (r+1)*c),
 c = ceil(N/ws). A parameter cut by a boundary is stepped in pieces; an elementwise optimizer
 (AdamW, SGD, Adam...) computes on a piece exactly what it computes on that part of the whole
-tensor. The inner optimizer works on private copies of the pieces (the model's parameters
-stay whole for the forward); their gradients are views of the parameters' gradients, and
-`sync` is one all-gather per flat space. Not for optimizers whose math reads a whole tensor
+tensor. The inner optimizer works on views of the pieces (the model's parameters stay whole
+for the forward, and the update lands in them directly); their gradients are views of the
+parameters' gradients, and `sync` is one all-gather per flat space. Not for optimizers whose math reads a whole tensor
 (LAMB, Adafactor): use `partition="parameter"` there.
 
 `ParameterPartition` (torch's behaviour): whole parameters, greedy largest first to the
@@ -95,6 +95,11 @@ class ParameterPartition:
                     p.copy_(piece.view_as(p))
 
 
+def _piece_view(p: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
+    return flat[start:stop]  # (stop - start,)
+
+
 class _FlatSpace:
     """One dtype/device's parameters of one `add` call, laid out flat."""
 
@@ -102,8 +107,9 @@ class _FlatSpace:
         self.params = params
         self.layout = FlatLayout([p.numel() for p in params], world_size)
         self.pieces = self.layout.pieces(rank)
-        with torch.no_grad():
-            self.locals = [params[s.index].detach().reshape(-1)[s.start : s.stop].clone() for s in self.pieces]
+        # The pieces alias the parameters (detached views: leaves the inner optimizer may update
+        # in place), so the shard costs no second copy; a non-contiguous parameter gets a copy.
+        self.locals = [_piece_view(params[s.index], s.start, s.stop) for s in self.pieces]
 
 
 class ElementPartition:
