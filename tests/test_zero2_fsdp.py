@@ -17,6 +17,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from suite_runner import run_cases, suites_by_world_size
 
 import nanoddp
@@ -32,8 +33,9 @@ SLACK = 1.05  # the "1/ws + 5 %" of the issue: padding to ceil(N/ws) per flat un
 class Awkward(nn.Module):
     """243 parameters in 8 tensors of awkward sizes; blocks to shard one by one."""
 
-    def __init__(self):
+    def __init__(self, checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint  # recompute each block in backward (non-reentrant)
         torch.manual_seed(0)
         self.emb = nn.Embedding(11, 5)
         self.blocks = nn.ModuleList(
@@ -44,7 +46,7 @@ class Awkward(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx).mean(1)  # (B, 5)
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
         return self.head(x)  # (B, 3)
 
 
@@ -158,8 +160,10 @@ def case_zero2(env, comm_backend: str = "nanoddp", accumulate: bool = False) -> 
     assert_full_round_trip(zero2(Awkward(), bucket_cap_mb=1e-4), full)  # other buckets, same values
 
 
-def case_fsdp(env, comm_backend: str = "nanoddp", accumulate: bool = False, reshard: bool = True) -> None:
-    model = Awkward()
+def case_fsdp(
+    env, comm_backend: str = "nanoddp", accumulate: bool = False, reshard: bool = True, checkpoint: bool = False
+) -> None:
+    model = Awkward(checkpoint=checkpoint)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, comm_backend=comm_backend)
     fully_shard(model, reshard_after_forward=reshard, comm_backend=comm_backend)
@@ -199,6 +203,7 @@ def cases(world_size: int) -> list[tuple[str, object]]:
         ("fsdp", case_fsdp),
         ("fsdp_keep_after_forward", p(case_fsdp, reshard=False)),
         ("fsdp_accumulate", p(case_fsdp, accumulate=True)),
+        ("fsdp_grad_checkpoint", p(case_fsdp, checkpoint=True)),
         ("errors", case_errors),
         ("zero2_torch_comm", p(case_zero2, comm_backend="torch")),
         ("fsdp_torch_comm", p(case_fsdp, comm_backend="torch")),

@@ -148,7 +148,9 @@ def fully_shard(
     unit = FlatParamUnit(module, params, group, collectives)
     module._fsdp_unit = unit
     after_unit = (lambda u: u.free()) if reshard_after_forward else None
-    module._fsdp_reduce = GradReduceScatter([unit], after_unit=after_unit)
+    # A checkpoint recompute may stop early, skipping the post-forward hook: the shards are
+    # registered again when backward ends, whatever happened inside it.
+    module._fsdp_reduce = GradReduceScatter([unit], after_unit=after_unit, after_backward=unit.use_sharded)
     if reshard_after_forward:
         unit.free()
     module.register_forward_pre_hook(_pre_forward)
