@@ -143,9 +143,9 @@ def case_zero1_parameter_partition_is_uneven(env) -> None:
         assert max(owned) > total / 3 * SLACK, owned
 
 
-def case_zero2(env, comm_backend: str = "nanoddp", accumulate: bool = False) -> None:
+def case_zero2(env, comm_backend: str = "nanoddp", accumulate: bool = False, checkpoint: bool = False) -> None:
     # ~100-element buckets: several reduce-scatters per backward, launched as buckets fill
-    model = zero2(Awkward(), comm_backend=comm_backend, bucket_cap_mb=100 * 4 / 2**20)
+    model = zero2(Awkward(checkpoint=checkpoint), comm_backend=comm_backend, bucket_cap_mb=100 * 4 / 2**20)
     assert len(model._zero2_units) >= 2
     full_params = param_bytes(Awkward())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # steps on the shards
@@ -200,6 +200,7 @@ def cases(world_size: int) -> list[tuple[str, object]]:
         ("zero1_parameter_uneven", case_zero1_parameter_partition_is_uneven),
         ("zero2", case_zero2),
         ("zero2_accumulate", p(case_zero2, accumulate=True)),
+        ("zero2_grad_checkpoint", p(case_zero2, checkpoint=True)),
         ("fsdp", case_fsdp),
         ("fsdp_keep_after_forward", p(case_fsdp, reshard=False)),
         ("fsdp_accumulate", p(case_fsdp, accumulate=True)),
