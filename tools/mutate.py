@@ -194,11 +194,11 @@ def run(mutations: list[Mutation], timeout: float) -> list[tuple[Mutation, str]]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    parser.add_argument("-k", default="", help="only mutations whose name contains this (comma: any of these)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if args.k in m.name]
+    chosen = [m for m in MUTATIONS if any(k in m.name for k in args.k.split(","))]
     if args.list:
         for m in chosen:
             print(f"{m.name}  [{m.path}]  ->  pytest {' '.join(m.test)}")
