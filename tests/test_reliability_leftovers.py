@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nanoddp.notebook import pool as nb_pool
+from nanoddp.notebook import handshake
 
 
 @pytest.mark.timeout(900)
@@ -58,9 +58,9 @@ def test_socket_dir_of_a_killed_kernel_is_removed_by_the_next_start(tmp_path, mo
         kernel.wait(timeout=30)
         psutil.wait_procs([psutil.Process(int(worker_pid))], timeout=10)  # dies with its parent
         assert Path(socket_dir).is_dir()
-        live = Path(tempfile.mkdtemp(prefix=f"{nb_pool.DIR_PREFIX}{os.getpid()}-", dir=tmp_path))
+        live = Path(tempfile.mkdtemp(prefix=f"{handshake.DIR_PREFIX}{os.getpid()}-", dir=tmp_path))
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-        nb_pool._remove_stale_dirs()  # what WorkerPool.start does first
+        handshake.remove_stale_dirs()  # what WorkerPool.start does first
         assert not Path(socket_dir).exists()
         assert live.is_dir()  # a live kernel's dir is left alone
     finally:

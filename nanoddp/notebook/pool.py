@@ -12,7 +12,6 @@ The pool knows nothing of IPython: output goes to a `sink` object (`stream(rank,
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
@@ -29,10 +28,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener, wait
-from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
+
+from nanoddp.notebook.handshake import DIR_PREFIX, authenticate, remove_stale_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ PEER_FAILURE_GRACE_S = 2.0
 IDLE_WAIT_S = 1.0  # before a new request: how long ranks still busy get before SIGINT (+ grace)
 SHUTDOWN_GRACE_S = 10.0  # then SIGTERM, then SIGKILL
 POLL_S = 0.1
-HANDSHAKE_TIMEOUT_S = 5.0  # a connection must authenticate and say hello within this
-DIR_PREFIX = "nanoddp-nb-"
 
 
 class PoolError(RuntimeError):
@@ -146,7 +144,7 @@ class WorkerPool:
     # ----------------------------------------------------------------- start
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Spawn the workers and wait until every one has joined the process group."""
-        _remove_stale_dirs()
+        remove_stale_dirs()
         # mode 0700: private to this user; named by our pid so a later start can remove it if
         # this process is killed before its own cleanup runs
         self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
@@ -154,7 +152,7 @@ class WorkerPool:
         authkey = secrets.token_bytes(32)
         # No authkey here: Listener.accept would run the handshake inline, so one connection that
         # sends nothing would block every worker behind it. Each is authenticated on its own
-        # thread with a deadline instead (_authenticate).
+        # thread with a deadline instead (handshake.authenticate).
         self._listener = Listener(address, family="AF_UNIX")
         use_pdeathsig = threading.current_thread() is threading.main_thread()
         try:
@@ -191,7 +189,7 @@ class WorkerPool:
                 except OSError as exc:  # the listener closed under us
                     accepted.put(exc)
                     return
-                threading.Thread(target=_authenticate, args=(conn, authkey, accepted), daemon=True).start()
+                threading.Thread(target=authenticate, args=(conn, authkey, accepted), daemon=True).start()
 
         thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)
         thread.start()
@@ -440,44 +438,6 @@ class WorkerPool:
                     open_conns.remove(conn)
             if not open_conns:
                 time.sleep(POLL_S)
-
-
-def _authenticate(conn: Connection, authkey: bytes, accepted: queue.Queue) -> None:
-    """The handshake `Listener(authkey=...)` does, plus the worker's hello, within a deadline.
-
-    A connection that fails authentication, or sends nothing for HANDSHAKE_TIMEOUT_S (a local
-    process poking at the socket), is hung up on and ignored; startup keeps waiting for the
-    workers. Hanging up is a socket shutdown, which wakes the blocked read on this thread."""
-    import socket
-    from multiprocessing.connection import AuthenticationError, answer_challenge, deliver_challenge
-
-    def hang_up() -> None:
-        with suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(HANDSHAKE_TIMEOUT_S, hang_up)
-    timer.start()
-    try:
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
-        hello = conn.recv()
-        if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello"):
-            raise AuthenticationError(f"unexpected first message {hello!r:.80}")
-    except (AuthenticationError, EOFError, OSError, ValueError) as exc:
-        logger.warning("ignored a connection to the notebook socket: %s", exc or type(exc).__name__)
-        conn.close()
-        return
-    finally:
-        timer.cancel()
-    accepted.put((conn, hello))
-
-
-def _remove_stale_dirs() -> None:
-    """Remove socket dirs left by notebook kernels that were killed (their pid is gone)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
-        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
