@@ -17,7 +17,7 @@ from typing import Literal
 import torch.nn as nn
 
 from nanoddp.train.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.train.engines import ENGINES, EngineName
+from nanoddp.train.engines import ENGINES, SHARDED_ENGINES, EngineName
 
 
 @dataclass(kw_only=True)
@@ -157,6 +157,11 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"unknown engine {config.engine!r}; choose one of {list(ENGINES)}")
     if config.engine == "single" and world_size != 1:
         raise ValueError(f"engine 'single' runs one process, got world size {world_size}; use --nproc 1")
+    if config.zero and config.engine in SHARDED_ENGINES:
+        raise ValueError(
+            f"--zero shards the optimizer state of a replicated model; engine {config.engine!r} shards it "
+            "already: drop --zero"
+        )
     if (config.model == "mlp") != (config.data == "digits"):
         raise ValueError(
             f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "

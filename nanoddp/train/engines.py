@@ -107,6 +107,23 @@ class Engine:
         self.module = module
         self.sync_grads = sync_grads
         self.comm = comm
+        # zero2 / fsdp: after backward each rank holds a shard of the gradients (fsdp: of the
+        # parameters too), so clipping, saving and evaluation must involve every rank.
+        self.sharded = name in SHARDED_ENGINES
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (summed over shards when sharded)."""
+        if self.sharded:
+            from nanoddp.parallel.fsdp import clip_grad_norm_
+
+            return clip_grad_norm_(self.module, max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's plain state_dict. Collective for sharded engines: call on every rank."""
+        if self.sharded:
+            return self.module.full_state_dict()
+        return self.module.state_dict()
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool) -> Iterator[None]:
@@ -206,6 +223,9 @@ def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
         fully_shard(block)
     return Engine("fsdp", fully_shard(module), module)
 
+
+# Engines whose ranks hold shards: their optimizer state is saved per rank (see the trainer).
+SHARDED_ENGINES = frozenset({"zero2", "fsdp"})
 
 # The one engine registry: `nanoddp train --engine`, TrainConfig's Literal, `bench train` and the
 # traced engines all read it, so an engine added here is an engine everywhere.

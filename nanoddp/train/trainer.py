@@ -34,7 +34,7 @@ from nanoddp.train import rundir, signals, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
 from nanoddp.train.data import ResumableDistributedSampler
 from nanoddp.train.datasets import build_datasets
-from nanoddp.train.engines import build_engine
+from nanoddp.train.engines import SHARDED_ENGINES, build_engine
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
@@ -166,10 +166,35 @@ class Trainer:
     # --- snapshots --------------------------------------------------------------------------
 
     def _optimizer_state(self) -> dict[str, Any] | None:
-        """The full optimizer state on rank 0 (ZeRO: every rank must take part in gathering it)."""
+        """The optimizer state on rank 0. ZeRO: every rank takes part in consolidating it.
+        Sharded engines (zero2, fsdp): each rank's state is about its own shard, so rank 0
+        collects all of them (`per_rank`); resume needs the same world size."""
         if self.config.zero:
             self.optimizer.consolidate_state_dict(to=0)
+        if self.engine.sharded and _distributed():
+            states = [None] * self.env.world_size if self.env.is_master else None
+            dist.gather_object(self.optimizer.state_dict(), states, dst=0)
+            return {"per_rank": states} if self.env.is_master else None
         return self.optimizer.state_dict() if self.env.is_master else None
+
+    def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        sharded = self.config.engine in SHARDED_ENGINES
+        per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
+        if sharded != (per_rank is not None):
+            kind = "a sharded engine (zero2/fsdp)" if per_rank is not None else "an unsharded engine"
+            raise ValueError(
+                f"the snapshot's optimizer state was saved by {kind}; resume with the engine it was "
+                f"saved with, not --engine {self.config.engine}"
+            )
+        if per_rank is None:
+            self.optimizer.load_state_dict(saved)
+            return
+        if len(per_rank) != self.env.world_size:
+            raise ValueError(
+                f"the snapshot holds {len(per_rank)} optimizer shards ({self.config.engine}), this run has "
+                f"{self.env.world_size} ranks: resume a sharded run at the world size it was saved with"
+            )
+        self.optimizer.load_state_dict(per_rank[self.env.rank])
 
     def _save_snapshot(self, interrupted: int = 0) -> None:
         """Collective: every rank contributes its RNG state; rank 0 writes the file.
@@ -180,13 +205,14 @@ class Trainer:
             rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
             dist.gather_object(rng, rng_per_rank, dst=0)
         optimizer_state = self._optimizer_state()
+        model_state = self.engine.state_dict()  # collective for sharded engines
         if not self.env.is_master:
             return
         state = {
             "step": self.step,
             "epoch": self.sampler.epoch,
             "sampler": self.sampler.state_dict(),
-            "model": self.module.state_dict(),
+            "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_per_rank,
@@ -203,7 +229,7 @@ class Trainer:
 
     def _load_snapshot(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
@@ -248,7 +274,7 @@ class Trainer:
             x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
             total += self._run_batch(x, y, sync=micro == self.config.grad_accum - 1)
         if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
+            self.engine.clip_grad_norm_(self.config.grad_clip)
         with region("optimizer step"):
             self.optimizer.step()
         self.scheduler.step()
@@ -354,23 +380,32 @@ class Trainer:
         shard = Subset(dataset, range(self.env.rank, len(dataset), self.env.world_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # (loss sum, count)
         self.module.eval()
-        for x, y in DataLoader(shard, batch_size=max(self.micro_batch, 16)):
+        batch_size, forwards = max(self.micro_batch, 16), 0
+        for x, y in DataLoader(shard, batch_size=batch_size):
             x, y = x.to(self.env.device), y.to(self.env.device)
             with self._autocast():
                 _, loss = self.module(x, y)  # the bare model: no DDP collectives in eval
             totals += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=totals.device)
+            forwards += 1
+        if self.engine.sharded:  # every forward all-gathers: each rank must run as many as the most
+            most = math.ceil(math.ceil(len(dataset) / self.env.world_size) / batch_size)
+            x, y = (t.unsqueeze(0).to(self.env.device) for t in dataset[0])
+            for _ in range(most - forwards):
+                self.module(x, y)  # result unused
         self.module.train()
         _all_reduce_sum(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def _export_final_model(self) -> None:
-        """`model.pt`: a plain state_dict of the bare model (no `module.` prefix), rank 0 only."""
+        """`model.pt`: a plain state_dict of the bare model (no `module.` prefix), written by rank 0
+        (every rank takes part in gathering it for sharded engines)."""
+        model_state = self.engine.state_dict()
         if not self.env.is_master:
             return
         import io
 
         buffer = io.BytesIO()
-        torch.save(self.module.state_dict(), buffer)
+        torch.save(model_state, buffer)
         snapshot.atomic_write_bytes(self.run_dir / "model.pt", buffer.getvalue())
         logger.info("saved %s", self.run_dir / "model.pt")
 
