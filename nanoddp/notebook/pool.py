@@ -12,7 +12,6 @@ The pool knows nothing of IPython: output goes to a `sink` object (`stream(rank,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -20,12 +19,11 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, Protocol
@@ -33,6 +31,7 @@ from typing import Any, Protocol
 import psutil
 
 from nanoddp.notebook.handshake import DIR_PREFIX, authenticate, remove_stale_dirs
+from nanoddp.notebook.processes import catch_sigint, spawn_worker, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -90,33 +89,6 @@ class CellOutcome:
         return sorted(raised | set(self.died))
 
 
-class _SigintFlag:
-    """Counts SIGINTs while installed (main thread only), instead of raising KeyboardInterrupt.
-
-    A KeyboardInterrupt raised in the middle of `Connection.recv` would tear a message; with
-    this handler the wait loop notices the interrupt between messages and forwards it.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.count += 1
-
-
-@contextmanager
-def _catch_sigint() -> Iterator[_SigintFlag]:
-    flag = _SigintFlag()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag  # signals only reach the main thread; nothing to catch here
-        return
-    previous = signal.signal(signal.SIGINT, flag)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class WorkerPool:
     """N worker processes, one per rank, each with the default process group initialised."""
 
@@ -170,7 +142,7 @@ class WorkerPool:
                     "parent_pid": os.getpid(),
                     "pdeathsig": use_pdeathsig,
                 }
-                self.workers.append(WorkerHandle(rank, _spawn_worker(settings)))
+                self.workers.append(WorkerHandle(rank, spawn_worker(settings)))
             self._accept_all(address, authkey, time.monotonic() + timeout_s)
             self._wait_ready(time.monotonic() + timeout_s)
         except BaseException:
@@ -317,7 +289,7 @@ class WorkerPool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stopping_since: float | None = None  # when we asked the workers to stop
         failed_since: float | None = None  # when the first rank raised or died
-        with _catch_sigint() as sigint:
+        with catch_sigint() as sigint:
             while pending:
                 now = time.monotonic()
                 if failed_since is None and outcome.failed_ranks:
@@ -346,7 +318,7 @@ class WorkerPool:
                 try:
                     worker.process.wait(timeout=SHUTDOWN_GRACE_S)  # EOF: it is exiting; reap it
                 except subprocess.TimeoutExpired:
-                    _terminate(worker.process)
+                    terminate(worker.process)
                 worker.alive  # noqa: B018  (records the exit code in worker.death)
                 worker.busy = False
                 outcome.died[rank] = worker.death or "closed its connection"
@@ -416,7 +388,7 @@ class WorkerPool:
                     grace_s,
                     worker.process.pid,
                 )
-                _terminate(worker.process)
+                terminate(worker.process)
             if worker.conn is not None:
                 worker.conn.close()
         self.workers = []
@@ -438,24 +410,3 @@ class WorkerPool:
                     open_conns.remove(conn)
             if not open_conns:
                 time.sleep(POLL_S)
-
-
-def _spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
-    """`python -m nanoddp.notebook.worker` in its own session, settings (and key) on stdin."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nanoddp.notebook.worker"],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # the kernel's SIGINT to its process group must not hit us
-    )
-    process.stdin.write(json.dumps(settings).encode())
-    process.stdin.close()
-    return process
-
-
-def _terminate(process: subprocess.Popen, grace_s: float = 2.0) -> None:
-    process.terminate()
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()

@@ -61,11 +61,6 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-id", default="none", help="job id shared by all nodes")
     group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
     group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="OUT holds an earlier run: move its outputs aside into OUT/previous-<time>/ and start anew",
-    )
 
 
 class _OwnUsageParser(argparse.ArgumentParser):
@@ -103,6 +98,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.__class__ = _OwnUsageParser
     add_train_args(train)
     add_launch_args(train)
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT holds an earlier run: move its outputs aside into OUT/previous-<time>/ and start anew",
+    )
     train.set_defaults(run=run_train)
     sample = subparsers.add_parser("sample", help="generate text from a trained run")
     sample.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="run directory of `nanoddp train`")
