@@ -118,3 +118,42 @@ class GradBucket:
     def gradients(self) -> list[torch.Tensor]:
         """Per-parameter views into `buffer()`, shaped like the parameters."""
         return list(self._bucket.views)
+
+
+def build_buckets(
+    params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, grads_as_views: bool
+) -> tuple[list[Bucket], list[tuple[Bucket, int] | None]]:
+    """The buckets for `params[i]`, i in `order` (expected gradient arrival order), and each
+    parameter's (bucket, slot). Existing gradients are carried over: with `grads_as_views`
+    they are copied into the new buffers and `.grad` is repointed at the new views."""
+    groups = assign_buckets([params[i] for i in order], cap_bytes)
+    buckets: list[Bucket] = []
+    slot_of: list[tuple[Bucket, int] | None] = [None] * len(params)
+    for bucket_index, positions in enumerate(groups):
+        indices = [order[pos] for pos in positions]
+        bucket = Bucket(bucket_index, [params[i] for i in indices], indices)
+        for slot, i in enumerate(indices):
+            slot_of[i] = (bucket, slot)
+        if grads_as_views:
+            with torch.no_grad():
+                for param, view in zip(bucket.params, bucket.views, strict=True):
+                    if param.grad is not None:
+                        view.copy_(param.grad)
+                        param.grad = view
+        buckets.append(bucket)
+    return buckets, slot_of
+
+
+def unused_parameters_error(names: Sequence[str], use_counts: list[int]) -> RuntimeError | None:
+    """The error for parameters that got no gradient on some ranks; `use_counts` ends with the
+    number of ranks that took part (fewer once some have joined)."""
+    *use_counts, ws = use_counts
+    missing = [(names[i], n) for i, n in enumerate(use_counts) if n < ws]
+    if not missing:
+        return None
+    listed = ", ".join(f"{name} (no gradient on {ws - n} of {ws} ranks)" for name, n in missing)
+    return RuntimeError(
+        f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this backward: "
+        f"{listed}. Either make every parameter take part in the loss on every rank, or construct the "
+        "wrapper with find_unused_parameters=True (unused parameters then contribute zero gradient)."
+    )

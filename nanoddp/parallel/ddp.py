@@ -36,7 +36,7 @@ from torch.distributed.algorithms import Join, Joinable
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.autograd_hooks import grad_ready_trampoline, output_grad_trampoline, tensors_in
-from nanoddp.parallel.buckets import Bucket, GradBucket, assign_buckets
+from nanoddp.parallel.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
 from nanoddp.parallel.ddp_args import resolve_args
 from nanoddp.parallel.join import JoinableDDP, common_rank, global_requires_sync
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
@@ -162,26 +162,9 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
     # ---- buckets ------------------------------------------------------------------------------
 
     def _build_buckets(self, order: Sequence[int]) -> None:
-        """(Re)create the buckets for parameters in `order` (expected gradient arrival order).
-
-        Existing gradients are carried over: with gradient_as_bucket_view they are copied into
-        the new buffers and `.grad` is repointed at the new views.
-        """
+        """(Re)create the buckets for parameters in `order` (expected gradient arrival order)."""
         cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
-        groups = assign_buckets([self._params[i] for i in order], cap_bytes)
-        self._buckets, self._slot_of = [], [None] * len(self._params)
-        for bucket_index, positions in enumerate(groups):
-            indices = [order[pos] for pos in positions]
-            bucket = Bucket(bucket_index, [self._params[i] for i in indices], indices)
-            for slot, i in enumerate(indices):
-                self._slot_of[i] = (bucket, slot)
-            if self.gradient_as_bucket_view:
-                with torch.no_grad():
-                    for param, view in zip(bucket.params, bucket.views, strict=True):
-                        if param.grad is not None:
-                            view.copy_(param.grad)
-                            param.grad = view
-            self._buckets.append(bucket)
+        self._buckets, self._slot_of = build_buckets(self._params, order, cap_bytes, self.gradient_as_bucket_view)
         logger.debug("built %d buckets of sizes %s", len(self._buckets), [b.nbytes for b in self._buckets])
 
     def _rebuild_buckets(self) -> None:
@@ -436,16 +419,9 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
 
     def _raise_if_unused(self, use_counts: list[int]) -> None:
         """Raised on every rank (all see the same counts), after all collectives completed."""
-        *use_counts, ws = use_counts  # ws: ranks that took part (fewer once some have joined)
-        missing = [(self._param_names[i], n) for i, n in enumerate(use_counts) if n < ws]
-        if not missing:
-            return
-        listed = ", ".join(f"{name} (no gradient on {ws - n} of {ws} ranks)" for name, n in missing)
-        raise RuntimeError(
-            f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this backward: "
-            f"{listed}. Either make every parameter take part in the loss on every rank, or construct the "
-            "wrapper with find_unused_parameters=True (unused parameters then contribute zero gradient)."
-        )
+        error = unused_parameters_error(self._param_names, use_counts)
+        if error is not None:
+            raise error
 
     # ---- user API -------------------------------------------------------------------------------
 
