@@ -20,14 +20,12 @@ all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sen
 gather).
 
 The switch point (`ring.inline_limit`): on gloo, a payload rides in the frame while what one
-rank sends in that round, (ws-1) x payload, stays within 3 MB — 3 MB at ws 2, 1 MB at ws 4.
-Below it the single round wins because a round costs far more than its bytes on a loaded CPU
-host (a 2-core host: ~0.3-1 ms per round trip, while the ring needs 2(ws-1) of them plus the
-header round); above it the ring's smaller per-rank volume, 2(ws-1)/ws x payload, and its
-pipelining win (measured side by side with `nanoddp bench collectives` and a one-round-only
-variant: at ws 2 one round beat the ring 1.3-2x up to 1 MB and tied at 4 MB; at ws 4 it won up
-to 1 MB and lost 2-3x at 4 MB). On nccl frames travel whole (exact sizes), so there the limit
-stays at 64 KB (`INLINE_MAX_BYTES`).
+rank sends in that round, (ws-1) x payload, stays within `INLINE_SEND_BYTES`. Below it the
+single round wins because on a CPU host a round trip costs far more than its bytes, and the ring
+needs 2(ws-1) of them plus the header round; above it the ring's smaller per-rank volume,
+2(ws-1)/ws x payload, and its pipelining win. The limit was chosen by measuring both side by side
+(docs/performance.md, "Collectives: where the thresholds come from"). On nccl frames travel whole
+(exact sizes), so there the limit stays at `INLINE_MAX_BYTES`.
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
 ring step, as gloo does; the one-round path accumulates in fp32 and rounds once. AVG is

@@ -40,10 +40,10 @@ HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, a
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_SEND_BYTES = 3 * 1024 * 1024
 # Pipelining granularity: two pieces per chunk (as gloo's own ring), within these bounds. Each
-# piece costs a gloo send and receive; posting one while gloo's I/O thread holds the pair's
-# lock to move another piece blocks for ~100 us on a 2-core host, so pieces below 1 MB cost
-# more than the overlap they buy, and above 4 MB the pipeline gets too coarse (measured with
-# a side-by-side script: 1, 2, 4 pieces per chunk and fixed 0.5-4 MB pieces, 1-64 MB, ws 2 and 4).
+# piece costs a gloo send and receive, and posting one while gloo's I/O thread holds the pair's
+# lock to move another blocks, so small pieces cost more than the overlap they buy and large
+# ones make the pipeline too coarse (measured: docs/performance.md, "Collectives: where the
+# thresholds come from").
 PIECE_MIN_BYTES = 1024 * 1024
 PIECE_MAX_BYTES = 4 * 1024 * 1024
 
