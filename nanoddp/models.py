@@ -107,6 +107,18 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One sampled token per row from the last position's `logits` (B, V) -> (B, 1); the k
+    likeliest only when `top_k` is given (1 = greedy)."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer LM. `forward(idx)` -> logits (B, T, V);
     `forward(idx, targets)` -> (logits, mean cross-entropy loss)."""
@@ -146,11 +158,7 @@ class GPT(nn.Module):
         """Sample `new_tokens` continuations of `idx` (B, T) autoregressively."""
         for _ in range(new_tokens):
             context = idx[:, -self.cfg.seq_len :]
-            logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)  # (B, V)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+            next_token = sample_next(self(context)[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
 
@@ -343,11 +351,7 @@ class HFCausalLM(nn.Module):
         for _ in range(new_tokens):
             out = self.lm(input_ids=context, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / max(temperature, 1e-6)  # (B, V)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+            next_token = sample_next(out.logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx, context = torch.cat([idx, next_token], dim=1), next_token
             done |= next_token[:, 0] == self.eos_token_id
             if bool(done.all()):
