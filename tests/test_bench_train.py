@@ -33,6 +33,8 @@ FIELDS = (
     "vs_torch_ddp", "mfu",
 )  # fmt: skip
 REGIONS = {"forward", "backward", "optimizer step"}
+# engines whose gradient communication the outside probes time (a DDP bucket layout or a manual sync)
+TIMED = {"nanoddp", "torch", "allreduce", "rs_ag", "zero", "nanoddp_torchcomm"}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,9 @@ def test_every_engine_and_field_with_consistent_values(bench):
         assert row["mfu"] is None  # CPU: no MFU
         assert row["scaling_efficiency"] > 0 and row["speedup_vs_allcores"] > 0
         sends = n > 1 and engine not in ("dp", NOCOMM)
-        if sends:
+        if sends and engine not in TIMED:  # sharding wrappers: no bucket layout to time them by
+            assert row["comm_time_s"] is None and row["overlap_fraction"] is None, engine
+        elif sends:
             assert row["comm_time_s"] > 0 and row["exposed_comm_s"] >= 0, (engine, n)
             # manual engines sync after backward: exposed = comm + backward's tail, overlap just below 0
             assert -0.5 <= row["overlap_fraction"] <= 1.0, (engine, n)

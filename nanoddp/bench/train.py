@@ -212,8 +212,8 @@ class _Runner:
             start, end = backward_end, sync_end
         else:  # DDP: bucket 0 handed over from its last gradient's hook; done when backward returns
             start, end = self.clock.first_handoff(self.layout or []), backward_end
-            if start is None:  # no layout (warm-up) or bucket 0 without a gradient: from the last hook
-                start = last_grad
+            if start is None:  # no bucket layout known for this wrapper (yet): not measured
+                return {"comm_s": None, "exposed_comm_s": None}
         return {"comm_s": end - start, "exposed_comm_s": end - last_grad}
 
 
