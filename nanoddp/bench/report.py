@@ -190,14 +190,14 @@ def format_summary(data: dict, world_size: int = 2) -> str:
              "torch's collectives"), ("zero", "ZeRO-1"), ("allreduce", "manual all-reduce"), ("rs_ag",
              "manual reduce-scatter + all-gather"), ("nocomm", "no sync at all (the compute ceiling)"))]  # fmt: skip
     load = meta.get("load_average_before")
-    busy = load is not None and load[0] > 2 * meta["cpus"]
+    busy = load is not None and load[0] > meta["cpus"]  # more runnable threads than cores
     return (
         f"- **Training, {meta['cpus']}-core CPU, {meta.get('backend', '?')}, GPT {meta['model']} "
         f"({meta['parameters'] / 1e6:.1f} M parameters), global batch {meta['global_batch']}, "
         f"{meta['date'][:10]}{f', 1-min load {load[0]:.1f}' if load else ''}:** samples/s at {world_size} "
         f"processes relative to stock torch DDP (overlap {torch_overlap:.0%}): "
         + "; ".join(p for p in parts if p)
-        + (". The host was heavily loaded: these ratios are noise-dominated (docs/performance.md)." if busy else ".")
+        + (". The host was shared and busy: these ratios are noise-dominated (docs/performance.md)." if busy else ".")
     )
 
 
