@@ -18,7 +18,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-import nanoddp
 from nanoddp.models import GPT, MLPClassifier, gpt_config
 from nanoddp.parallel.dp import DataParallel, mean_over_replicas, parallel_apply, replicate
 from nanoddp.parallel.scatter_gather import gather, scatter, scatter_kwargs
@@ -38,10 +37,6 @@ def make_model(kind: str, batch: int = 5) -> tuple[nn.Module, torch.Tensor, torc
         return MLPClassifier(), torch.randn(batch, 64), torch.randint(0, 10, (batch,))
     model = GPT(gpt_config("tiny"))
     return model, torch.randint(0, 512, (batch, 12)), torch.randint(0, 512, (batch, 12))
-
-
-def test_public_export():
-    assert nanoddp.DataParallel is DataParallel
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])

@@ -161,5 +161,6 @@ def test_strategies(suite, world_size, case):
 
 def test_simple_ddp_without_process_group_needs_init():
     """The manual strategies are collectives: without a process group they fail loudly."""
-    with pytest.raises((RuntimeError, ValueError)):
-        allreduce_gradients(nn.Linear(2, 2), comm_backend="torch")
+    for backend in ("torch", "nanoddp"):
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            allreduce_gradients(nn.Linear(2, 2), comm_backend=backend)

@@ -25,23 +25,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import math
 import os
-import platform
-import shlex
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 
-import psutil
 import torch
 import torch.distributed as dist
 
 import nanoddp
 from nanoddp.bench import add_output_args, parse_world_sizes, render, write_json
+from nanoddp.bench.machine import Memory, command_line, git_commit, machine_description, tune_malloc
 from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
 from nanoddp.bench.report import format_markdown, summarise, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
@@ -63,49 +58,6 @@ ALLCORES = "single_allcores"  # `single` with every core: the other baseline for
 # reach with free communication, so scaling lost to compute (smaller batches, cores and memory
 # bandwidth shared by the processes) is told apart from scaling lost to communication.
 NOCOMM = "nocomm"
-
-
-def _tune_malloc() -> None:
-    """Ask glibc to unmap freed blocks >= 128 KiB at once, so RSS tracks tensors (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so it stops growing on its own
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-class _Memory:
-    """Resident bytes now and the high-water mark since `reset()`, on the CPU or the GPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def now(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else psutil.Process().memory_info().rss
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-        except OSError:
-            pass
-
-    def peak(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return self.now()
 
 
 class _Runner:
@@ -272,9 +224,9 @@ def _warm_lazy_imports(env: nanoddp.DistEnv) -> None:
 def _bench_worker(env: nanoddp.DistEnv, spec: dict) -> dict:
     """All engines on this rank, interleaved in blocks; returns per-step samples and memory."""
     torch.set_num_threads(spec["threads_per_rank"])
-    _tune_malloc()
+    tune_malloc()
     _warm_lazy_imports(env)
-    memory = _Memory(env.device)
+    memory = Memory(env.device)
     base = memory.now()
     runners = []
     for name in _engine_names(env, spec):
@@ -321,42 +273,6 @@ def _trace_engines(env: nanoddp.DistEnv, spec: dict, names: list[str]) -> None:
     dist.barrier()
 
 
-def machine_description() -> dict:
-    """What the numbers were measured on (goes into the JSON and the README table's caption)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "gpu": gpu,
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "nanoddp": nanoddp.__version__}  # fmt: skip
-
-
-def command_line() -> str:
-    """How this process was started, as a user would type it (`nanoddp bench train ...`)."""
-    argv = list(sys.argv)
-    if argv and os.path.basename(argv[0]) in ("nanoddp", "__main__.py", "cli.py"):
-        argv[0] = "nanoddp"
-    return shlex.join(argv)
-
-
-def _git_commit() -> str | None:
-    """The checkout's commit (with `+dirty` for local changes), or None outside a git checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", global_batch: int = 32,
                   steps: int = 30, warmup: int = 3, block: int = 5, threads_per_rank: int = 1,
                   trace_dir: str | None = None, overrides: dict | None = None,
@@ -376,7 +292,7 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
             "warmup": spec["warmup"], "block": block, "threads_per_rank": threads_per_rank,
             "optimizer": "AdamW", "dtype": "float32", "date": datetime.now(timezone.utc).isoformat(),
             "load_average_before": os.getloadavg(), "backend": backend, "command": command_line(),
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
     per_ws = {}
     for n in nprocs:
