@@ -30,11 +30,11 @@ from torch.utils.data import DataLoader, Subset
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.train import rundir, signals, snapshot
+from nanoddp.train import optim_state, rundir, signals, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
 from nanoddp.train.data import ResumableDistributedSampler
 from nanoddp.train.datasets import build_datasets
-from nanoddp.train.engines import SHARDED_ENGINES, build_engine
+from nanoddp.train.engines import build_engine
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
@@ -166,35 +166,10 @@ class Trainer:
     # --- snapshots --------------------------------------------------------------------------
 
     def _optimizer_state(self) -> dict[str, Any] | None:
-        """The optimizer state on rank 0. ZeRO: every rank takes part in consolidating it.
-        Sharded engines (zero2, fsdp): each rank's state is about its own shard, so rank 0
-        collects all of them (`per_rank`); resume needs the same world size."""
-        if self.config.zero:
-            self.optimizer.consolidate_state_dict(to=0)
-        if self.engine.sharded and _distributed():
-            states = [None] * self.env.world_size if self.env.is_master else None
-            dist.gather_object(self.optimizer.state_dict(), states, dst=0)
-            return {"per_rank": states} if self.env.is_master else None
-        return self.optimizer.state_dict() if self.env.is_master else None
+        return optim_state.collect(self.optimizer, self.engine.sharded, self.config.zero, self.env)
 
     def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
-        sharded = self.config.engine in SHARDED_ENGINES
-        per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
-        if sharded != (per_rank is not None):
-            kind = "a sharded engine (zero2/fsdp)" if per_rank is not None else "an unsharded engine"
-            raise ValueError(
-                f"the snapshot's optimizer state was saved by {kind}; resume with the engine it was "
-                f"saved with, not --engine {self.config.engine}"
-            )
-        if per_rank is None:
-            self.optimizer.load_state_dict(saved)
-            return
-        if len(per_rank) != self.env.world_size:
-            raise ValueError(
-                f"the snapshot holds {len(per_rank)} optimizer shards ({self.config.engine}), this run has "
-                f"{self.env.world_size} ranks: resume a sharded run at the world size it was saved with"
-            )
-        self.optimizer.load_state_dict(per_rank[self.env.rank])
+        optim_state.restore(self.optimizer, saved, self.config.engine, self.env)
 
     def _save_snapshot(self, interrupted: int = 0) -> None:
         """Collective: every rank contributes its RNG state; rank 0 writes the file.
