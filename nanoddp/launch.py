@@ -10,6 +10,7 @@ so no orphan is left even if the parent is killed.
 from __future__ import annotations
 
 import ctypes
+import linecache
 import logging
 import multiprocessing as mp
 import os
@@ -210,3 +211,68 @@ def _raise_root_cause(procs, results, values, errors) -> None:
         error = LaunchError(rank, errors[rank], procs[rank].exitcode)
     error.other_failures = {r: e for r, e in errors.items() if r != rank}
     raise error
+
+
+def notebook_launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    timeout: float | None = None,
+    pg_timeout_s: float = 300.0,
+) -> list[Any]:
+    """`launch` for a `fn` defined in a notebook cell or `python -c`: run `fn(env, *args)` on
+    `nprocs` processes and return each rank's return value, failing exactly as `launch` fails.
+
+    Why by value: `launch` pickles `fn` by reference ("`__main__.train`"), and a spawned child
+    starts a fresh `__main__` in which a cell's definitions do not exist, so it dies unpickling
+    ("exited with code 1"). Here `cloudpickle` serialises the function's code, and the globals,
+    closures and `__main__` classes it uses, by value; the children run it through
+    `_run_by_value`, an importable trampoline, on top of `launch` (same rendezvous, fail-fast,
+    `LaunchError` with the failing rank's traceback, no orphans).
+
+    Why not fork, which would inherit the cell's definitions for free: by the time a notebook
+    calls this, the kernel has threads (ZMQ I/O, heartbeat) and torch has started its own
+    (intra/inter-op pools, OpenMP); a forked child gets copies of the locks those threads held,
+    but not the threads, and may deadlock in its first parallel op or collective. CUDA cannot be
+    used in a forked child at all. Spawn plus a by-value function has neither problem.
+
+    What travels is a snapshot taken at call time: globals `fn` uses are copied into every child
+    (a big tensor in the notebook's namespace is copied `nprocs` times: load data inside `fn`),
+    and what a child changes in them does not come back; return values do.
+    """
+    import cloudpickle  # a core dependency, imported here: `launch` alone never needs it
+
+    try:
+        payload = cloudpickle.dumps((fn, tuple(args)))
+    except Exception as exc:  # cloudpickle raises many kinds (PicklingError, TypeError, ...)
+        raise ValueError(
+            f"notebook_launch cannot serialise fn={fn!r} with its args ({type(exc).__name__}: {exc}); "
+            "everything fn uses must be picklable by value: create locks, files, sockets and "
+            "process groups inside fn instead of capturing them from the notebook"
+        ) from exc
+    results = launch(
+        _run_by_value,
+        nprocs,
+        args=(payload, _in_memory_sources()),
+        backend=backend,
+        timeout=timeout,
+        pg_timeout_s=pg_timeout_s,
+    )
+    return [pickle.loads(blob) for blob in results]
+
+
+def _in_memory_sources() -> dict[str, tuple]:
+    """The `linecache` entries of code that has no file (IPython's cells): shipped to the
+    children so a failing rank's traceback shows the cell's lines, not just their numbers."""
+    return {name: entry for name, entry in linecache.cache.items() if len(entry) == 4 and entry[1] is None}
+
+
+def _run_by_value(env: nd.DistEnv, payload: bytes, sources: dict[str, tuple]) -> bytes:
+    """Child side of `notebook_launch`: rebuild `fn` and its args, run it, and return its value
+    by value too (it may be an instance of a class defined in the notebook)."""
+    import cloudpickle
+
+    linecache.cache.update(sources)  # mtime None: linecache.checkcache keeps these entries
+    fn, args = pickle.loads(payload)  # cloudpickle's output is read by plain pickle
+    return cloudpickle.dumps(fn(env, *args))
