@@ -4,7 +4,7 @@ The public API is re-exported here; docs/architecture.md describes the layout an
 """
 
 from nanoddp.env import DistEnv, cleanup, init, seed_everything
-from nanoddp.launch import LaunchError, launch
+from nanoddp.launch import LaunchError, launch, notebook_launch
 from nanoddp.parallel import hooks
 from nanoddp.parallel.ddp import DistributedDataParallel
 from nanoddp.parallel.dp import DataParallel
@@ -32,6 +32,7 @@ __all__ = [
     "init",
     "launch",
     "load_state",
+    "notebook_launch",
     "save_state",
     "seed_everything",
     "verify_replicas",
