@@ -3,6 +3,16 @@
 A replicated optimizer (or a consolidated ZeRO-1 one) is the same on every rank, so rank 0's
 `state_dict()` is the snapshot. A sharded engine's (zero2, fsdp) optimizer state is about this
 rank's shard only, so rank 0 collects every rank's and restores give each rank its own back.
+
+Resharding: next to the per-rank states the snapshot keeps the flat layout that cut them, the
+engine's units as lists of (optimizer parameter index, numel, shape) in flat order. Which
+parameters share a unit does not depend on the world size (zero2: buckets by size; fsdp: one
+unit per sharded module), and a unit's cut at any world size is `FlatLayout(numels, ws)`. So a
+restore at another world size glues each parameter's pieces back into its whole state
+tensors (exp_avg, exp_avg_sq: the old ranks' pieces in rank order) and slices out the piece
+this rank holds at the new world size; per-parameter scalars (Adam's `step`) are the same on
+every rank and are kept. At the saving world size the rank's own state is loaded untouched,
+so same-size resume stays bitwise.
 """
 
 from __future__ import annotations
@@ -13,27 +23,55 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.env import DistEnv
+from nanoddp.parallel.flat import FlatLayout, Piece
 from nanoddp.train.engines import SHARDED_ENGINES
+
+# A unit of the saved layout: (optimizer index or None for a frozen parameter, numel, shape)
+# for each of its parameters, in flat order.
+UnitLayout = list[tuple[int | None, int, tuple[int, ...]]]
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def collect(optimizer: torch.optim.Optimizer, sharded: bool, zero: bool, env: DistEnv) -> dict[str, Any] | None:
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters in `state_dict()` index order (groups in order, then their params)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def flat_layout(optimizer: torch.optim.Optimizer, module: torch.nn.Module, world_size: int) -> dict[str, Any]:
+    """How the sharded `module`'s units cut the optimizer's parameters (see the module docstring)."""
+    index = {id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
+    units: list[UnitLayout] = [
+        [(index.get(id(p)), n, tuple(shape)) for p, n, shape in zip(u.params, u.layout.numels, u.shapes, strict=True)]
+        for u in module._units()
+    ]
+    return {"world_size": world_size, "units": units}
+
+
+def collect(optimizer: torch.optim.Optimizer, engine, zero: bool, env: DistEnv) -> dict[str, Any] | None:
     """The optimizer state for the snapshot, on rank 0 (None elsewhere). Collective when
-    `zero` (consolidation) or `sharded` (a gather of every rank's state): call on every rank."""
+    `zero` (consolidation) or `engine.sharded` (a gather of every rank's state): call on every rank."""
     if zero:
         optimizer.consolidate_state_dict(to=0)
-    if sharded and _distributed():
-        states = [None] * env.world_size if env.is_master else None
-        dist.gather_object(optimizer.state_dict(), states, dst=0)
-        return {"per_rank": states} if env.is_master else None
+    if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
+        states = [optimizer.state_dict()]
+        if _distributed():
+            states = [None] * env.world_size if env.is_master else None
+            dist.gather_object(optimizer.state_dict(), states, dst=0)
+        if not env.is_master:
+            return None
+        return {"per_rank": states, "layout": flat_layout(optimizer, engine.module, env.world_size)}
     return optimizer.state_dict() if env.is_master else None
 
 
 def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str, env: DistEnv) -> None:
-    """Load `saved` (from `collect`) into this rank's optimizer, or say why it cannot be."""
+    """Load `saved` (from `collect`) into this rank's optimizer, or say why it cannot be.
+
+    Call before the engine shards the module (the trainer does): at another world size than
+    the snapshot's, the parameters' whole shapes check the saved layout against this model.
+    """
     sharded = engine in SHARDED_ENGINES
     per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
     if sharded != (per_rank is not None):
@@ -45,9 +83,79 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str
     if per_rank is None:
         optimizer.load_state_dict(saved)
         return
-    if len(per_rank) != env.world_size:
+    if len(per_rank) == env.world_size:
+        optimizer.load_state_dict(per_rank[env.rank])
+        return
+    layout = saved.get("layout")
+    if layout is None:
         raise ValueError(
-            f"the snapshot holds {len(per_rank)} optimizer shards ({engine}), this run has "
-            f"{env.world_size} ranks: resume a sharded run at the world size it was saved with"
+            f"the snapshot holds {len(per_rank)} optimizer shards ({engine}) and no layout to reshard "
+            f"them (saved by an older nanoddp); this run has {env.world_size} ranks: resume it at "
+            f"--nproc {len(per_rank)}"
         )
-    optimizer.load_state_dict(per_rank[env.rank])
+    optimizer.load_state_dict(reshard(per_rank, layout, optimizer, env.world_size, env.rank))
+
+
+def reshard(
+    per_rank: list[dict[str, Any]], layout: dict[str, Any], optimizer: torch.optim.Optimizer, world_size: int, rank: int
+) -> dict[str, Any]:
+    """Rank `rank`'s optimizer `state_dict` at `world_size`, from the per-rank ones saved with `layout`."""
+    old_ws = layout["world_size"]
+    if len(per_rank) != old_ws:
+        raise ValueError(f"the snapshot's layout is for {old_ws} ranks but it holds {len(per_rank)} optimizer shards")
+    _check_model(layout["units"], _optimizer_params(optimizer))
+    state: dict[int, dict[str, Any]] = {}
+    for unit in layout["units"]:
+        numels = [n for _, n, _ in unit]
+        old = [FlatLayout(numels, old_ws).piece_of(r) for r in range(old_ws)]  # [old rank][param in unit]
+        new = FlatLayout(numels, world_size).piece_of(rank)
+        for j, (index, _, _) in enumerate(unit):
+            if index is None:
+                continue
+            old_states = [states["state"].get(index) for states in per_rank]
+            found = _reshard_param(index, old_states, [o[j] for o in old], new[j])
+            if found is not None:
+                state[index] = found
+    return {"state": state, "param_groups": per_rank[0]["param_groups"]}
+
+
+def _check_model(units: list[UnitLayout], params: list[torch.Tensor]) -> None:
+    """The saved layout must describe this optimizer's parameters, shape for shape."""
+    saved = {index: shape for unit in units for index, _, shape in unit if index is not None}
+    current = {i: tuple(p.shape) for i, p in enumerate(params)}
+    if saved != current:
+        differ = sorted(i for i in set(saved) | set(current) if saved.get(i) != current.get(i))[:5]
+        detail = ", ".join(f"#{i}: saved {saved.get(i)}, now {current.get(i)}" for i in differ)
+        raise ValueError(
+            f"the snapshot's optimizer layout does not match this model's parameters ({detail}); "
+            "resume with the model configuration the snapshot was saved with"
+        )
+
+
+def _reshard_param(index: int, old_states: list[dict | None], old: list[Piece], new: Piece) -> dict[str, Any] | None:
+    """One parameter's state at the new piece `new`, from the old ranks' states at pieces `old`.
+
+    A 1-D tensor the size of the old piece on every rank is sharded state: its pieces laid end
+    to end are the whole (flat) tensor, of which `new` is sliced. Anything else (0-d `step`,
+    Python numbers) is per-parameter, identical on every rank: rank 0's is kept.
+    """
+    held = [s for s in old_states if s is not None]
+    if not held:
+        return None  # never stepped: no state anywhere
+    if len(held) != len(old_states):
+        raise ValueError(f"optimizer parameter #{index} has state on some ranks only: the snapshot is inconsistent")
+    out: dict[str, Any] = {}
+    for key, value in held[0].items():
+        values = [s.get(key) for s in held]
+        if torch.is_tensor(value) and value.dim() == 1 and _shaped_like(values, old):
+            parts = [v for v, piece in zip(values, old, strict=True) if piece.numel]
+            whole = torch.cat(parts) if parts else value.new_empty(0)  # (numel,)
+            out[key] = whole[new.start : new.stop].clone()  # (new piece numel,)
+        else:
+            out[key] = value
+    return out
+
+
+def _shaped_like(values: list[Any], pieces: list[Piece]) -> bool:
+    pairs = zip(values, pieces, strict=True)
+    return all(torch.is_tensor(v) and v.dim() == 1 and v.numel() == p.numel for v, p in pairs)

@@ -166,7 +166,7 @@ class Trainer:
     # --- snapshots --------------------------------------------------------------------------
 
     def _optimizer_state(self) -> dict[str, Any] | None:
-        return optim_state.collect(self.optimizer, self.engine.sharded, self.config.zero, self.env)
+        return optim_state.collect(self.optimizer, self.engine, self.config.zero, self.env)
 
     def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
         optim_state.restore(self.optimizer, saved, self.config.engine, self.env)
