@@ -341,5 +341,6 @@ def test_example_notebook_runs_top_to_bottom(tmp_path):
         "ours == torch's == SimpleDDP, replicas identical",
         "[rank 0] speed-up",
         "Stopped 2 workers",
+        "notebook_launch: 2 ranks == 1 process on the global batch",
     ):
         assert claim in text, f"{claim!r} missing from the notebook's output"
