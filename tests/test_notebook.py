@@ -344,3 +344,26 @@ def test_example_notebook_runs_top_to_bottom(tmp_path):
         "notebook_launch: 2 ranks == 1 process on the global batch",
     ):
         assert claim in text, f"{claim!r} missing from the notebook's output"
+
+
+# ----------------------------------------------------------------------------- the SmolLM2 notebook
+SMOLLM2_EXAMPLE = ROOT / "examples" / "notebook_smollm2.ipynb"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # about 3 minutes on an idle 2-core machine (more the first time: conversion)
+def test_smollm2_notebook_fine_tunes_from_distributed_cells(tmp_path):
+    from nanoddp.models import smollm2_missing
+
+    if smollm2_missing():
+        pytest.skip(smollm2_missing())
+    nb = nbformat.read(SMOLLM2_EXAMPLE, as_version=4)
+    _execute_notebook(nb, tmp_path, ROOT, timeout=400)  # per cell; the load and the steps take longest
+    text = "".join(_text(cell) for cell in nb.cells if cell.cell_type == "code")
+    before = float(re.search(r"\[rank 0\] eval loss before: (\S+)", text).group(1))
+    after = float(re.search(r"\[rank 0\] eval loss after: (\S+)", text).group(1))
+    assert after < before, text
+    for when in ("before", "after"):  # a greedy continuation of the prompt, printed by rank 0
+        sample = re.search(rf"\[rank 0\] sample {when}:\n\[rank 0\] def is_palindrome\(text\):\n(.+)", text)
+        assert sample and sample.group(1).strip(), text
+    assert "[rank 1] replicas identical" in text and "Stopped 2 workers" in text
