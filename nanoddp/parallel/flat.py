@@ -158,6 +158,7 @@ class FlatParamUnit:
         self.gathered = True
         self._gathered_versions = self._versions()
         self.grad_shard: torch.Tensor | None = None
+        self._gather_work = None  # an async gather in flight into `full` (a prefetch)
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -171,7 +172,9 @@ class FlatParamUnit:
 
     @torch.no_grad()
     def gather(self, async_op: bool = False):
-        """Refill `self.full` from every rank's shard (all-gather). Returns the Work if async."""
+        """Refill `self.full` from every rank's shard (all-gather). Returns the Work if async;
+        the unit also keeps it, and `wait_gather()` is what makes `full` safe to read."""
+        self.wait_gather()  # never two gathers writing into one buffer
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.full_nbytes)
@@ -180,12 +183,21 @@ class FlatParamUnit:
         if self.world_size == 1:
             self._full_out.copy_(self.shard)
             return None
-        return self.comm.all_gather_into_tensor(self._full_out, self.shard, group=self.group, async_op=async_op)
+        work = self.comm.all_gather_into_tensor(self._full_out, self.shard, group=self.group, async_op=async_op)
+        self._gather_work = work if async_op else None
+        return work
+
+    def wait_gather(self) -> None:
+        """Block until an async gather (a prefetch) has filled `full`; no-op if none is in flight."""
+        work, self._gather_work = self._gather_work, None
+        if work is not None:
+            work.wait()
 
     def free(self) -> None:
         """Release the full values' memory; the views stay valid objects, refilled by `gather`."""
         if self.shard_in_full:
             raise RuntimeError("this unit's shard lives in its full buffer, which can't be freed")
+        self.wait_gather()  # a collective may still be writing into it
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -251,6 +263,7 @@ class FlatParamUnit:
     @torch.no_grad()
     def full_tensors(self) -> list[torch.Tensor]:
         """Every parameter's full value, original shape (collective; CPU copies)."""
+        self.wait_gather()
         was_allocated = self.full.untyped_storage().nbytes() > 0
         if self.stale:
             work = self.gather()
