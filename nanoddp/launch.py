@@ -4,7 +4,8 @@ Why not plain `mp.spawn`? When one rank dies the others sit in a collective fore
 parent learns nothing useful. Here the parent watches every child; the first failure (an
 exception, a non-zero exit, a signal) stops the rest within seconds and is re-raised in the
 parent with the rank and its traceback. Children also die with the parent (PR_SET_PDEATHSIG),
-so no orphan is left even if the parent is killed.
+so no orphan is left even if the parent is killed. `notebook_launch` does the same for a function
+that spawn cannot import (defined in a notebook cell or `python -c`), sent by value instead.
 """
 
 from __future__ import annotations
