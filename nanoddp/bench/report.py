@@ -95,10 +95,26 @@ def _row(engine: str, n: int, ranks: list[dict], meta: dict) -> dict:
                                        for r in ranks),
         "engine_resident_bytes_per_rank": max(r["persistent_bytes"] for r in ranks),
     }  # fmt: skip
+    parts = _memory_parts(ranks)
+    if parts is not None:  # a JSON from before the parts were counted re-derives its own rows
+        row["memory_bytes_per_rank"] = parts
     row["compute_s"] = median - min(row["exposed_comm_s"], median)
     if not communicates:  # no gradient crossed a process boundary: no comm figures to report
         row.update(comm_time_s=None, exposed_comm_s=None, overlap_fraction=None)
     return row
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer_state", "transient_peak")
+
+
+def _memory_parts(ranks: list[dict]) -> dict[str, int] | None:
+    """Per-rank memory by part, each the largest over ranks: the tensors held after a step
+    (parameters, gradients, optimizer state) and the high-water mark above them during steps.
+    None for a JSON from before the parts were counted."""
+    if any("held_bytes" not in r for r in ranks):
+        return None
+    parts = {k: max(r["held_bytes"][k] for r in ranks) for k in MEMORY_PARTS[:3]}
+    return {**parts, "transient_peak": max(r["transient_bytes"] for r in ranks)}
 
 
 def _mfu(row: dict, meta: dict) -> float | None:
@@ -271,3 +287,41 @@ def write_plot(path: str, data: dict) -> None:
     fig.suptitle(textwrap.fill(caption(meta), 180), fontsize=7)
     fig.tight_layout()
     save_figure(path, fig)
+
+
+def write_memory_plot(path: str, data: dict) -> dict[str, dict[str, float]]:
+    """Stacked bars of per-rank memory (MiB) by part, one bar per (engine, ws > 1; or every row
+    when there is no ws > 1). Returns {part: {bar label: height}}, read back from the drawn bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results_of(data) if r.get("memory_bytes_per_rank")]
+    if not rows:
+        raise ValueError("this bench JSON has no per-part memory (measured before it was counted): run it again")
+    rows = [r for r in rows if r["world_size"] > 1] or rows
+    rows.sort(key=lambda r: (r["world_size"], r["engine"]))
+    labels = [f"{r['engine']}\nws={r['world_size']}" for r in rows]
+    width = max(7.0, 1.1 * len(rows))
+    fig, ax = plt.subplots(figsize=(width, 5.2))
+    bottom = [0.0] * len(rows)
+    names = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state",
+             "transient_peak": "transient peak (RSS above the held tensors)"}  # fmt: skip
+    for part in MEMORY_PARTS:
+        heights = [r["memory_bytes_per_rank"][part] / MB for r in rows]
+        ax.bar(labels, heights, bottom=bottom, label=names[part])
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set(ylabel="MiB per rank (largest rank)", title="per-rank memory by engine")
+    ax.tick_params(axis="x", labelsize=7, labelrotation=40)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+    ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(caption(data["meta"]), int(15 * width)), fontsize=7)  # ~15 chars/inch
+    fig.tight_layout()
+    drawn = {
+        part: {label: patch.get_height() for label, patch in zip(labels, container.patches, strict=True)}
+        for part, container in zip(MEMORY_PARTS, ax.containers, strict=True)
+    }
+    save_figure(path, fig)
+    return drawn

@@ -18,7 +18,9 @@ Memory per rank is what a process running only that engine would peak at: the RS
 allocated bytes) before any engine, plus the engine's resident growth (weights, grads,
 buckets, optimizer state), plus the high-water mark above that during its steps (activations).
 Linux's VmHWM is reset before each block (/proc/self/clear_refs), and glibc is told to return
-freed large blocks to the OS, so RSS follows the allocations.
+freed large blocks to the OS, so RSS follows the allocations. The resident part is also counted
+tensor by tensor after warm-up (`held_bytes`: the storages holding this rank's parameters, its
+gradients and its optimizer state), for `--memory-plot`'s stacked bars.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import nanoddp
 from nanoddp.bench import add_output_args, parse_world_sizes, render, write_json
 from nanoddp.bench.machine import Memory, command_line, git_commit, machine_description, tune_malloc
 from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
-from nanoddp.bench.report import format_markdown, summarise, write_plot
+from nanoddp.bench.report import format_markdown, summarise, write_memory_plot, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
 from nanoddp.train.engines import CommTimer, Engine, build_engine
@@ -68,6 +70,7 @@ class _Runner:
         self.active = name != "dp" or env.rank == 0  # DataParallel is one process: rank 0's
         self.samples: list[dict] = []
         self.persistent_bytes = self.transient_bytes = 0
+        self.held: dict[str, int] = {}
         if not self.active:
             return
         torch.manual_seed(0)
@@ -91,6 +94,18 @@ class _Runner:
         g = torch.Generator().manual_seed(env.rank)
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g).to(env.device)
         self.x, self.y = tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the storages behind this rank's parameters, gradients and optimizer state,
+        each storage once (zero2's pieces share the whole buffer; a shard's pieces share one
+        chunk). Taken after a step: the gradients are still there."""
+        params = list(self.engine.module.parameters())
+        state = [v for per_param in self.optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+        return {
+            "params": _storage_bytes(params),
+            "grads": _storage_bytes([p.grad for p in params]),
+            "optimizer_state": _storage_bytes(state),
+        }
 
     def read_layout(self) -> None:
         """After warm-up (buckets are rebuilt after the first iteration): the bucket layout."""
@@ -169,6 +184,19 @@ class _Runner:
         return {"comm_s": end - start, "exposed_comm_s": end - last_grad}
 
 
+def _storage_bytes(tensors: list) -> int:
+    """Bytes of the distinct non-empty storages behind `tensors` (a DTensor counts its local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 class _DPEngine:
     """DataParallel behind the Engine interface: gradients are summed by autograd, no sync."""
 
@@ -238,6 +266,7 @@ def _bench_worker(env: nanoddp.DistEnv, spec: dict) -> dict:
                 runner.step()
             runner.persistent_bytes = memory.now() - before
             runner.transient_bytes = memory.peak() - memory.now()
+            runner.held = runner.held_bytes()
             runner.read_layout()
         runners.append(runner)
     rounds = math.ceil(spec["steps"] / spec["block"])
@@ -255,7 +284,8 @@ def _bench_worker(env: nanoddp.DistEnv, spec: dict) -> dict:
     if spec["trace_dir"]:
         _trace_engines(env, spec, [r.name for r in runners])
     return {r.name: {"samples": r.samples, "base_bytes": base, "persistent_bytes": r.persistent_bytes,
-                     "transient_bytes": r.transient_bytes} for r in runners if r.active}  # fmt: skip
+                     "transient_bytes": r.transient_bytes, "held_bytes": r.held}
+            for r in runners if r.active}  # fmt: skip
 
 
 def _trace_engines(env: nanoddp.DistEnv, spec: dict, names: list[str]) -> None:
@@ -341,6 +371,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
     add_output_args(parser, plot_help="write a PNG (throughput, comm)")
+    parser.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
     parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
     parser.add_argument(
         "--backend",
@@ -352,6 +383,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     report = bench_subparsers.add_parser("report", help="the README's markdown table from a bench train JSON")
     report.add_argument("file", metavar="FILE.json")
     report.add_argument("--plot", default=None, metavar="FILE", help="also write the PNG")
+    report.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
     report.set_defaults(run=_run_report)
     render.register_cli(bench_subparsers)  # `bench render`: the docs' tables from docs/bench/*.json
 
@@ -365,9 +397,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, data)
         print(f"wrote {args.json}")
-    if args.plot:
-        write_plot(args.plot, data)
-        print(f"wrote {args.plot}")
+    _write_plots(args, data)
     return 0
 
 
@@ -379,7 +409,15 @@ def _run_report(args: argparse.Namespace) -> int:
     if not isinstance(data, dict) or "results" not in data or "meta" not in data:
         raise ValueError(f"{args.file} is not a `nanoddp bench train --json` file (no meta/results)")
     print(format_markdown(data))
-    if args.plot:
-        write_plot(args.plot, data)
-        print(f"wrote {args.plot}")
+    _write_plots(args, data)
     return 0
+
+
+MEMORY_PLOT_HELP = "write a PNG of per-rank memory by engine: parameters, gradients, optimizer state, transient peak"
+
+
+def _write_plots(args: argparse.Namespace, data: dict) -> None:
+    for path, write in ((args.plot, write_plot), (args.memory_plot, write_memory_plot)):
+        if path:
+            write(path, data)
+            print(f"wrote {path}")
