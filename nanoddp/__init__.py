@@ -14,6 +14,7 @@ from nanoddp.parallel.replicas import verify_replicas
 from nanoddp.parallel.zero import ZeroRedundancyOptimizer
 from nanoddp.train.gather import gather_for_metrics
 from nanoddp.train.state import load_state, save_state
+from nanoddp.train.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "DistributedDataParallel",
     "LaunchError",
     "SimpleDDP",
+    "Trainer",
     "ZeroRedundancyOptimizer",
     "__version__",
     "cleanup",

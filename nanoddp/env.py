@@ -80,6 +80,26 @@ class DistEnv:
         return cls(0, 0, 1, 1, 0, device_for(backend, 0), backend)
 
     @classmethod
+    def from_process_group(cls) -> DistEnv:
+        """The environment of a process group the script made itself (e.g. with a file://
+        store): rank, size and backend from the group, the node layout from torchrun's
+        variables when present (else one node)."""
+        rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return cls(
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            rank // local_world_size,
+            device_for(backend, local_rank),
+            backend,
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            torchrun=inside_torchrun(),
+        )
+
+    @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, backend: str | None = None) -> DistEnv:
         """Build from torchrun's variables; with none of them set, a single-process env.
 

@@ -154,7 +154,9 @@ def _traced_vs_plain(env: DistEnv, tmp: str) -> dict:
     out = {}
     for engine in ("nanoddp", "torch", "allreduce"):
         for trace in (None, f"{tmp}/trace-{engine}"):
-            trainer = Trainer(replace(TINY, engine=engine, trace=trace, out=f"{tmp}/{engine}-{bool(trace)}"), env)
+            trainer = Trainer.from_config(
+                replace(TINY, engine=engine, trace=trace, out=f"{tmp}/{engine}-{bool(trace)}"), env
+            )
             trainer.train()
             out[(engine, bool(trace))] = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     return out

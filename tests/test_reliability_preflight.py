@@ -49,7 +49,9 @@ def test_bad_paths_are_one_line(tmp_path, capsys):
 
 
 def test_snapshot_of_another_model_shape_is_refused(tmp_path, capsys):
-    Trainer(replace(SMALL, out=str(tmp_path / "src"), resume="never"), DistEnv.single_process("gloo")).train()
+    Trainer.from_config(
+        replace(SMALL, out=str(tmp_path / "src"), resume="never"), DistEnv.single_process("gloo")
+    ).train()
     path = snapshot.snapshot_path(tmp_path / "src" / "snapshots", 3)
     state = snapshot.load(path)
     state["model"]["tok_emb.weight"] = state["model"]["tok_emb.weight"][:, :16]  # same config, other shapes
@@ -77,7 +79,9 @@ def test_unknown_flag_prints_the_train_usage(capsys):
 
 
 def test_sample_rejects_top_k_0_and_bad_temperature(tmp_path, capsys):
-    Trainer(replace(SMALL, out=str(tmp_path), steps=1, resume="never"), DistEnv.single_process("gloo")).train()
+    Trainer.from_config(
+        replace(SMALL, out=str(tmp_path), steps=1, resume="never"), DistEnv.single_process("gloo")
+    ).train()
     assert cli.main(["sample", "--run", str(tmp_path), "--top-k", "0"]) == 2
     assert "--top-k must be >= 1" in capsys.readouterr().err
     assert cli.main(["sample", "--run", str(tmp_path), "--temperature", "nan"]) == 2

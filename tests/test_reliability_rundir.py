@@ -36,7 +36,7 @@ FLAGS = [
 
 
 def _train(config: TrainConfig) -> Trainer:
-    trainer = Trainer(config, DistEnv.single_process("gloo"))
+    trainer = Trainer.from_config(config, DistEnv.single_process("gloo"))
     torch.set_num_threads(1)
     trainer.train()
     return trainer
@@ -85,7 +85,9 @@ def test_run_id_and_fingerprint_in_config_and_snapshots(tmp_path):
     for _, path in snapshot.list_snapshots(tmp_path / "snapshots"):
         state = snapshot.load(path)
         assert state["run_id"] == trainer.run_id and state["fingerprint"] == saved["fingerprint"]
-    resumed = Trainer(replace(SMALL, out=str(tmp_path), steps=5, resume="auto"), DistEnv.single_process("gloo"))
+    resumed = Trainer.from_config(
+        replace(SMALL, out=str(tmp_path), steps=5, resume="auto"), DistEnv.single_process("gloo")
+    )
     assert resumed.step == 3 and resumed.run_id == trainer.run_id  # resuming continues the same run
     assert cli.main(["sample", "--run", str(tmp_path), "--tokens", "5"]) == 0  # config.json still loads
 
@@ -96,7 +98,7 @@ def test_resume_never_on_a_run_with_snapshots_refuses_unless_overwrite(tmp_path,
     assert cli.main(["train", *FLAGS, "--out", str(tmp_path), "--resume", "never"]) == 2
     assert "already holds snapshots of an earlier run" in capsys.readouterr().err
     with pytest.raises(ValueError, match="already holds snapshots"):  # the Trainer API refuses too
-        Trainer(replace(SMALL, out=str(tmp_path), resume="never"), DistEnv.single_process("gloo"))
+        Trainer.from_config(replace(SMALL, out=str(tmp_path), resume="never"), DistEnv.single_process("gloo"))
     status = preflight.prepare_run_dir(replace(SMALL, out=str(tmp_path), resume="never"), _spec(), overwrite=True)
     assert "earlier outputs moved to" in status and status.endswith("starting fresh at step 0")
     (aside,) = tmp_path.glob("previous-*")
@@ -111,7 +113,7 @@ def test_resume_with_a_different_configuration_names_the_fields(tmp_path, capsys
     err = capsys.readouterr().err
     assert "lr: 0.002 -> 0.01" in err and "seq_len: 16 -> 32" in err and err.count("\n") == 1, err
     with pytest.raises(ValueError, match="seq_len: 16 -> 32"):
-        Trainer(replace(SMALL, out=str(tmp_path), seq_len=32), DistEnv.single_process("gloo"))
+        Trainer.from_config(replace(SMALL, out=str(tmp_path), seq_len=32), DistEnv.single_process("gloo"))
     # fields that may change (run length, logging, engine) resume fine
     status = preflight.prepare_run_dir(replace(SMALL, out=str(tmp_path), steps=9, log_every=3), _spec(), False)
     assert status.startswith("resuming from") and "(step 3)" in status
@@ -128,12 +130,12 @@ def test_resume_path_without_a_valid_snapshot_is_an_error(tmp_path, capsys):
     assert cli.main(["train", *FLAGS, "--out", str(tmp_path / "b"), "--resume", str(corrupt.parent)]) == 2
     assert "no valid snapshot" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no valid snapshot"):
-        Trainer(replace(SMALL, out=str(tmp_path / "c"), resume=str(empty)), DistEnv.single_process("gloo"))
+        Trainer.from_config(replace(SMALL, out=str(tmp_path / "c"), resume=str(empty)), DistEnv.single_process("gloo"))
 
 
 def test_resume_auto_on_an_empty_dir_starts_fresh_and_says_so(tmp_path, caplog):
     status = preflight.prepare_run_dir(replace(SMALL, out=str(tmp_path), resume="auto"), _spec(), False)
     assert status == "no snapshot to resume: starting fresh"
     with caplog.at_level("INFO"):
-        trainer = Trainer(replace(SMALL, out=str(tmp_path), resume="auto"), DistEnv.single_process("gloo"))
+        trainer = Trainer.from_config(replace(SMALL, out=str(tmp_path), resume="auto"), DistEnv.single_process("gloo"))
     assert trainer.step == 0 and "starting fresh at step 0" in caplog.text

@@ -145,12 +145,12 @@ def _resume_config(tmp_path: Path) -> TrainConfig:
 def test_resume_after_one_step_is_bitwise_equal_to_two_steps(tmp_path):
     env = DistEnv.single_process("gloo")
     config = _resume_config(tmp_path)
-    straight = Trainer(replace(config, out=str(tmp_path / "straight")), env)
+    straight = Trainer.from_config(replace(config, out=str(tmp_path / "straight")), env)
     straight.train()
     expected = {k: v.clone() for k, v in straight.module.state_dict().items()}
     del straight
-    Trainer(replace(config, out=str(tmp_path / "split")), env).train(stop_after=1)
-    resumed = Trainer(replace(config, out=str(tmp_path / "split"), resume="auto"), env)
+    Trainer.from_config(replace(config, out=str(tmp_path / "split")), env).train(stop_after=1)
+    resumed = Trainer.from_config(replace(config, out=str(tmp_path / "split"), resume="auto"), env)
     assert resumed.step == 1
     resumed.train()
     for name, value in resumed.module.state_dict().items():

@@ -49,7 +49,7 @@ RESUME_STOP, RESUME_END = 9, 20  # stop mid-epoch 0, finish in epoch 1
 
 
 def _train(config: TrainConfig, env: DistEnv, stop_after: int | None = None) -> Trainer:
-    trainer = Trainer(config, env)
+    trainer = Trainer.from_config(config, env)
     trainer.train(stop_after=stop_after)
     return trainer
 
@@ -72,14 +72,14 @@ def _ws2_worker(env: DistEnv, tmp: str) -> dict:
             base = replace(TINY, engine=engine, zero=zero, steps=RESUME_END, snapshot_every=5)
             whole = _train(replace(base, out=f"{tmp}/whole-{engine}-{zero}"), env)
             _train(replace(base, out=f"{tmp}/split-{engine}-{zero}"), env, stop_after=RESUME_STOP)
-            resumed = Trainer(replace(base, out=f"{tmp}/split-{engine}-{zero}", resume="auto"), env)
+            resumed = Trainer.from_config(replace(base, out=f"{tmp}/split-{engine}-{zero}", resume="auto"), env)
             assert resumed.step == RESUME_STOP and resumed.sampler.epoch == 0 and resumed.sampler.position > 0
             resumed.train()
             assert resumed.sampler.epoch == 1
             for key, value in _params(whole).items():  # bitwise, on every rank
                 assert torch.equal(value, resumed.module.state_dict()[key]), (engine, zero, key)
             out[f"zero-{zero}-{engine}"] = _params(whole)
-    bf16 = _train(replace(TINY, bf16=True, steps=2, out=f"{tmp}/bf16"), env)
+    bf16 = _train(replace(TINY, amp="bf16", steps=2, out=f"{tmp}/bf16"), env)
     out["bf16-loss"] = bf16.evaluate()
     return out
 
@@ -125,7 +125,7 @@ def test_resume_skips_corrupt_snapshot_and_changes_world_size(ws2_results, tmp_p
     newest = snapshot.snapshot_path(run_dir / "snapshots", RESUME_END)
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated: must be skipped with a warning
     config = replace(TINY, engine="single", steps=RESUME_END, snapshot_every=5, out=str(run_dir), resume="auto")
-    trainer = Trainer(config, DistEnv.single_process("gloo"))  # ws 2 -> 1
+    trainer = Trainer.from_config(config, DistEnv.single_process("gloo"))  # ws 2 -> 1
     assert trainer.step == 15
     assert trainer.sampler.epoch == 1 and trainer.sampler.position == 8 * (15 - 14)
     trainer.train()

@@ -26,7 +26,7 @@ def _sharded_worker(env: DistEnv, tmp: str) -> dict:
         out[engine] = {k: v for k, v in torch.load(f"{tmp}/whole-{engine}/model.pt", weights_only=True).items()}
         out[f"{engine}-val"] = whole.evaluate()  # 5 validation windows over 2 ranks: 3 and 2
         _train(replace(base, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
-        resumed = Trainer(replace(base, out=f"{tmp}/split-{engine}", resume="auto"), env)
+        resumed = Trainer.from_config(replace(base, out=f"{tmp}/split-{engine}", resume="auto"), env)
         assert resumed.step == STOP
         resumed.train()
         dist.barrier()

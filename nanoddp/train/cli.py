@@ -271,7 +271,7 @@ def worker_main(config: TrainConfig) -> int:
     nd.init(env, timeout=timedelta(seconds=config.collective_timeout + PG_TIMEOUT_MARGIN_S))
     watchdog.enable(config.collective_timeout)
     try:
-        Trainer(config, env).train()
+        Trainer.from_config(config, env).train()
     except signals.Interrupted as exc:  # every rank stopped at the same step, snapshot written
         watchdog.disable()
         nd.abandon()

@@ -66,8 +66,9 @@ class TrainConfig:
     """Clip the global gradient norm to this after averaging (0 = off)."""
     seed: int = 1337
     """Seed for weights, data order and per-rank RNG streams."""
-    bf16: bool = False
-    """Run forward/backward under bfloat16 autocast."""
+    amp: Literal["off", "bf16", "fp16"] = "off"
+    """Mixed precision: forward/backward under bfloat16 or float16 autocast (fp16 with a
+    torch.amp.GradScaler, whose state is in every snapshot; not with the sharded engines)."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False
@@ -126,6 +127,27 @@ def _positive(name: str, value: float, minimum: float = 1) -> None:
 
 def validate(config: TrainConfig, world_size: int) -> None:
     """Checks that need no data: raise ValueError naming the value, the rule and the fix."""
+    validate_loop(config, world_size)
+    if config.model == "gpt":  # the preset with its overrides must be a valid GPT (d_model % n_heads)
+        _check_gpt_shape(config)
+    if (config.model == "mlp") != (config.data == "digits"):
+        raise ValueError(
+            f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "
+            "--data digits, and --model gpt with text, synthetic, copy or a text path"
+        )
+    if config.model == "smollm2":
+        _validate_smollm2(config)
+    elif config.grad_checkpoint:
+        raise ValueError(f"--grad-checkpoint applies to --model smollm2, got --model {config.model}; drop the flag")
+    if config.data not in BUILTIN_DATA and not Path(config.data).exists():
+        raise FileNotFoundError(
+            f"data path {config.data!r} does not exist; give a text file, a directory of text files, "
+            f"or one of {list(BUILTIN_DATA)}"
+        )
+
+
+def validate_loop(config: TrainConfig, world_size: int) -> None:
+    """The checks that hold for any model (`nanoddp.Trainer` runs only these)."""
     if config.steps <= 0:
         raise ValueError(f"steps must be > 0, got {config.steps}")
     for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "collective_timeout", "val_fraction"):
@@ -151,8 +173,6 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"batch_size={config.batch_size} (global) must be divisible by world_size x grad_accum = "
             f"{world_size} x {config.grad_accum} = {per_step}; use e.g. --batch-size {suggestion}"
         )
-    if config.model == "gpt":  # the preset with its overrides must be a valid GPT (d_model % n_heads)
-        _check_gpt_shape(config)
     if config.engine not in ENGINES:
         raise ValueError(f"unknown engine {config.engine!r}; choose one of {list(ENGINES)}")
     if config.engine == "single" and world_size != 1:
@@ -162,19 +182,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"--zero shards the optimizer state of a replicated model; engine {config.engine!r} shards it "
             "already: drop --zero"
         )
-    if (config.model == "mlp") != (config.data == "digits"):
+    if config.amp not in ("off", "bf16", "fp16"):
+        raise ValueError(f"amp must be off, bf16 or fp16, got {config.amp!r}")
+    if config.amp == "fp16" and config.engine in SHARDED_ENGINES:
         raise ValueError(
-            f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "
-            "--data digits, and --model gpt with text, synthetic, copy or a text path"
-        )
-    if config.model == "smollm2":
-        _validate_smollm2(config)
-    elif config.grad_checkpoint:
-        raise ValueError(f"--grad-checkpoint applies to --model smollm2, got --model {config.model}; drop the flag")
-    if config.data not in BUILTIN_DATA and not Path(config.data).exists():
-        raise FileNotFoundError(
-            f"data path {config.data!r} does not exist; give a text file, a directory of text files, "
-            f"or one of {list(BUILTIN_DATA)}"
+            f"--amp fp16 needs every rank to see every gradient to skip overflowed steps alike; engine "
+            f"{config.engine!r} shards them: use --amp bf16 (no loss scaling needed)"
         )
     if config.resume not in ("auto", "never") and not Path(config.resume).exists():
         raise FileNotFoundError(

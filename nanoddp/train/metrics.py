@@ -45,8 +45,9 @@ def format_log_line(record: dict[str, Any]) -> str:
         f"lr {record['lr']:.1e}",
         f"{record['step_time_s'] * 1e3:.1f} ms",
         f"{_si(record['samples_per_s'])} samples/s",
-        f"{_si(record['tokens_per_s'])} tok/s",
     ]
+    if record.get("tokens_per_s") is not None:  # None: the dataset does not say what a token is
+        parts.append(f"{_si(record['tokens_per_s'])} tok/s")
     if record.get("comm_time_s") is not None:
         parts.append(f"comm {100 * record['comm_time_s'] / record['step_time_s']:.0f}%")
     if record.get("val_loss") is not None:

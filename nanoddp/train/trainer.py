@@ -19,84 +19,113 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Subset
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
+from nanoddp.parallel.scatter_gather import move_to
 from nanoddp.train import optim_state, rundir, signals, snapshot
+from nanoddp.train.batches import batch_len, batch_loss_for
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
 from nanoddp.train.data import ResumableDistributedSampler
 from nanoddp.train.datasets import build_datasets
 from nanoddp.train.engines import build_engine
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
+from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
+from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master, distributed
+from nanoddp.train.recipe import WarmupCosine, make_optimizer
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
 
 
-class WarmupCosine:
-    """LR multiplier: linear warmup to 1, then cosine decay to `min_ratio` at `total` steps."""
-
-    def __init__(self, warmup: int, total: int, min_ratio: float):
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min((step - self.warmup) / max(self.total - self.warmup, 1), 1.0)
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if _distributed():
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def _broadcast_object(value: Any, env: DistEnv) -> Any:
-    """Rank 0's `value` on every rank (a plain return when there is only one)."""
-    if not _distributed():
-        return value
-    box = [value if env.is_master else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class Trainer:
-    """Data-parallel training of `config` on this rank. Build it on every rank, then `train()`."""
+    """Train `model` data-parallel on this rank: build it on every rank, then call `fit()`.
 
-    def __init__(self, config: TrainConfig, env: DistEnv):
+    Any `nn.Module` with its optimizer and dataset; `options` are `TrainConfig`'s fields
+    (`steps`, `batch_size` (global), `grad_accum`, `engine`, `out`, `snapshot_every`, `seed`,
+    `amp`, `grad_clip`, ...). Batches become losses by the rules in `nanoddp.train.batches`.
+    The process group comes from torchrun's environment (`nanoddp run`, torchrun) unless the
+    script made one. `nanoddp train` builds its own model and data, then runs this very loop
+    (`Trainer.from_config`).
+
+    An `optimizer` built before the Trainer is fine for every engine, the sharded ones too: they
+    keep the parameter objects. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_dataset: Dataset,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        eval_dataset: Dataset | None = None,
+        lr_scheduler: Any = None,
+        env: DistEnv | None = None,
+        **options: Any,
+    ):
+        config = options_config(options, model, optimizer, train_dataset)
+        env = env or joined_env(config)
+        configure_logging(env)
+        config, self._lock_fd = claim_run_dir(config, env)
+        self._setup(
+            config,
+            env,
+            model.to(env.device),
+            optimizer,
+            lr_scheduler,
+            (train_dataset, eval_dataset),
+            batch_loss_for(loss_fn),
+            collate_fn,
+        )
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, env: DistEnv) -> Trainer:
+        """`nanoddp train`'s trainer: the built-in model, data, AdamW and warmup-cosine schedule
+        that `config` describes, on the same loop as any user model."""
         validate(config, env.world_size)
-        self.env = env
         if config.out is None:  # every rank must agree on one directory: rank 0 picks it
-            config = replace(config, out=_broadcast_object(rundir.default_run_dir(), env))
-        self.config = config
-        self.run_dir = Path(config.out)
-        self.train_set, self.val_set, self.spec = build_datasets(
+            config = replace(config, out=broadcast_from_master(rundir.default_run_dir(), env))
+        train_set, val_set, spec = build_datasets(
             config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
         )
+        check_data(config, env.world_size, len(train_set))
+        torch.set_num_threads(threads_per_rank(config, env.world_size))
+        torch.manual_seed(config.seed)  # identical initial weights on every rank
+        module = build_model(config, spec).to(env.device)
+        optimizer = make_optimizer(module, config)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
+        )
+        trainer = cls.__new__(cls)
+        trainer._lock_fd = None  # the launcher's agent holds the run directory
+        trainer.spec = spec
+        trainer._setup(config, env, module, optimizer, scheduler, (train_set, val_set), batch_loss_for(None), None)
+        return trainer
+
+    def _setup(self, config, env, module, optimizer, scheduler, datasets, batch_loss, collate_fn) -> None:
+        """The part every trainer shares: sampler, loader, RNG streams, resume, engine, metrics."""
+        self.env, self.config, self.run_dir = env, config, Path(config.out)
+        self.train_set, self.val_set = datasets
         check_data(config, env.world_size, len(self.train_set))
         self.micro_batch = config.batch_size // (env.world_size * config.grad_accum)
         self.threads = threads_per_rank(config, env.world_size)
         torch.set_num_threads(self.threads)
-
-        torch.manual_seed(config.seed)  # identical initial weights on every rank
-        self.module = build_model(config, self.spec).to(env.device)
-        self.optimizer = self._make_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
-        )
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self.batch_loss, self.collate_fn = batch_loss, collate_fn or default_collate
+        self._tokens_per_sample = getattr(self.train_set, "tokens_per_sample", None)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=config.amp == "fp16")
         self.sampler = ResumableDistributedSampler(
             self.train_set, env.world_size, env.rank, shuffle=True, seed=config.seed
         )
@@ -106,6 +135,7 @@ class Trainer:
             batch_size=self.micro_batch,
             sampler=self.sampler,
             drop_last=True,
+            collate_fn=self.collate_fn,
             generator=torch.Generator().manual_seed(config.seed),
         )
         self.step = 0
@@ -119,23 +149,6 @@ class Trainer:
             self.metrics.truncate_after(self.step)
             snapshot.atomic_write_bytes(self.run_dir / "config.json", _config_json(config, self.run_id))
 
-    # --- setup ------------------------------------------------------------------------------
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW; weight decay on matrices only (not on biases, norms). ZeRO shards its state."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.config.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        kwargs = {"lr": self.config.lr, "betas": (0.9, 0.95)}
-        if self.config.zero:
-            from nanoddp.parallel.zero import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
-        return torch.optim.AdamW(groups, **kwargs)
-
     def _maybe_resume(self) -> Path | None:
         """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
         so a refusal is the same ValueError on every rank, never a peer left waiting."""
@@ -147,17 +160,17 @@ class Trainer:
                 decision = ("ok", str(found[0]) if found else None)
             except ValueError as exc:
                 decision = ("error", str(exc))
-        kind, value = _broadcast_object(decision, self.env)
+        kind, value = broadcast_from_master(decision, self.env)
         if kind == "error":
             raise ValueError(value)
         if value is None:
-            self.run_id = _broadcast_object(rundir.new_run_id(), self.env)
+            self.run_id = broadcast_from_master(rundir.new_run_id(), self.env)
             if self.env.is_master and self.config.resume != "never":
                 logger.info("no snapshot in %s: starting fresh at step 0", self.run_dir / "snapshots")
             return None
         state = found[1] if found else snapshot.load(value)
         self._load_snapshot(state)
-        self.run_id = state.get("run_id") or _broadcast_object(rundir.new_run_id(), self.env)
+        self.run_id = state.get("run_id") or broadcast_from_master(rundir.new_run_id(), self.env)
         if self.env.is_master:
             why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
             logger.info("%sresumed from %s (step %d, epoch %d)", why, value, self.step, self.sampler.epoch)
@@ -176,7 +189,7 @@ class Trainer:
         `interrupted` is the signal that stopped the run here (0: a regular snapshot)."""
         rng = snapshot.capture_rng_state()
         rng_per_rank = [rng]
-        if _distributed():
+        if distributed():
             rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
             dist.gather_object(rng, rng_per_rank, dst=0)
         optimizer_state = self._optimizer_state()
@@ -189,7 +202,8 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "model": model_state,
             "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": rng_per_rank,
             "world_size": self.env.world_size,
             "config": to_dict(self.config),
@@ -205,7 +219,10 @@ class Trainer:
     def _load_snapshot(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self._load_optimizer_state(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled() and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         saved = state["rng"]
@@ -228,39 +245,62 @@ class Trainer:
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def _autocast(self):
-        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
+        dtype = torch.float16 if self.config.amp == "fp16" else torch.bfloat16
+        return torch.autocast(self.env.device.type, dtype=dtype, enabled=self.config.amp != "off")
 
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients averaged over ranks iff `sync`."""
+    def _run_batch(self, batch: Any, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients averaged over ranks iff `sync`.
+        fp16: the loss is scaled so that small gradients survive the half-precision backward."""
         with self.engine.micro_step(sync):
             with region("forward"), self._autocast():
-                _, loss = self.model(x, y)
+                loss = self.batch_loss(self.model, batch)
             with region("backward"):
-                (loss / self.config.grad_accum).backward()
-        self.sampler.advance(len(x))
-        return loss.detach()
+                self.scaler.scale(loss / self.config.grad_accum).backward()
+        self.sampler.advance(self.micro_batch)
+        return loss.detach().float()
 
     def _run_step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.env.device)
         for micro in range(self.config.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(self.env.device, non_blocking=True), y.to(self.env.device, non_blocking=True)
-            total += self._run_batch(x, y, sync=micro == self.config.grad_accum - 1)
+            batch = move_to(next(batches), self.env.device, non_blocking=True)
+            total += self._run_batch(batch, sync=micro == self.config.grad_accum - 1)
         if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
+            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
             self.engine.clip_grad_norm_(self.config.grad_clip)
         with region("optimizer step"):
-            self.optimizer.step()
-        self.scheduler.step()
+            self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.engine.end_step()
         self.step += 1
         return total / self.config.grad_accum
 
+    def fit(self) -> dict[str, Any]:
+        """Train to `steps`, resuming first if the run directory holds a snapshot; returns the
+        last logged metrics record. Under torchrun, SIGTERM/SIGINT stop every rank at one step
+        with a snapshot there, and the process exits 128 + signal (rerun to continue)."""
+        under_agent = self.env.torchrun and threading.current_thread() is threading.main_thread()
+        if under_agent:
+            signals.install()
+        try:
+            return self.train()
+        except signals.Interrupted as exc:
+            logger.warning("%s", exc)
+            raise SystemExit(exc.exit_code) from None
+        finally:
+            if under_agent:
+                signals.uninstall()
+            release_run_dir(self._lock_fd)
+            self._lock_fd = None
+
     def train(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train to `config.steps` (or stop early after `stop_after`, with a snapshot there).
 
-        Returns the last logged metrics record (useful in tests and notebooks).
+        Returns the last logged metrics record (useful in tests and notebooks). `fit()` is the
+        public entry; this one leaves signal handling to the caller (`nanoddp train`'s worker).
         """
         cfg, last = self.config, {}
         end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
@@ -321,7 +361,7 @@ class Trainer:
     def _log(self, window: Window, val_loss: float | None) -> dict[str, Any]:
         """Global mean loss and throughput over the steps since the last log (a collective)."""
         stats = torch.stack([window.loss_sum, torch.tensor(float(window.steps), device=self.env.device)])
-        _all_reduce_sum(stats)
+        all_reduce_sum(stats)
         steps = max(window.steps, 1)
         train_s = window.elapsed_s()
         comm_s = self.engine.comm.pop_total() if self.engine.comm is not None else None
@@ -329,10 +369,12 @@ class Trainer:
         record = {
             "step": self.step,
             "loss": (stats[0] / stats[1]).item(),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": step_time,
             "samples_per_s": self.config.batch_size / step_time,
-            "tokens_per_s": self.config.batch_size * self.train_set.tokens_per_sample / step_time,
+            "tokens_per_s": None
+            if self._tokens_per_sample is None
+            else self.config.batch_size * self._tokens_per_sample / step_time,
             "comm_time_s": None if comm_s is None else comm_s / steps,
             "world_size": self.env.world_size,
         }
@@ -346,29 +388,31 @@ class Trainer:
     # --- evaluation and export --------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
         """Mean validation loss over every rank's shard (a collective; ranks may hold unequal
-        shards, so each sums loss x count and the sums are all-reduced)."""
+        shards, so each sums loss x count and the sums are all-reduced). None: no eval set."""
         dataset = self.val_set
+        if dataset is None:
+            return None
         if self.config.eval_samples:
             dataset = Subset(dataset, range(min(self.config.eval_samples, len(dataset))))
         shard = Subset(dataset, range(self.env.rank, len(dataset), self.env.world_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # (loss sum, count)
         self.module.eval()
         batch_size, forwards = max(self.micro_batch, 16), 0
-        for x, y in DataLoader(shard, batch_size=batch_size):
-            x, y = x.to(self.env.device), y.to(self.env.device)
+        for batch in DataLoader(shard, batch_size=batch_size, collate_fn=self.collate_fn):
+            batch, count = move_to(batch, self.env.device), batch_len(batch)
             with self._autocast():
-                _, loss = self.module(x, y)  # the bare model: no DDP collectives in eval
-            totals += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=totals.device)
+                loss = self.batch_loss(self.module, batch)  # the bare model: no DDP collectives
+            totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=totals.device)
             forwards += 1
         if self.engine.sharded:  # every forward all-gathers: each rank must run as many as the most
             most = math.ceil(math.ceil(len(dataset) / self.env.world_size) / batch_size)
-            x, y = (t.unsqueeze(0).to(self.env.device) for t in dataset[0])
+            filler = move_to(self.collate_fn([dataset[0]]), self.env.device)
             for _ in range(most - forwards):
-                self.module(x, y)  # result unused
+                self.batch_loss(self.module, filler)  # result unused
         self.module.train()
-        _all_reduce_sum(totals)
+        all_reduce_sum(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def _export_final_model(self) -> None:
