@@ -21,34 +21,54 @@ from nanoddp.comm.backend import Collectives
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
-def assign_buckets(
-    params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int = FIRST_BUCKET_BYTES
-) -> list[list[int]]:
+def bucket_limits(cap_bytes: int, per_bucket_caps: Sequence[int] = ()) -> list[int]:
+    """Byte limits of the 1st, 2nd, ... bucket (the last one repeats), as torch DDP uses them:
+    `bucket_cap_mb_list` as given, else a small first bucket then `bucket_cap_mb`."""
+    if per_bucket_caps:
+        return list(per_bucket_caps)
+    return [min(FIRST_BUCKET_BYTES, cap_bytes), cap_bytes]
+
+
+def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
     """Group positions of `params` (given in expected ready order) into buckets.
 
-    A bucket closes once it holds >= its limit in bytes (so a parameter larger than the cap gets a
-    bucket of its own). Buckets never mix dtypes or devices, because each is one flat tensor.
-    The first bucket of each (dtype, device) is limited to min(first_cap_bytes, cap_bytes).
-    Buckets are returned ordered by their first member, i.e. in the order they should fill.
+    A bucket closes once it holds >= its limit in bytes (so a parameter larger than the limit gets
+    a bucket of its own); the k-th bucket of each (dtype, device) gets `limits[k]`, the last limit
+    repeating (torch's `_compute_bucket_assignment_by_size`). Buckets never mix dtypes or devices,
+    because each is one flat tensor. Buckets are returned ordered by their first member.
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
+    if not limits or min(limits) <= 0:
+        raise ValueError(f"bucket limits must be > 0 bytes, got {list(limits)}")
     open_buckets: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
-    limits: dict[tuple, int] = {}
+    closed_count: dict[tuple, int] = {}
     closed: list[list[int]] = []
     for position, param in enumerate(params):
         key = (param.dtype, param.device)
         members = open_buckets.setdefault(key, [])
         members.append(position)
         open_bytes[key] = open_bytes.get(key, 0) + param.numel() * param.element_size()
-        limit = limits.setdefault(key, min(first_cap_bytes, cap_bytes))
-        if open_bytes[key] >= limit:
+        count = closed_count.get(key, 0)
+        if open_bytes[key] >= limits[min(count, len(limits) - 1)]:
             closed.append(members)
-            open_buckets[key], open_bytes[key], limits[key] = [], 0, cap_bytes
+            open_buckets[key], open_bytes[key], closed_count[key] = [], 0, count + 1
     closed.extend(members for members in open_buckets.values() if members)
     closed.sort(key=lambda members: members[0])
     return closed
+
+
+def group_in_order(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
+    """Buckets (lists of indices into `params`) for gradients expected to arrive in `order`."""
+    return [[order[pos] for pos in positions] for positions in assign_buckets([params[i] for i in order], limits)]
+
+
+def initial_groups(params: Sequence[torch.Tensor], limits: Sequence[int], per_bucket_caps: bool) -> list[list[int]]:
+    """The buckets before any gradient has been seen. With `bucket_cap_mb_list`, torch's layout:
+    the limits applied in registration order, then the bucket list reversed (members keep their
+    registration order). Otherwise reverse registration order, grouped by the limits."""
+    if per_bucket_caps:
+        return list(reversed(assign_buckets(params, limits)))
+    return group_in_order(params, list(reversed(range(len(params)))), limits)
 
 
 class Bucket:
@@ -58,13 +78,13 @@ class Bucket:
     (with gradient_as_bucket_view those views *are* the parameters' `.grad`).
     """
 
-    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], param_indices: Sequence[int]):
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], param_indices: Sequence[int], dtype=None):
         self.index = index
         self.params = list(params)
         self.param_indices = list(param_indices)  # positions in the engine's parameter list
         total = sum(p.numel() for p in self.params)
         first = self.params[0]
-        self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)  # (N,)
+        self.buffer = torch.zeros(total, dtype=dtype or first.dtype, device=first.device)  # (N,)
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in self.params:
@@ -121,17 +141,16 @@ class GradBucket:
 
 
 def build_buckets(
-    params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, grads_as_views: bool
+    params: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], grads_as_views: bool, dtype=None
 ) -> tuple[list[Bucket], list[tuple[Bucket, int] | None]]:
-    """The buckets for `params[i]`, i in `order` (expected gradient arrival order), and each
-    parameter's (bucket, slot). Existing gradients are carried over: with `grads_as_views`
-    they are copied into the new buffers and `.grad` is repointed at the new views."""
-    groups = assign_buckets([params[i] for i in order], cap_bytes)
+    """One bucket per group of indices into `params` (in launch order), and each parameter's
+    (bucket, slot); buffers in `dtype` (mixed precision's reduce_dtype) or the parameters'.
+    Existing gradients are carried over: with `grads_as_views` they are copied into the new
+    buffers and `.grad` is repointed at the new views."""
     buckets: list[Bucket] = []
     slot_of: list[tuple[Bucket, int] | None] = [None] * len(params)
-    for bucket_index, positions in enumerate(groups):
-        indices = [order[pos] for pos in positions]
-        bucket = Bucket(bucket_index, [params[i] for i in indices], indices)
+    for bucket_index, indices in enumerate(groups):
+        bucket = Bucket(bucket_index, [params[i] for i in indices], indices, dtype)
         for slot, i in enumerate(indices):
             slot_of[i] = (bucket, slot)
         if grads_as_views:

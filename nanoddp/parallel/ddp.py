@@ -25,8 +25,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,19 +34,21 @@ import torch.nn as nn
 from torch.distributed.algorithms import Join, Joinable
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel import buckets as bucketing
 from nanoddp.parallel.autograd_hooks import grad_ready_trampoline, output_grad_trampoline, tensors_in
 from nanoddp.parallel.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
+from nanoddp.parallel.ddp_api import CommHook, DDPUserAPI
 from nanoddp.parallel.ddp_args import resolve_args
+from nanoddp.parallel.delayed_params import DelayedAllReduce
 from nanoddp.parallel.join import JoinableDDP, common_rank, global_requires_sync
+from nanoddp.parallel.mixed_precision import MixedPrecision
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 from nanoddp.parallel.scatter_gather import move_to
 
 logger = logging.getLogger(__name__)
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
-
-class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
+class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
     """Data-parallel wrapper with torch DDP's constructor, attributes and gradients.
 
     `comm_backend="nanoddp"` reduces with `nanoddp.comm` (collectives over point-to-point);
@@ -63,9 +64,12 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
     them, as torch DDP does for single-device modules), `batched_grad_copy` (fewer GPU kernel
     launches), `skip_all_reduce_unused_params` (torch then sends no bytes for parameters unused
     on every rank; nanoddp reduces their zeros, and their `.grad` is left alone either way),
-    `check_reduction` (deprecated in torch). Not implemented yet, refused with a clear error:
-    `mixed_precision`, `delay_all_reduce_named_params` / `param_to_hook_all_reduce`,
-    `bucket_cap_mb_list`.
+    `check_reduction` (deprecated in torch). `delay_all_reduce_named_params` /
+    `param_to_hook_all_reduce`: torch's semantics (nanoddp.parallel.delayed_params), except that
+    the delayed all-reduce is waited for before backward() returns. `bucket_cap_mb_list`:
+    torch's per-bucket limits and its initial layout (nanoddp.parallel.buckets).
+    `mixed_precision`: torch's documented semantics on any device (torch's own path needs an
+    accelerator: it fails on CPU), see nanoddp.parallel.mixed_precision.
     """
 
     def __init__(
@@ -98,7 +102,7 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         args = resolve_args(
             module, device_ids, bucket_cap_mb, comm_backend, broadcast_buffers, forward_sync_buffers,
             process_group, device_mesh, check_reduction, delay_all_reduce_named_params,
-            param_to_hook_all_reduce, mixed_precision, bucket_cap_mb_list,
+            param_to_hook_all_reduce, mixed_precision, bucket_cap_mb_list, gradient_as_bucket_view,
         )  # fmt: skip
         process_group, bucket_cap_mb = args.process_group, args.bucket_cap_mb
         self.dim = dim
@@ -106,6 +110,7 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = mixed_precision
+        self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self.forward_sync_buffers = args.forward_sync_buffers
         self.module = module
         self.device_ids = list(device_ids) if device_ids is not None else None
@@ -124,9 +129,12 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         self._collectives = collectives_for(comm_backend)
         self._comm_hook: CommHook | None = None
         self._comm_hook_state: Any = None
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        names = {id(p): name for name, p in module.named_parameters()}
-        self._param_names = [names[id(p)] for p in self._params]
+        delayed_names = {name for name, _ in args.delayed}  # reduced apart: see delayed_params.py
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in delayed_names]
+        self._params = [p for _, p in named]
+        self._param_names = [n for n, _ in named]
+        self._bucket_limits, self._custom_bucket_caps = args.bucket_limits, args.custom_bucket_caps
+        self._delayed: DelayedAllReduce | None = None
         self._buckets: list[Bucket] = []  # stays empty at world size 1: nothing to reduce
         self._slot_of: list[tuple[Bucket, int] | None] = [None] * len(self._params)
         self._sync_iterations = 0
@@ -147,11 +155,17 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         self._divisor = self._world_size  # what bucket sums are divided by (see join())
         if self._world_size == 1:
             return  # the same object, as a pass-through: no hooks, no communication
+        if args.delayed:
+            self._delayed = DelayedAllReduce(
+                args.delayed, param_to_hook_all_reduce, self._collectives, process_group, self._world_size, self._src
+            )
+            if not self._params:
+                return  # every trainable parameter is delayed: nothing else to do (as torch)
         if init_sync:
             check_same_structure(module, self._collectives, process_group)
             states = list(module.parameters()) + (list(module.buffers()) if args.init_sync_buffers else [])
             broadcast_coalesced(states, self._collectives, process_group, self._src)
-        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._build_buckets(bucketing.initial_groups(self._params, self._bucket_limits, self._custom_bucket_caps))
         engine_ref = weakref.ref(self)
         handles = [
             p.register_post_accumulate_grad_hook(functools.partial(grad_ready_trampoline, engine_ref, i))
@@ -161,10 +175,10 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
 
     # ---- buckets ------------------------------------------------------------------------------
 
-    def _build_buckets(self, order: Sequence[int]) -> None:
-        """(Re)create the buckets for parameters in `order` (expected gradient arrival order)."""
-        cap_bytes = max(1, int(self.bucket_cap_mb * 1024 * 1024))
-        self._buckets, self._slot_of = build_buckets(self._params, order, cap_bytes, self.gradient_as_bucket_view)
+    def _build_buckets(self, groups: Sequence[Sequence[int]]) -> None:
+        """(Re)create the buckets: `groups` of parameter indices, in launch order."""
+        dtype = self._mp.reduce_dtype if self._mp is not None else None
+        self._buckets, self._slot_of = build_buckets(self._params, groups, self.gradient_as_bucket_view, dtype)
         logger.debug("built %d buckets of sizes %s", len(self._buckets), [b.nbytes for b in self._buckets])
 
     def _rebuild_buckets(self) -> None:
@@ -178,31 +192,34 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
             self._ready_order = [i for bucket in self._buckets for i in bucket.param_indices]
         order = torch.tensor(self._ready_order, dtype=torch.int64)  # (P,)
         self._collectives.broadcast(order, src=self._src, group=self.process_group)
-        new_order = order.tolist()
-        current = [i for bucket in self._buckets for i in bucket.param_indices]
-        if new_order != current:
-            self._build_buckets(new_order)
+        groups = bucketing.group_in_order(self._params, order.tolist(), self._bucket_limits)
+        if groups != [bucket.param_indices for bucket in self._buckets]:
+            self._build_buckets(groups)
         self._rebuild_due, self._ready_order = False, None
-
-    @property
-    def bucket_param_names(self) -> list[list[str]]:
-        """Parameter names per bucket, in reduction order (for inspection and tests)."""
-        return [[self._param_names[i] for i in b.param_indices] for b in self._buckets]
 
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._device is not None:
             inputs, kwargs = move_to(inputs, self._device, True), move_to(kwargs, self._device, True)
-        if self._world_size == 1:
-            return self.module(*inputs, **kwargs)
-        self._prepare_for_forward()
+        if self._mp is not None:
+            inputs, kwargs = self._mp.before_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs) if self._world_size == 1 else self._ddp_forward(inputs, kwargs)
+        if self._mp is not None:
+            self._mp.after_forward(output)  # after the DDP hooks: finalize restores first
+        return output
+
+    def _ddp_forward(self, inputs: tuple, kwargs: dict) -> Any:
+        if self._params or self._delayed is None:  # all delayed: no buffer sync, as torch
+            self._prepare_for_forward()
         output = self.module(*inputs, **kwargs)
         if self._sync_this_backward:
             engine_ref = weakref.ref(self)
             for tensor in tensors_in(output):
                 if tensor.grad_fn is not None:
                     tensor.register_hook(functools.partial(output_grad_trampoline, engine_ref))
+        if self._delayed is not None:
+            self._delayed.after_forward()
         return output
 
     def _prepare_for_forward(self, joined: bool = False) -> None:
@@ -355,6 +372,8 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
             # (PowerSGD does): let them all finish before this thread issues the next collective
             for bucket in self._buckets:
                 bucket.handle.wait()
+        if self._mp is not None:
+            self._mp.restore()  # full-precision parameters, before .grad is written
         use_counts = self._global_use_counts()
         for bucket in self._buckets:
             self._wait_and_write_back(bucket, use_counts)
@@ -413,7 +432,7 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     param.grad = view
             elif param.grad is None:
-                param.grad = view.clone()
+                param.grad = view.to(param.dtype, copy=True)  # clone, or cast up (mixed precision)
             else:
                 param.grad.copy_(view)
 
@@ -422,27 +441,3 @@ class DistributedDataParallel(JoinableDDP, nn.Module, Joinable):
         error = unused_parameters_error(self._param_names, use_counts)
         if error is not None:
             raise error
-
-    # ---- user API -------------------------------------------------------------------------------
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip gradient synchronisation for backward passes whose forward runs inside the block;
-        gradients accumulate locally and the next synchronised backward reduces their sum."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Replace the default all-reduce with `hook(state, bucket) -> Future[Tensor]` (torch's
-        contract; see nanoddp.parallel.hooks). Register once, before the first backward."""
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
-        if self._sync_iterations > 0:
-            raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
-        self._comm_hook, self._comm_hook_state = hook, state

@@ -18,8 +18,12 @@ import torch
 import torch.nn as nn
 
 from nanoddp.comm.backend import check_comm_backend
+from nanoddp.parallel.buckets import bucket_limits
+from nanoddp.parallel.delayed_params import check_delayed_args
+from nanoddp.parallel.mixed_precision import check_mixed_precision
 
 DEFAULT_BUCKET_CAP_MB = 25  # torch DDP's default, what bucket_cap_mb=None means
+MB = 1024 * 1024  # torch's "MB" in bucket_cap_mb is a MiB
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class ResolvedArgs:
     process_group: Any
     forward_sync_buffers: bool  # broadcast buffers before every forward
     init_sync_buffers: bool  # include buffers in the construction-time broadcast
+    bucket_limits: list[int]  # bytes of the 1st, 2nd, ... bucket (the last repeats)
+    custom_bucket_caps: bool  # bucket_cap_mb_list given: torch's initial layout for it
+    delayed: list[tuple[str, nn.Parameter]]  # delay_all_reduce_named_params, checked ([] if None)
 
 
 def resolve_args(
@@ -44,15 +51,23 @@ def resolve_args(
     param_to_hook_all_reduce: Any,
     mixed_precision: Any,
     bucket_cap_mb_list: list[int] | None,
+    gradient_as_bucket_view: bool,
 ) -> ResolvedArgs:
     """Validate torch DDP's arguments (same rules and defaults as torch 2.13) and resolve them."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-    is_number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if not is_number or not bucket_cap_mb > 0:
+    if not _positive_number(bucket_cap_mb):
         raise ValueError(f"bucket_cap_mb must be a number > 0 (megabytes per bucket), got {bucket_cap_mb!r}")
+    caps = list(bucket_cap_mb_list or [])  # torch: an empty list means "not given"
+    if not all(_positive_number(cap) for cap in caps):
+        raise ValueError(f"bucket_cap_mb_list must hold numbers > 0 (megabytes of the 1st, 2nd, ... bucket), "
+                         f"got {bucket_cap_mb_list!r}")  # fmt: skip
+    if caps:
+        bucket_cap_mb = max(caps)  # as torch: bucket_cap_mb is then ignored
+    limits = bucket_limits(max(1, int(bucket_cap_mb * MB)), [max(1, int(cap * MB)) for cap in caps])
+    delayed = check_delayed_args(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
     check_comm_backend(comm_backend)
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(f"device_ids must name at most one device (one process per device), got {list(device_ids)}")
@@ -68,21 +83,13 @@ def resolve_args(
             FutureWarning,
             stacklevel=3,
         )
-    unsupported = {
-        "delay_all_reduce_named_params": delay_all_reduce_named_params,
-        "param_to_hook_all_reduce": param_to_hook_all_reduce,
-        "mixed_precision": mixed_precision,
-        "bucket_cap_mb_list": bucket_cap_mb_list or None,
-    }
-    given = [name for name, value in unsupported.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"nanoddp.DistributedDataParallel does not implement {', '.join(given)} yet; leave "
-            f"{'it' if len(given) == 1 else 'them'} None, or use torch.nn.parallel.DistributedDataParallel "
-            "for this model."
-        )
+    check_mixed_precision(mixed_precision, gradient_as_bucket_view, bool(delayed))
     if forward_sync_buffers is not None:
         forward, init = forward_sync_buffers, True  # torch 2.13: buffers always synced at init
     else:
         forward = init = True if broadcast_buffers is None else bool(broadcast_buffers)
-    return ResolvedArgs(bucket_cap_mb, process_group, forward, init)
+    return ResolvedArgs(bucket_cap_mb, process_group, forward, init, limits, bool(caps), delayed)
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

@@ -77,7 +77,7 @@ def shadow_iteration(ddp: DistributedDataParallel) -> None:
     ddp._reset_sync_state()
     works = []
     for bucket in ddp._buckets:  # zero stand-ins: the real buffers may be the .grad views
-        stand_in = Bucket(bucket.index, bucket.params, bucket.param_indices)
+        stand_in = Bucket(bucket.index, bucket.params, bucket.param_indices, bucket.buffer.dtype)
         ddp._launch(stand_in)
         works.append(stand_in.handle)
     for work in works:
@@ -119,6 +119,12 @@ class JoinableDDP:
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self._delayed is not None:
+            raise ValueError(
+                "join() is not supported with delay_all_reduce_named_params: a joined rank cannot know where "
+                "in the others' backward the delayed all-reduce falls (torch's join hook leaves it unmatched "
+                "too); give every rank the same number of batches, or leave the parameters in the buckets"
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
