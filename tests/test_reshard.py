@@ -24,6 +24,7 @@ from conftest import run_on_ranks
 from test_trainer import TINY
 
 from nanoddp.env import DistEnv
+from nanoddp.parallel.flat import FlatLayout
 from nanoddp.train import optim_state, snapshot
 from nanoddp.train.trainer import Trainer
 
@@ -152,3 +153,40 @@ def test_reshard_refuses_a_different_model():
     per_rank = [{"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}] * 2
     with pytest.raises(ValueError, match=r"#0: saved \(4, 3\), now \(3, 4\)"):
         optim_state.reshard(per_rank, layout, optimizer, 3, 0)
+
+
+def test_reshard_round_trip_with_empty_pieces_and_a_frozen_parameter():
+    """Pure arithmetic, no processes: sizes 5, 1 (frozen, not in the optimizer), 7 and 2 cut
+    at ws=4 (some ranks hold no piece of a parameter), resharded to ws=3 and to ws=1; every
+    new rank's pieces, laid end to end in rank order, give back the original whole tensors."""
+    shapes = [(5,), (7,), (2,)]  # the optimizer's parameters; the frozen one sits between #0 and #1
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    optimizer = torch.optim.AdamW(params)
+    g = torch.Generator().manual_seed(0)
+    whole = [{"exp_avg": torch.randn(s, generator=g), "exp_avg_sq": torch.rand(s, generator=g)} for s in shapes]
+    units = [[(0, 5, (5,)), (None, 1, (1,)), (1, 7, (7,))], [(2, 2, (2,))]]
+    layout = {"world_size": 4, "units": units}
+
+    def pieces_at(ws: int, rank: int) -> dict[int, tuple[int, int]]:
+        out = {}
+        for unit in units:
+            for (index, _, _), piece in zip(unit, FlatLayout([n for _, n, _ in unit], ws).piece_of(rank), strict=True):
+                if index is not None:
+                    out[index] = (piece.start, piece.stop)
+        return out
+
+    groups = optimizer.state_dict()["param_groups"]
+    per_rank = []
+    for rank in range(4):
+        state = {}
+        for i, (a, b) in pieces_at(4, rank).items():
+            step = torch.tensor(3.0)
+            state[i] = {"step": step, **{k: v[a:b].clone() for k, v in whole[i].items()}}
+        per_rank.append({"state": state, "param_groups": groups})
+    assert any(b == a for r in range(4) for a, b in pieces_at(4, r).values())  # an empty piece is covered
+    for new_ws in (3, 1):
+        got = [optim_state.reshard(per_rank, layout, optimizer, new_ws, r)["state"] for r in range(new_ws)]
+        for i in range(len(shapes)):
+            assert all(torch.equal(s[i]["step"], torch.tensor(3.0)) for s in got)
+            for key, value in whole[i].items():
+                assert torch.equal(torch.cat([s[i][key] for s in got]), value), (new_ws, i, key)
