@@ -38,9 +38,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms import Join, Joinable
 from torch.optim import Optimizer
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel.zero_join import JoinableZero
 from nanoddp.parallel.zero_partition import PARTITIONS, assemble_state, assign_owners, cut_state
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, JoinableZero):
     """Wrap `optimizer_class` so each rank keeps state only for its shard of the parameters.
 
     Same constructor as torch's: `ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
@@ -109,7 +111,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     the data-parallel group. `partition` is "element" (exact 1/ws, the default) or "parameter"
     (whole parameters, torch's). `comm_backend` picks the collectives of the per-step sync:
     `"nanoddp"` (ours, the default) or `"torch"` (torch.distributed's). Without an initialised process group it
-    runs as a single rank, so the same script works in a notebook.
+    runs as a single rank, so the same script works in a notebook. A `Joinable`: uneven inputs
+    work under `Join([ddp_model, optimizer])` (nanoddp.parallel.zero_join).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {sorted(PARTITIONS)}, got {partition!r}")
         self._inner: Optimizer | None = None  # add_param_group runs inside super().__init__
+        Joinable.__init__(self)
         self._group = process_group
         collectives = collectives_for(comm_backend)  # checks the name too
         if process_group is None and not dist.is_initialized():
@@ -225,6 +229,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         Collective: every rank must call it. Returns the closure's loss, if any.
         """
+        Join.notify_join_context(self)  # under Join: "still training" (if the first joinable)
         self._consolidated = None
         self._push_hyperparams()
         if closure is not None:  # the closure computes the gradients the pieces read
