@@ -30,11 +30,11 @@ REQUIRED_KEYS = (
 
 
 def _si(value: float) -> str:
-    """155 -> '155', 9900 -> '9.9k', 2.5e6 -> '2.5M'."""
+    """155 -> '155', 9900 -> '9.9k', 2.5e6 -> '2.5M', 0.96 -> '0.96' (a big model on a CPU)."""
     for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= factor:
             return f"{value / factor:.1f}{suffix}"
-    return f"{value:.0f}"
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2g}"
 
 
 def format_log_line(record: dict[str, Any]) -> str:
