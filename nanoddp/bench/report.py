@@ -303,7 +303,7 @@ def write_memory_plot(path: str, data: dict) -> dict[str, dict[str, float]]:
     rows = [r for r in rows if r["world_size"] > 1] or rows
     rows.sort(key=lambda r: (r["world_size"], r["engine"]))
     labels = [f"{r['engine']}\nws={r['world_size']}" for r in rows]
-    width = max(7.0, 1.1 * len(rows))
+    width = max(7.0, 1.1 * len(rows)) + 2.5  # + the legend's column
     fig, ax = plt.subplots(figsize=(width, 5.2))
     bottom = [0.0] * len(rows)
     names = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state",
@@ -316,7 +316,7 @@ def write_memory_plot(path: str, data: dict) -> dict[str, dict[str, float]]:
     ax.tick_params(axis="x", labelsize=7, labelrotation=40)
     for label in ax.get_xticklabels():
         label.set_horizontalalignment("right")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over one
     fig.suptitle(textwrap.fill(caption(data["meta"]), int(15 * width)), fontsize=7)  # ~15 chars/inch
     fig.tight_layout()
     drawn = {
