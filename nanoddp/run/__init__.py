@@ -28,8 +28,7 @@ import sys
 import tempfile
 
 from nanoddp import env as nd
-from nanoddp.comm.watchdog import HANG_EXIT_CODE
-from nanoddp.train.agent import private_rendezvous
+from nanoddp.train.agent import failure_reason, private_rendezvous
 from nanoddp.train.cli import add_launch_args, default_nproc
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
@@ -93,24 +92,9 @@ def agent_argv(args: argparse.Namespace, nproc: int, log_dir: str) -> list[str]:
     return [*argv, *worker, "--", args.script, *args.script_args]
 
 
-def _failure_text(message: object) -> str:
-    """torchrun's ProcessFailure.message: a string, or the error file's {"message": ..., "extraInfo": ...}."""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message).strip()
-
-
 def describe_failure(rank: int, exitcode: int, message: object) -> str:
     """`rank 1 (exit code 1): ValueError: bad shape`, in words for signals and hangs."""
-    text = _failure_text(message)
-    if exitcode == HANG_EXIT_CODE and not text.startswith("CollectiveHang"):
-        text = "collective hang reported by the watchdog (its report is above)"
-    elif exitcode < 0:
-        try:
-            text = f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            text = f"killed by signal {-exitcode}"
-    return f"rank {rank} (exit code {exitcode}): {text}"
+    return f"rank {rank} (exit code {exitcode}): {failure_reason(exitcode, message)}"
 
 
 def failure_summary(script: str, failures: dict) -> str:

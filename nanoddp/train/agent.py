@@ -13,11 +13,13 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from nanoddp import env as nd
+from nanoddp.comm.watchdog import HANG_EXIT_CODE
 from nanoddp.train import signals, snapshot
 from nanoddp.train.config import TrainConfig
 
@@ -76,16 +78,27 @@ def private_rendezvous(torchrun_argv: list[str]) -> tuple[list[str], object | No
     return ["--rdzv-endpoint", f"127.0.0.1:{store.port}", *argv], store
 
 
+def failure_reason(exitcode: int, message: object) -> str:
+    """Why a torchrun worker failed, on one line: its exception, the signal that killed it, or
+    the watchdog's hang report. `message` is torchrun's ProcessFailure.message: a string, or the
+    error file's {"message": "Type: text", "extraInfo": ...}."""
+    text = message.get("message", "") if isinstance(message, dict) else message
+    text = " ".join(str(text or "").split())
+    if exitcode == HANG_EXIT_CODE and not text.startswith("CollectiveHang"):
+        return "collective hang reported by the watchdog (its report is above)"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    if not text or text.startswith("To enable traceback"):
+        return f"exited with code {exitcode}"
+    return text
+
+
 def failure_line(rank: int, failure, out: str | Path) -> str:
     """'rank 1 failed: ValueError: ... (full log: OUT/logs/rank1.log)' for a ProcessFailure."""
-    message = failure.message
-    if isinstance(message, dict):  # a recorded exception: {"message": "Type: text", "extraInfo": ...}
-        message = message.get("message", "")
-    if failure.exitcode < 0:
-        message = f"killed by {failure.signal_name()}"
-    elif not message or message.startswith("To enable traceback"):
-        message = f"exited with code {failure.exitcode}"
-    message = " ".join(str(message).split())
+    message = failure_reason(failure.exitcode, failure.message)
     if len(message) > MESSAGE_CHARS:
         message = message[: MESSAGE_CHARS - 3] + "..."
     return f"rank {rank} failed: {message} (full log: {rank_log(out, rank)})"
