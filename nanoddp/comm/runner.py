@@ -145,3 +145,18 @@ def runner_for(group: dist.ProcessGroup | None) -> GroupRunner | None:
         if runner is None:
             runner = _RUNNERS[group] = GroupRunner(group)
     return runner
+
+
+def pending_work() -> int:
+    """Collectives submitted and not yet finished, over all groups (0: nothing can be mid-message)."""
+    with _RUNNERS_LOCK:
+        return sum(runner._pending for runner in _RUNNERS.values())
+
+
+def forget_groups() -> None:
+    """Drop every group's runner, after the groups were destroyed (notebook recovery).
+
+    A runner's thread may still be finishing a collective on the dead group; it fails there and
+    its waiter gets the error, while the next collective gets a fresh runner on the new group."""
+    with _RUNNERS_LOCK:
+        _RUNNERS.clear()

@@ -20,12 +20,22 @@ There is no cell timeout unless you ask for one (`%dist_init --timeout S`, or `-
 keep their state. Workers talk to the kernel over an authenticated Unix socket in a private
 directory (see `nanoddp.notebook.pool`) and exit by themselves if the kernel dies.
 
+Stopping a cell in the middle of a collective (nanoddp's or torch.distributed's) would leave
+the ranks mid-message, or one of them blocked in C++ where SIGINT cannot reach it. So when a
+stopped or failed cell may have left communication half-done on any rank, the pool aborts it
+on every rank (each worker shuts its connections to the others, which fails every pending
+send, receive and collective at once) and rebuilds the default process group in place, from
+a fresh rendezvous: the cell reports "process group rebuilt (generation G)", the workers keep
+their variables, and the next cell's collectives work. Objects bound to the old group stay
+bound to it: create a DDP wrapper (or a subgroup) again after a rebuild. `%dist_status`
+shows what each worker says about itself: idle/busy and its group's generation.
+
 Limits: cell code is plain Python on the workers (no `%magics` or `!shell` inside a
 distributed cell); output written straight to file descriptor 1/2 by C code goes to the
-kernel's terminal, not the notebook; an interrupt reaches Python code, so a rank blocked
-inside a collective stops only when the collective returns or times out (`--pg-timeout`,
-default 30 min); until then the next cell fails with a message saying so, and `%dist_init`
-restarts the workers.
+kernel's terminal, not the notebook; a rank busy outside communication in C code that
+ignores signals cannot be stopped (the next cell says so; `%dist_init` restarts the
+workers); a rank that died cannot be rebuilt in place (`%dist_init`). The abort is tested
+with gloo; nccl groups are aborted with torch's `abort()`.
 """
 
 from __future__ import annotations
@@ -207,13 +217,23 @@ def _init_parser() -> _Parser:
 
 
 def format_status(rows: Sequence[dict[str, Any]]) -> str:
-    """The %dist_status / %dist_init table."""
+    """The %dist_status / %dist_init table, then each rank's process group generation."""
     table = [("rank", "pid", "device", "state", "memory")]
     for row in rows:
         memory = "-" if row["rss_mib"] is None else f"{row['rss_mib']:.0f} MiB"
         table.append((str(row["rank"]), str(row["pid"]), row["device"], row["state"], memory))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    groups = [f"rank {row['rank']} {_generation(row.get('generation'))}" for row in rows]
+    return "\n".join([*lines, "process group: " + ", ".join(groups)])
+
+
+def _generation(generation: int | None) -> str:
+    if generation is None:
+        return "unknown"
+    if generation == 0:
+        return "none (left its group)"
+    return f"generation {generation}" + (" (rebuilt)" if generation > 1 else "")
 
 
 @magics_class
@@ -276,7 +296,7 @@ class DistributedMagics(Magics):
         if self.pool is None:
             print("No workers running; start them with %dist_init --num-processes N.")
             return
-        print(format_status(self.pool.status()))
+        print(format_status(self.pool.status(CellRenderer(display_rank=0))))
         print(f"distributed mode: {'on' if self.dist_mode else 'off'}")
 
     # ------------------------------------------------------------ running cells
@@ -365,10 +385,17 @@ class DistributedMagics(Magics):
         details = {r: outcome.reports[r]["error"]["traceback"] for r in failed if r in outcome.reports}
         details.update({r: f"worker died: {why}\n" for r, why in outcome.died.items()})
         busy_note = ""
-        if unfinished:  # e.g. blocked in a collective: SIGINT only lands between bytecodes
+        if outcome.rebuilt is not None:  # collectives were aborted on every rank (pool.rebuild)
             busy_note = (
-                f"; ranks {unfinished} are still busy (likely waiting in a collective): "
-                "the next cell fails until they finish, %dist_init restarts the workers"
+                f"; process group rebuilt (generation {outcome.rebuilt}): in-flight collectives were "
+                "aborted on every rank, variables kept; create DDP wrappers and subgroups again"
+            )
+        elif outcome.recovery_error is not None:
+            busy_note = f"; {outcome.recovery_error}"
+        elif unfinished:  # e.g. blocked in C code that ignores signals
+            busy_note = (
+                f"; ranks {unfinished} are still busy: the next cell tries to stop them first, "
+                "%dist_init restarts the workers"
             )
         if outcome.interrupted:
             raise CellInterrupted(f"interrupted on ranks {ranks}{busy_note}")

@@ -1,4 +1,4 @@
-"""The notebook pool's socket: who may connect during startup, and its temp dir's lifetime.
+"""The notebook pool's startup: who may connect, the workers' hellos, and its temp dir's lifetime.
 
 The workers reach the kernel over a Unix socket in a private temp dir, authenticated with a
 random key. Two things must not depend on the peer behaving: a connection that never answers
@@ -16,16 +16,30 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from contextlib import suppress
-from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import (
+    AuthenticationError,
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
 
 import psutil
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.1
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection must authenticate and say hello within this
 DIR_PREFIX = "nanoddp-nb-"
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked (not started, a worker is dead, startup failed)."""
 
 
 def authenticate(conn: Connection, authkey: bytes, accepted: queue.Queue) -> None:
@@ -62,3 +76,71 @@ def remove_stale_dirs() -> None:
         pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def accept_workers(listener: Listener, address: str, authkey: bytes, workers: list, deadline: float) -> None:
+    """Accept one authenticated connection per worker, noticing workers that die first."""
+    accepted: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def accept_loop() -> None:
+        while not stop.is_set():
+            try:
+                conn = listener.accept()
+            except OSError as exc:  # the listener closed under us
+                accepted.put(exc)
+                return
+            threading.Thread(target=authenticate, args=(conn, authkey, accepted), daemon=True).start()
+
+    thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)
+    thread.start()
+    try:
+        pending = set(range(len(workers)))
+        while pending:
+            check_started(workers, pending, deadline)
+            try:
+                conn = accepted.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(conn, Exception):
+                raise PoolError(f"a worker failed to connect: {conn}")
+            conn, (_, rank, pid) = conn  # ("hello", rank, pid), authenticated
+            if rank not in pending or pid != workers[rank].process.pid:
+                conn.close()  # not one of the workers we are waiting for
+                continue
+            workers[rank].conn = conn
+            pending.discard(rank)
+    finally:
+        stop.set()
+        if thread.is_alive():  # wake the blocked accept() so the thread can end
+            with suppress(OSError):
+                Client(address, family="AF_UNIX").close()
+            thread.join(timeout=5.0)
+        listener.close()  # every worker is in: stop listening at once
+
+
+def check_started(workers: list, pending: set[int], deadline: float) -> None:
+    for rank in pending:
+        worker = workers[rank]
+        if not worker.alive:
+            raise PoolError(f"worker rank {rank} {worker.death} before connecting")
+    if time.monotonic() > deadline:
+        raise PoolError(f"workers {sorted(pending)} did not start in time")
+
+
+def wait_ready(workers: list, deadline: float) -> None:
+    """Wait for every rank's "ready" (process group joined) or its startup traceback."""
+    pending = set(range(len(workers)))
+    while pending:
+        conns = {workers[r].conn: r for r in pending}
+        for conn in wait(list(conns), timeout=POLL_S):
+            rank = conns[conn]
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                raise PoolError(f"worker rank {rank} died while joining the process group") from None
+            if kind == "fatal":
+                raise PoolError(f"worker rank {rank} failed to start:\n{payload}")
+            workers[rank].device = payload["device"]
+            pending.discard(rank)
+        check_started(workers, pending, deadline)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
 import shutil
 import signal
@@ -25,12 +24,12 @@ import time
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Protocol
 
 import psutil
 
-from nanoddp.notebook.handshake import DIR_PREFIX, authenticate, remove_stale_dirs
+from nanoddp.notebook.handshake import DIR_PREFIX, PoolError, accept_workers, remove_stale_dirs, wait_ready
 from nanoddp.notebook.processes import catch_sigint, spawn_worker, terminate
 
 logger = logging.getLogger(__name__)
@@ -43,10 +42,11 @@ PEER_FAILURE_GRACE_S = 2.0
 IDLE_WAIT_S = 1.0  # before a new request: how long ranks still busy get before SIGINT (+ grace)
 SHUTDOWN_GRACE_S = 10.0  # then SIGTERM, then SIGKILL
 POLL_S = 0.1
-
-
-class PoolError(RuntimeError):
-    """The pool cannot do what was asked (not started, a worker is dead, startup failed)."""
+# Recovery (see nanoddp.notebook.recovery): how long ranks get to leave their aborted cell, and
+# then to join the new group (a file rendezvous: well under a second when every rank is there).
+ABORT_WAIT_S = 10.0
+REBUILD_TIMEOUT_S = 120.0
+STATUS_TIMEOUT_S = 5.0  # a worker whose control thread does not answer in time is "unresponsive"
 
 
 class Sink(Protocol):
@@ -63,7 +63,8 @@ class WorkerHandle:
     process: subprocess.Popen
     conn: Connection | None = None
     device: str = "?"
-    busy: bool = False
+    busy: bool = False  # the kernel's protocol view (a request is out); %dist_status asks the worker
+    generation: int = 1  # of its default process group, as confirmed by its last rebuild
     death: str | None = None  # why it is dead, once it is
 
     @property
@@ -81,12 +82,27 @@ class CellOutcome:
     died: dict[int, str] = field(default_factory=dict)  # rank -> why it died mid-cell
     interrupted: bool = False  # the user interrupted the kernel
     timed_out: bool = False
+    rebuilt: int | None = None  # the new process group's generation, when the cell's was rebuilt
+    recovery_error: str | None = None  # why the group could not be rebuilt (the pool is unusable)
 
     @property
     def failed_ranks(self) -> list[int]:
         """Ranks whose code raised or whose process died (not the ones stopped because of them)."""
         raised = {rank for rank, report in self.reports.items() if report["status"] == "error"}
         return sorted(raised | set(self.died))
+
+
+class _Drop:
+    """A sink for output nobody asked to see."""
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        logger.debug("rank %d %s: %s", rank, name, text.rstrip())
+
+    def display(self, rank: int, bundle: dict[str, Any]) -> None:
+        logger.debug("rank %d display: %s", rank, bundle.get("text/plain", ""))
+
+
+_DROP = _Drop()
 
 
 class WorkerPool:
@@ -110,6 +126,9 @@ class WorkerPool:
         self.num_threads = num_threads
         self.pg_timeout_s = pg_timeout_s
         self.workers: list[WorkerHandle] = []
+        self.generation = 1  # of the default process group; each rebuild starts the next one
+        self._needs_rebuild = False  # a rebuild was due and did not complete
+        self._replies: dict[int, tuple] = {}  # rank -> its latest control reply (status, recovered)
         self._dir: str | None = None
         self._listener: Listener | None = None
 
@@ -143,77 +162,12 @@ class WorkerPool:
                     "pdeathsig": use_pdeathsig,
                 }
                 self.workers.append(WorkerHandle(rank, spawn_worker(settings)))
-            self._accept_all(address, authkey, time.monotonic() + timeout_s)
-            self._wait_ready(time.monotonic() + timeout_s)
+            accept_workers(self._listener, address, authkey, self.workers, time.monotonic() + timeout_s)
+            self._listener = None  # closed: every worker is in
+            wait_ready(self.workers, time.monotonic() + timeout_s)
         except BaseException:
             self.shutdown(grace_s=2.0)
             raise
-
-    def _accept_all(self, address: str, authkey: bytes, deadline: float) -> None:
-        """Accept one authenticated connection per worker, noticing workers that die first."""
-        accepted: queue.Queue = queue.Queue()
-        stop = threading.Event()
-
-        def accept_loop() -> None:
-            while not stop.is_set():
-                try:
-                    conn = self._listener.accept()
-                except OSError as exc:  # the listener closed under us
-                    accepted.put(exc)
-                    return
-                threading.Thread(target=authenticate, args=(conn, authkey, accepted), daemon=True).start()
-
-        thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)
-        thread.start()
-        try:
-            pending = set(range(self.num_processes))
-            while pending:
-                self._check_started(pending, deadline)
-                try:
-                    conn = accepted.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
-                if isinstance(conn, Exception):
-                    raise PoolError(f"a worker failed to connect: {conn}")
-                conn, (_, rank, pid) = conn  # ("hello", rank, pid), authenticated
-                if rank not in pending or pid != self.workers[rank].process.pid:
-                    conn.close()  # not one of the workers we are waiting for
-                    continue
-                self.workers[rank].conn = conn
-                pending.discard(rank)
-        finally:
-            stop.set()
-            if thread.is_alive():  # wake the blocked accept() so the thread can end
-                with suppress(OSError):
-                    Client(address, family="AF_UNIX").close()
-                thread.join(timeout=5.0)
-            self._listener.close()  # every worker is in: stop listening at once
-            self._listener = None
-
-    def _check_started(self, pending: set[int], deadline: float) -> None:
-        for rank in pending:
-            worker = self.workers[rank]
-            if not worker.alive:
-                raise PoolError(f"worker rank {rank} {worker.death} before connecting")
-        if time.monotonic() > deadline:
-            raise PoolError(f"workers {sorted(pending)} did not start in time")
-
-    def _wait_ready(self, deadline: float) -> None:
-        """Wait for every rank's "ready" (process group joined) or its startup traceback."""
-        pending = set(range(self.num_processes))
-        while pending:
-            conns = {self.workers[r].conn: r for r in pending}
-            for conn in wait(list(conns), timeout=POLL_S):
-                rank = conns[conn]
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):
-                    raise PoolError(f"worker rank {rank} died while joining the process group") from None
-                if kind == "fatal":
-                    raise PoolError(f"worker rank {rank} failed to start:\n{payload}")
-                self.workers[rank].device = payload["device"]
-                pending.discard(rank)
-            self._check_started(pending, deadline)
 
     # ----------------------------------------------------------------- run
     def run(
@@ -235,7 +189,7 @@ class WorkerPool:
         for rank in ranks:
             request = {"code": code, "cell": cell, "display": rank == display_rank}
             self._send(rank, ("run", request))
-        return self._collect(ranks, sink, timeout_s)
+        return self._settle(self._collect(ranks, sink, timeout_s), sink)
 
     def barrier(self, sink: Sink, timeout_s: float | None = None) -> CellOutcome:
         """dist.barrier() on every rank."""
@@ -244,27 +198,91 @@ class WorkerPool:
         self._require_alive(ranks)
         for rank in ranks:
             self._send(rank, ("barrier",))
-        return self._collect(ranks, sink, timeout_s)
+        return self._settle(self._collect(ranks, sink, timeout_s), sink)
 
-    def wait_idle(self, sink: Sink, timeout_s: float = IDLE_WAIT_S) -> None:
-        """Give ranks still busy with an earlier, interrupted cell a moment to finish.
+    def wait_idle(self, sink: Sink) -> None:
+        """Before new work: a rank still busy with an earlier cell, or a rebuild that did not
+        complete, would pair the next collective with a stale one; rebuild first (or fail)."""
+        if self._needs_rebuild or any(w.busy and w.alive for w in self.workers):
+            self.rebuild(sink)
+            sink.stream(0, "stderr", f"process group rebuilt (generation {self.generation}) before this cell\n")
 
-        A rank that stays busy is usually stuck in a collective whose peers have left (SIGINT
-        cannot reach it there); sending new work to the others would pair their next collective
-        with that stale one, so this is an error for the user to resolve, never a silent hang.
-        """
-        busy = [w.rank for w in self.workers if w.busy and w.alive]
-        if not busy:
-            return
-        sink.stream(busy[0], "stderr", f"waiting for ranks {busy} to finish the previous cell\n")
-        self._collect(busy, sink, timeout_s)
-        still_busy = [w.rank for w in self.workers if w.busy and w.alive]
-        if still_busy:
+    # ----------------------------------------------------------------- recovery
+    def _settle(self, outcome: CellOutcome, sink: Sink) -> CellOutcome:
+        """After a cell: if any rank may have left communication half-done (interrupted or failed
+        inside a collective, or still blocked in one), abort it everywhere and rebuild the group."""
+        dirty = any(report.get("comm_in_flight") for report in outcome.reports.values())
+        if not (dirty or any(w.busy for w in self.workers)) or not all(w.alive for w in self.workers):
+            return outcome  # nothing in flight, or a dead rank: only %dist_init can help then
+        try:
+            late = self.rebuild(sink)
+        except PoolError as exc:
+            outcome.recovery_error = str(exc)
+            return outcome
+        outcome.reports.update(late.reports)
+        outcome.died.update(late.died)
+        outcome.rebuilt = self.generation
+        return outcome
+
+    def rebuild(self, sink: Sink) -> CellOutcome:
+        """Abort every rank's in-flight collectives, then give every rank a fresh default group.
+
+        Returns the reports of cells that only ended because of the abort. Raises PoolError
+        (and the next request tries again) when a rank does not leave its cell or join."""
+        self._require_alive(range(self.num_processes))
+        self._needs_rebuild = True
+        pids = self.pids()
+        for worker in self.workers:  # read by each worker's inbox thread, even mid-collective
+            worker.conn.send(("abort", pids))
+        busy = [w.rank for w in self.workers if w.busy]
+        late = self._collect(busy, sink, ABORT_WAIT_S) if busy else CellOutcome()
+        still_busy = [w.rank for w in self.workers if w.busy]
+        if still_busy or late.died:
             raise PoolError(
-                f"ranks {still_busy} are still busy with an earlier cell (likely waiting in a collective "
-                "for a rank that failed or was interrupted); wait and retry, or restart the workers "
-                "with %dist_init"
+                f"ranks {still_busy or sorted(late.died)} did not leave the interrupted cell after its "
+                "collectives were aborted; interrupt again, or restart the workers with %dist_init"
             )
+        self.generation += 1
+        request = {
+            "generation": self.generation,
+            "init_method": f"file://{os.path.join(self._dir, f'store-g{self.generation}')}",
+            "peer_pids": pids,
+        }
+        for worker in self.workers:
+            worker.conn.send(("recover", request))
+        replies = self._await_replies(("recovered", "recover_failed"), REBUILD_TIMEOUT_S, sink, self.generation)
+        failed = {r: m for r, m in replies.items() if m[0] != "recovered"}
+        missing = sorted(set(range(self.num_processes)) - set(replies))
+        if failed or missing:
+            why = "; ".join(f"rank {r}:\n{m[1]['traceback']}" for r, m in sorted(failed.items()))
+            raise PoolError(f"rebuilding the process group failed (no answer from ranks {missing}) {why}")
+        for worker in self.workers:
+            worker.generation = self.generation
+        self._needs_rebuild = False
+        return late
+
+    def _await_replies(
+        self, kinds: tuple[str, ...], timeout_s: float, sink: Sink, generation: int | None = None
+    ) -> dict[int, tuple]:
+        """Each live rank's reply of one of `kinds` (for `generation`), within timeout_s; output
+        that a cell still running prints meanwhile goes to `sink`."""
+        pending = {w.rank for w in self.workers if w.alive}
+        for rank in pending:
+            self._replies.pop(rank, None)
+        outcome, replies = CellOutcome(), {}
+        deadline = time.monotonic() + timeout_s
+        with catch_sigint() as sigint:  # a stop press gives up waiting (between messages)
+            while pending and time.monotonic() < deadline and not sigint.count:
+                self._pump(pending, outcome, sink)
+                for rank in list(pending):
+                    reply = self._replies.get(rank)
+                    if reply is None or reply[0] not in kinds:
+                        continue
+                    if generation is None or reply[1].get("generation") == generation:
+                        replies[rank] = reply
+                        pending.discard(rank)
+                pending -= set(outcome.died)
+        return replies
 
     def _require_alive(self, ranks: Sequence[int]) -> None:
         if not self.workers:
@@ -304,10 +322,12 @@ class WorkerPool:
                 if sigint.count > 1 or gave_up:
                     break  # still busy: the next request waits for them (wait_idle)
                 self._pump(pending, outcome, sink)
+                pending -= set(outcome.reports) | set(outcome.died)
         return outcome
 
     def _pump(self, pending: set[int], outcome: CellOutcome, sink: Sink) -> None:
-        """Handle whatever the pending ranks have sent within POLL_S."""
+        """Handle whatever the pending ranks have sent within POLL_S (reports go into `outcome`,
+        control replies into `_replies`; the caller decides which ranks are finished)."""
         conns = {self.workers[r].conn: r for r in pending}
         for conn in wait(list(conns), timeout=POLL_S):
             rank = conns[conn]
@@ -332,7 +352,8 @@ class WorkerPool:
             elif kind == "done":
                 worker.busy = False
                 outcome.reports[rank] = message[1]
-                pending.discard(rank)
+            else:  # "status", "recovered", "recover_failed"
+                self._replies[rank] = message
 
     def _interrupt(self, ranks: set[int]) -> None:
         """SIGINT the busy workers: KeyboardInterrupt in their cell (between bytecodes)."""
@@ -343,26 +364,31 @@ class WorkerPool:
                     os.kill(worker.process.pid, signal.SIGINT)
 
     # ----------------------------------------------------------------- status & shutdown
-    def status(self) -> list[dict[str, Any]]:
-        """One row per worker: rank, pid, device, state (idle/busy/dead ...), RSS in MiB."""
+    def status(self, sink: Sink | None = None) -> list[dict[str, Any]]:
+        """One row per worker: rank, pid, device, state, group generation, RSS in MiB.
+
+        State and generation are what each worker says about itself (answered by its inbox
+        thread, so a rank blocked in a collective still answers "busy"); output a stuck cell
+        prints meanwhile goes to `sink`."""
+        for worker in self.workers:
+            if worker.alive:
+                with suppress(OSError):
+                    worker.conn.send(("status",))
+        replies = self._await_replies(("status",), STATUS_TIMEOUT_S, sink or _DROP)
         rows = []
         for worker in self.workers:
-            rss_mib = None
+            rss_mib, generation = None, None
             if worker.alive:
-                state = "busy" if worker.busy else "idle"
+                reply = replies.get(worker.rank)
+                state = "unresponsive" if reply is None else reply[1]["state"]
+                if reply is not None:
+                    generation = reply[1]["generation"] if reply[1]["group"] else 0
                 with suppress(psutil.Error):
                     rss_mib = psutil.Process(worker.process.pid).memory_info().rss / 2**20
             else:
                 state = f"dead ({worker.death})"
-            rows.append(
-                {
-                    "rank": worker.rank,
-                    "pid": worker.process.pid,
-                    "device": worker.device,
-                    "state": state,
-                    "rss_mib": rss_mib,
-                }
-            )
+            row = {"rank": worker.rank, "pid": worker.process.pid, "device": worker.device, "state": state}
+            rows.append({**row, "generation": generation, "rss_mib": rss_mib})
         return rows
 
     def pids(self) -> list[int]:
@@ -371,12 +397,14 @@ class WorkerPool:
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Ask every worker to leave the group and exit; SIGTERM/SIGKILL the ones that don't.
 
-        Busy workers get SIGINT first so they finish their cell and read the request. Every
-        process is waited for, so none is left behind, not even as a zombie.
+        Busy workers get SIGINT (and their collectives are aborted) so they finish their cell and
+        read the request. Every process is waited for, so none is left behind, not even as a zombie.
         """
-        for worker in self.workers:
+        pids = self.pids()
+        for worker in self.workers:  # abort first: a rank blocked in a collective then leaves it
             if worker.conn is not None and worker.alive:
                 with suppress(OSError):
+                    worker.conn.send(("abort", pids))
                     worker.conn.send(("shutdown",))
         self._interrupt({w.rank for w in self.workers})
         self._drain_until_exit(time.monotonic() + grace_s)

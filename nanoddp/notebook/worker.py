@@ -32,6 +32,7 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from nanoddp.launch import die_with_parent  # `-m nanoddp.notebook.worker` has loaded the package already
+from nanoddp.notebook.recovery import Inbox, abort_collectives, comm_in_flight, rebuild_group
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +218,15 @@ def mime_bundle(value: Any, rich: bool) -> dict[str, Any]:
 class Worker:
     """One rank: its namespace, its streams, and the loop that serves the kernel."""
 
-    def __init__(self, channel: Channel, env: Any):
+    def __init__(self, channel: Channel, env: Any, pg_timeout_s: float):
         self.channel = channel
         self.env = env
+        self.pg_timeout_s = pg_timeout_s
         self.display_rank = True  # this rank's rich output is the one the notebook shows
         self.namespace = self._make_namespace()
+        self.generation = 1  # of the default process group: +1 per rebuild (recovery.py)
+        self.state = "idle"  # idle / busy / rebuilding: what %dist_status shows for this rank
+        self.inbox: Inbox | None = None
 
     def _make_namespace(self) -> dict[str, Any]:
         """A fresh `__main__` module, like IPython's, so cell-defined classes can be pickled."""
@@ -268,10 +273,10 @@ class Worker:
 
     def serve(self) -> None:
         """Run requests until the kernel says stop or goes away (EOF: the kernel died)."""
+        self.inbox = Inbox(self.channel.conn, self._abort, self._send_status).start()
         while True:
-            try:
-                message = self.channel.conn.recv()
-            except (EOFError, OSError):
+            message = self.inbox.get()
+            if message is None:
                 logger.debug("rank %d: kernel connection closed", self.env.rank)
                 return
             kind = message[0]
@@ -281,10 +286,37 @@ class Worker:
                 import torch.distributed as dist
 
                 self._execute(lambda: (dist.barrier(), NO_VALUE)[1])
+            elif kind == "recover":
+                self._recover(message[1])
             elif kind == "shutdown":
                 return
             else:
                 logger.warning("rank %d: unknown request %r ignored", self.env.rank, kind)
+
+    def _abort(self, peer_pids: list[int]) -> None:
+        """(Inbox thread) fail every in-flight collective of this rank, even one blocking the cell."""
+        abort_collectives(peer_pids, self.env.backend)
+
+    def _send_status(self) -> None:
+        """(Inbox thread) this rank's own account of itself, for %dist_status."""
+        import torch.distributed as dist
+
+        info = {"state": self.state, "generation": self.generation, "group": dist.is_initialized()}
+        self.channel.send(("status", info))
+
+    def _recover(self, request: dict[str, Any]) -> None:
+        """Rebuild the default group (the kernel aborted the old one); variables stay."""
+        self.state = "rebuilding"
+        try:
+            rebuild_group(self.env, request["init_method"], self.pg_timeout_s, request["peer_pids"])
+        except Exception as exc:
+            reply = ("recover_failed", {"generation": request["generation"], "traceback": format_user_traceback(exc)})
+        else:
+            self.generation = request["generation"]
+            reply = ("recovered", {"generation": self.generation})
+        finally:
+            self.state = "idle"
+        self.channel.send(reply)
 
     def _run_request(self, request: dict[str, Any]) -> None:
         self.display_rank = request["display"]
@@ -295,17 +327,17 @@ class Worker:
         """Run `body` as a cell: busy while it runs, then flush output and report how it went."""
         report: dict[str, Any] = {"status": "ok", "result": None, "error": None}
         started = time.perf_counter()
-        self.channel.busy = True
+        self.channel.busy, self.state = True, "busy"
         try:
             value = body()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             value = NO_VALUE
-            report.update(status="interrupted", error=_error_info(sys.exc_info()[1]))
+            report.update(status="interrupted", error=_error_info(exc), comm_in_flight=comm_in_flight(exc))
         except BaseException as exc:  # SystemExit too: a cell must not end the worker
             value = NO_VALUE
-            report.update(status="error", error=_error_info(exc))
+            report.update(status="error", error=_error_info(exc), comm_in_flight=comm_in_flight(exc))
         finally:
-            self.channel.busy = False
+            self.channel.busy, self.state = False, "idle"
         report["seconds"] = time.perf_counter() - started
         try:
             sys.stdout.flush()
@@ -372,7 +404,7 @@ def _start(settings: dict[str, Any], channel: Channel) -> Worker:
     )
     torch.set_num_threads(settings["num_threads"])
     nd.init(env, init_method=settings["init_method"], timeout=timedelta(seconds=settings["pg_timeout_s"]))
-    return Worker(channel, env)
+    return Worker(channel, env, settings["pg_timeout_s"])
 
 
 def main() -> int:

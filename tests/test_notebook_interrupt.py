@@ -1,0 +1,138 @@
+"""The notebook stop button in the middle of a nanoddp collective, through a real Jupyter kernel.
+
+SIGINT reaches a worker's main thread only between bytecodes: a rank blocked in a collective
+(in C++, waiting for a peer that will not come) does not stop, and ranks interrupted half-way
+through one leave messages posted. Either way the pool must come back usable by itself: every
+rank idle, the process group rebuilt, the next cell's collectives right, the variables kept.
+
+Each scenario gets its own kernel and pool (a stuck pool must not leak into the next check),
+so the test is slow-ish (about 20 s per scenario on an idle 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from jupyter_client import KernelManager
+from test_notebook import WORLD_SIZE, _finish, _kernel_kwargs, _run
+
+# Each worker announces from a helper thread when its main thread (the cell) is inside
+# nanoddp.comm, so the test interrupts only once the collective is really in flight. 16 MiB:
+# the pipelined ring, many messages per call.
+SETUP = """%%distributed
+import os, sys, threading, time
+import nanoddp.comm as comm
+keep = f"kept by rank {rank}"
+big = torch.ones(2**22)
+def in_comm(frame):
+    while frame is not None:
+        if f"{os.sep}nanoddp{os.sep}comm{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+def announce():
+    while not in_comm(sys._current_frames().get(threading.main_thread().ident)):
+        time.sleep(0.01)
+    print("in collective", flush=True)
+"""
+# rank 1 sleeps, so rank 0 blocks in the first all_reduce, waiting for it
+ONE_RANK_BLOCKED = """%%distributed
+threading.Thread(target=announce, daemon=True).start()
+if rank == 1:
+    time.sleep(600)
+while True:
+    comm.all_reduce(big)
+"""
+# both ranks loop inside the collective: the interrupt lands in the middle of its messages
+BOTH_INSIDE = """%%distributed
+threading.Thread(target=announce, daemon=True).start()
+while True:
+    comm.all_reduce(big)
+"""
+# The reference: 1 + 2 on the new group, by nanoddp and by torch.distributed's own all_reduce.
+AFTER = """%%distributed --timeout 60
+s = torch.tensor([float(rank + 1)])
+comm.all_reduce(s)
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+ring = torch.full((2**22,), float(rank + 1))
+comm.all_reduce(ring)
+print("sums", s.item(), t.item(), torch.equal(ring, torch.full_like(ring, 3.0)), keep)
+"""
+CASES = {"one_rank_blocked": (ONE_RANK_BLOCKED, [0]), "both_inside": (BOTH_INSIDE, [0, 1])}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _ok(kc, code: str, timeout: float = 120) -> str:
+    """Run a cell that must succeed. A request that reaches ipykernel while it still drops the
+    queue after the previous cell's error comes back "aborted", not run: send it again."""
+    for _ in range(5):
+        reply, text = _run(kc, code, timeout=timeout)
+        if reply["status"] != "aborted":
+            break
+        time.sleep(0.2)
+    assert reply["status"] == "ok", f"{code!r} failed: {reply.get('ename')}: {reply.get('evalue')}\n{text}"
+    return text
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
+    cell, announcing = CASES[case]
+    km = KernelManager(**_kernel_kwargs(tmp_path))
+    km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    pids: list[int] = []
+    try:
+        kc.wait_for_ready(timeout=120)
+        _ok(kc, f"%load_ext nanoddp.notebook\n%dist_init --num-processes {WORLD_SIZE}")
+        text = _ok(kc, "from nanoddp.notebook import current_pool\nprint('pids', current_pool().pids())")
+        pids = [int(p) for p in re.findall(r"\d+", text.split("pids", 1)[1])]
+        _ok(kc, SETUP)
+
+        inside = lambda t: all(f"[rank {r}] in collective" in t for r in announcing)  # noqa: E731
+        msg_id, _ = _run(kc, cell, until=inside)
+        time.sleep(1.0)  # let rank 0 settle into its blocking wait (the case SIGINT cannot reach)
+        km.interrupt_kernel()
+        reply = _finish(kc, msg_id, timeout=120)
+        assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
+        status = _ok(kc, "%dist_status")  # each worker's own account of itself
+        for rank in range(WORLD_SIZE):
+            assert re.search(rf"^{rank}\s+{pids[rank]}\s+cpu\s+idle\s+\d+ MiB$", status, re.M), status
+        after = _ok(kc, AFTER)
+        for rank in range(WORLD_SIZE):
+            assert f"[rank {rank}] sums 3.0 3.0 True kept by rank {rank}\n" in after, after
+        expected = ", ".join(f"rank {r} generation 2 (rebuilt)" for r in range(WORLD_SIZE))
+        assert f"process group: {expected}" in status, status
+        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
+        same = _ok(kc, "%%distributed\nimport os\nos.getpid()")  # the same processes, not restarted
+        assert sorted(int(p) for p in re.findall(r"\[rank \d\] (\d+)\n", same)) == sorted(pids)
+
+        _ok(kc, "%dist_shutdown")
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
+    finally:
+        kc.stop_channels()
+        os.kill(km.provisioner.pid, signal.SIGKILL)  # the workers follow their kernel
+        km.shutdown_kernel(now=True)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftover = [p for p in pids if not _gone(p)]
+        for pid in leftover:  # do not leave them to the next test, whatever failed above
+            os.kill(pid, signal.SIGKILL)
+    assert not leftover, f"worker processes {leftover} outlived the kernel"
