@@ -6,7 +6,7 @@ through one leave messages posted. Either way the pool must come back usable by 
 rank idle, the process group rebuilt, the next cell's collectives right, the variables kept.
 
 Each scenario gets its own kernel and pool (a stuck pool must not leak into the next check),
-so the test is slow-ish (about 20 s per scenario on an idle 2-core machine).
+so the test is slow-ish (about 12 s per scenario on an idle 2-core machine).
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ if rank == 1:
 while True:
     comm.all_reduce(big)
 """
+# the same with async_op: the interrupt lands in Work.wait(), while the group's runner thread
+# stays blocked in the collective, owning its posted receives
+ASYNC_BLOCKED = """%%distributed
+threading.Thread(target=announce, daemon=True).start()
+if rank == 1:
+    time.sleep(600)
+while True:
+    comm.all_reduce(big, async_op=True).wait()
+"""
 # both ranks loop inside the collective: the interrupt lands in the middle of its messages
 BOTH_INSIDE = """%%distributed
 threading.Thread(target=announce, daemon=True).start()
@@ -64,7 +73,11 @@ ring = torch.full((2**22,), float(rank + 1))
 comm.all_reduce(ring)
 print("sums", s.item(), t.item(), torch.equal(ring, torch.full_like(ring, 3.0)), keep)
 """
-CASES = {"one_rank_blocked": (ONE_RANK_BLOCKED, [0]), "both_inside": (BOTH_INSIDE, [0, 1])}
+CASES = {
+    "one_rank_blocked": (ONE_RANK_BLOCKED, [0]),
+    "async_blocked": (ASYNC_BLOCKED, [0]),
+    "both_inside": (BOTH_INSIDE, [0, 1]),
+}
 
 
 def _gone(pid: int) -> bool:
