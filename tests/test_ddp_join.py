@@ -121,6 +121,13 @@ def cases(world_size: int) -> list[tuple[str, callable]]:
                 p(case_join_find_unused_replicas_agree, backend=backend),
             )
         )
+        for opt_name in ("sgd", "adamw"):  # torch's joined ranks re-send their last use counts
+            out.append(
+                (
+                    f"{backend}-join-find_unused-{opt_name}",
+                    p(case_join_matches_torch, backend=backend, opt_name=opt_name, divide=True, find_unused=True),
+                )
+            )
         out.append(
             (
                 f"{backend}-Join_class",

@@ -139,6 +139,7 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
         self._slot_of: list[tuple[Bucket, int] | None] = [None] * len(self._params)
         self._sync_iterations = 0
         self._used_since_sync = [False] * len(self._params)
+        self._last_use_counts = [0] * len(self._params)  # what a joined rank reports (join.py)
         self._ready_order: list[int] | None = []  # first synced iteration's arrival order
         self._rebuild_due = False
         # static_graph: hooks per parameter in the first synced backward (None until then), the
@@ -405,10 +406,11 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
         """
         if self.static_graph and self._static_counts is not None:
             return None
-        used = torch.tensor(self._used_since_sync + [active], dtype=torch.int32)  # (P + 1,)
-        if not active:
-            used.zero_()
+        flags = self._used_since_sync if active else self._last_use_counts
+        used = torch.tensor([*flags, active], dtype=torch.int32)  # (P + 1,)
         self._collectives.all_reduce(used, group=self.process_group, async_op=True).wait()
+        if self.find_unused_parameters:
+            self._last_use_counts = used.tolist()[:-1]
         return used.tolist()
 
     @torch.no_grad()

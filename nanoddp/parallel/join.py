@@ -13,9 +13,17 @@ every iteration the others still run, issuing the same collectives in the same o
     "sync this backward?" all-reduce (1) the same all-reduce (0)
     others' backward
     one all-reduce per bucket            one per bucket, of zeros
-    parameter-use all-reduce             the same, of zeros
+    parameter-use all-reduce             the same (with find_unused_parameters, carrying the
+                                           counts its previous one returned, as torch's does)
 
-so the joined rank contributes zero gradient. The average divides by the initial world size
+so the joined rank contributes zero gradient. With find_unused_parameters, torch's joined rank
+re-sends the parameter-use counts its reducer last held (`_match_unused_params_allreduce`
+all-reduces the reducer's device-side used map in place: after the rank's last real iteration
+that holds the global counts, and each shadowed all-reduce adds the others' use to it), so a
+parameter that was used in that iteration, or by anyone since, counts as used: it then gets a
+zero gradient where nobody still training used it, where "unused everywhere" would leave its
+`.grad` None. Optimizers treat the two differently (momentum, weight decay, Adam's moments), so
+nanoddp re-sends its last counts the same way. The average divides by the initial world size
 (`divide_by_initial_world_size=True`, torch's default: every sample weighs the same as before
 anyone joined) or by the number of ranks still training. When all have joined, `post_hook`
 broadcasts the last joiner's parameters (and buffers) so every replica ends identical.
