@@ -190,3 +190,15 @@ def test_reshard_round_trip_with_empty_pieces_and_a_frozen_parameter():
             assert all(torch.equal(s[i]["step"], torch.tensor(3.0)) for s in got)
             for key, value in whole[i].items():
                 assert torch.equal(torch.cat([s[i][key] for s in got]), value), (new_ws, i, key)
+
+
+def test_restore_refuses_shards_cut_by_the_other_sharded_engine():
+    """zero2's buckets and fsdp's units cut the parameters differently: a zero2 snapshot's
+    shards are refused by fsdp (at the same world size too), naming the engine to use."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    groups = optimizer.state_dict()["param_groups"]
+    saved = {"per_rank": [{"state": {}, "param_groups": groups}], "layout": {"engine": "zero2", "world_size": 1}}
+    with pytest.raises(ValueError, match="cut by --engine zero2; resume with --engine zero2, not --engine fsdp"):
+        optim_state.restore(optimizer, saved, "fsdp", DistEnv.single_process("gloo"))
+    optim_state.restore(optimizer, saved, "zero2", DistEnv.single_process("gloo"))  # its own engine: fine

@@ -40,14 +40,14 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def flat_layout(optimizer: torch.optim.Optimizer, module: torch.nn.Module, world_size: int) -> dict[str, Any]:
-    """How the sharded `module`'s units cut the optimizer's parameters (see the module docstring)."""
+def flat_layout(engine, optimizer: torch.optim.Optimizer, world_size: int) -> dict[str, Any]:
+    """How the sharded engine's units cut the optimizer's parameters (see the module docstring)."""
     index = {id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
     units: list[UnitLayout] = [
         [(index.get(id(p)), n, tuple(shape)) for p, n, shape in zip(u.params, u.layout.numels, u.shapes, strict=True)]
-        for u in module._units()
+        for u in engine.module._units()
     ]
-    return {"world_size": world_size, "units": units}
+    return {"engine": engine.name, "world_size": world_size, "units": units}
 
 
 def collect(optimizer: torch.optim.Optimizer, engine, zero: bool, env: DistEnv) -> dict[str, Any] | None:
@@ -62,7 +62,7 @@ def collect(optimizer: torch.optim.Optimizer, engine, zero: bool, env: DistEnv) 
             dist.gather_object(optimizer.state_dict(), states, dst=0)
         if not env.is_master:
             return None
-        return {"per_rank": states, "layout": flat_layout(optimizer, engine.module, env.world_size)}
+        return {"per_rank": states, "layout": flat_layout(engine, optimizer, env.world_size)}
     return optimizer.state_dict() if env.is_master else None
 
 
@@ -83,10 +83,16 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str
     if per_rank is None:
         optimizer.load_state_dict(saved)
         return
+    layout = saved.get("layout")
+    saved_by = (layout or {}).get("engine", engine)
+    if saved_by != engine:  # zero2 buckets and fsdp units cut the parameters differently
+        raise ValueError(
+            f"the snapshot's optimizer shards were cut by --engine {saved_by}; resume with --engine "
+            f"{saved_by}, not --engine {engine}"
+        )
     if len(per_rank) == env.world_size:
         optimizer.load_state_dict(per_rank[env.rank])
         return
-    layout = saved.get("layout")
     if layout is None:
         raise ValueError(
             f"the snapshot holds {len(per_rank)} optimizer shards ({engine}) and no layout to reshard "
