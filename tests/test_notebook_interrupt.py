@@ -6,7 +6,7 @@ through one leave messages posted. Either way the pool must come back usable by 
 rank idle, the process group rebuilt, the next cell's collectives right, the variables kept.
 
 Each scenario gets its own kernel and pool (a stuck pool must not leak into the next check),
-so the test is slow-ish (about 12 s per scenario on an idle 2-core machine).
+so the test is slow-ish (about 10 s per scenario on an idle 2-core machine).
 """
 
 from __future__ import annotations
@@ -26,9 +26,18 @@ from test_notebook import WORLD_SIZE, _finish, _kernel_kwargs, _run
 # the pipelined ring, many messages per call.
 SETUP = """%%distributed
 import os, sys, threading, time
+import nanoddp
 import nanoddp.comm as comm
 keep = f"kept by rank {rank}"
 big = torch.ones(2**22)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+ddp = nanoddp.DistributedDataParallel(model, bucket_cap_mb=1)  # on the default group
+x = torch.randn(64, 512) + rank
+def step():
+    model.zero_grad()
+    ddp(x).sum().backward()
+step()
 def in_comm(frame):
     while frame is not None:
         if f"{os.sep}nanoddp{os.sep}comm{os.sep}" in frame.f_code.co_filename:
@@ -57,13 +66,24 @@ if rank == 1:
 while True:
     comm.all_reduce(big, async_op=True).wait()
 """
+# DDP training: rank 0 blocks in backward, its gradient buckets in flight on the runner thread
+DDP_BLOCKED = """%%distributed
+threading.Thread(target=announce, daemon=True).start()
+if rank == 1:
+    time.sleep(600)
+while True:
+    step()
+"""
 # both ranks loop inside the collective: the interrupt lands in the middle of its messages
 BOTH_INSIDE = """%%distributed
 threading.Thread(target=announce, daemon=True).start()
 while True:
     comm.all_reduce(big)
 """
-# The reference: 1 + 2 on the new group, by nanoddp and by torch.distributed's own all_reduce.
+# The reference: 1 + 2 on the new group, by nanoddp and by torch.distributed's own all_reduce;
+# and the DDP wrapper built before the rebuild (default group: looked up at each call) gives
+# the average of the ranks' local gradients, by torch.distributed. Tolerance: the default for
+# float32, as DDP may divide by the world size before or after summing.
 AFTER = """%%distributed --timeout 60
 s = torch.tensor([float(rank + 1)])
 comm.all_reduce(s)
@@ -72,10 +92,21 @@ dist.all_reduce(t)
 ring = torch.full((2**22,), float(rank + 1))
 comm.all_reduce(ring)
 print("sums", s.item(), t.item(), torch.equal(ring, torch.full_like(ring, 3.0)), keep)
+step()
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+model(x).sum().backward()
+expected = [p.grad.clone() for p in model.parameters()]
+for g in expected:
+    dist.all_reduce(g)
+    g /= world_size
+torch.testing.assert_close(grads, expected)
+print("ddp ok")
 """
 CASES = {
     "one_rank_blocked": (ONE_RANK_BLOCKED, [0]),
     "async_blocked": (ASYNC_BLOCKED, [0]),
+    "ddp_blocked": (DDP_BLOCKED, [0]),
     "both_inside": (BOTH_INSIDE, [0, 1]),
 }
 
@@ -127,6 +158,7 @@ def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
         after = _ok(kc, AFTER)
         for rank in range(WORLD_SIZE):
             assert f"[rank {rank}] sums 3.0 3.0 True kept by rank {rank}\n" in after, after
+            assert f"[rank {rank}] ddp ok\n" in after, after
         expected = ", ".join(f"rank {r} generation 2 (rebuilt)" for r in range(WORLD_SIZE))
         assert f"process group: {expected}" in status, status
         assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]

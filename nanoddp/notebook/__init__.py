@@ -26,8 +26,9 @@ stopped or failed cell may have left communication half-done on any rank, the po
 on every rank (each worker shuts its connections to the others, which fails every pending
 send, receive and collective at once) and rebuilds the default process group in place, from
 a fresh rendezvous: the cell reports "process group rebuilt (generation G)", the workers keep
-their variables, and the next cell's collectives work. Objects bound to the old group stay
-bound to it: create a DDP wrapper (or a subgroup) again after a rebuild. `%dist_status`
+their variables, and the next cell's collectives work. nanoddp's DDP on the default group
+keeps working (it looks the group up at each call); objects holding the old group itself (a
+subgroup, torch's DDP, a wrapper given `process_group=`) must be created again. `%dist_status`
 shows what each worker says about itself: idle/busy and its group's generation.
 
 Limits: cell code is plain Python on the workers (no `%magics` or `!shell` inside a
@@ -388,7 +389,8 @@ class DistributedMagics(Magics):
         if outcome.rebuilt is not None:  # collectives were aborted on every rank (pool.rebuild)
             busy_note = (
                 f"; process group rebuilt (generation {outcome.rebuilt}): in-flight collectives were "
-                "aborted on every rank, variables kept; create DDP wrappers and subgroups again"
+                "aborted on every rank, variables kept; objects holding the old group (subgroups, torch DDP) "
+                "must be created again"
             )
         elif outcome.recovery_error is not None:
             busy_note = f"; {outcome.recovery_error}"

@@ -97,8 +97,9 @@ def rebuild_group(env: Any, init_method: str, timeout_s: float, peer_pids: Itera
 
     nanoddp's per-group state goes too: the collective runners (their threads finish, failing,
     on the old group) and the hang watchdog's sequence numbers, restarted on the new group's
-    store with the same settings. Objects built on the old group (a DDP wrapper, a subgroup)
-    stay bound to it and must be created again."""
+    store with the same settings. Objects holding the old group itself (a subgroup, torch's
+    DDP) stay bound to it and must be created again; nanoddp's DDP on the default group looks
+    the group up at each call, so it goes on working."""
     import torch.distributed as dist
 
     from nanoddp import env as nd
