@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import time
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -130,10 +131,10 @@ def _ok(kc, code: str, timeout: float = 120) -> str:
     return text
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
-    cell, announcing = CASES[case]
+@contextmanager
+def _pool_in_kernel(tmp_path):
+    """A real kernel with 2 workers and SETUP run; yields (kernel manager, client, worker pids).
+    At the end the kernel is SIGKILLed and every worker must be gone (killed here if not)."""
     km = KernelManager(**_kernel_kwargs(tmp_path))
     km.start_kernel(cwd=str(tmp_path))
     kc = km.client()
@@ -143,33 +144,9 @@ def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
         kc.wait_for_ready(timeout=120)
         _ok(kc, f"%load_ext nanoddp.notebook\n%dist_init --num-processes {WORLD_SIZE}")
         text = _ok(kc, "from nanoddp.notebook import current_pool\nprint('pids', current_pool().pids())")
-        pids = [int(p) for p in re.findall(r"\d+", text.split("pids", 1)[1])]
+        pids.extend(int(p) for p in re.findall(r"\d+", text.split("pids", 1)[1]))
         _ok(kc, SETUP)
-
-        inside = lambda t: all(f"[rank {r}] in collective" in t for r in announcing)  # noqa: E731
-        msg_id, _ = _run(kc, cell, until=inside)
-        time.sleep(1.0)  # let rank 0 settle into its blocking wait (the case SIGINT cannot reach)
-        km.interrupt_kernel()
-        reply = _finish(kc, msg_id, timeout=120)
-        assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
-        status = _ok(kc, "%dist_status")  # each worker's own account of itself
-        for rank in range(WORLD_SIZE):
-            assert re.search(rf"^{rank}\s+{pids[rank]}\s+cpu\s+idle\s+\d+ MiB$", status, re.M), status
-        after = _ok(kc, AFTER)
-        for rank in range(WORLD_SIZE):
-            assert f"[rank {rank}] sums 3.0 3.0 True kept by rank {rank}\n" in after, after
-            assert f"[rank {rank}] ddp ok\n" in after, after
-        expected = ", ".join(f"rank {r} generation 2 (rebuilt)" for r in range(WORLD_SIZE))
-        assert f"process group: {expected}" in status, status
-        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
-        same = _ok(kc, "%%distributed\nimport os\nos.getpid()")  # the same processes, not restarted
-        assert sorted(int(p) for p in re.findall(r"\[rank \d\] (\d+)\n", same)) == sorted(pids)
-
-        _ok(kc, "%dist_shutdown")
-        deadline = time.monotonic() + 30
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
+        yield km, kc, pids
     finally:
         kc.stop_channels()
         os.kill(km.provisioner.pid, signal.SIGKILL)  # the workers follow their kernel
@@ -181,3 +158,50 @@ def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
         for pid in leftover:  # do not leave them to the next test, whatever failed above
             os.kill(pid, signal.SIGKILL)
     assert not leftover, f"worker processes {leftover} outlived the kernel"
+
+
+def _check_recovered(kc, pids: list[int]) -> None:
+    """Every rank idle in a rebuilt group, collectives and the old DDP right, same processes;
+    then %dist_shutdown leaves no worker behind."""
+    status = _ok(kc, "%dist_status")  # each worker's own account of itself
+    for rank in range(WORLD_SIZE):
+        assert re.search(rf"^{rank}\s+{pids[rank]}\s+cpu\s+idle\s+\d+ MiB$", status, re.M), status
+    after = _ok(kc, AFTER)
+    for rank in range(WORLD_SIZE):
+        assert f"[rank {rank}] sums 3.0 3.0 True kept by rank {rank}\n" in after, after
+        assert f"[rank {rank}] ddp ok\n" in after, after
+    expected = ", ".join(f"rank {r} generation 2 (rebuilt)" for r in range(WORLD_SIZE))
+    assert f"process group: {expected}" in status, status
+    same = _ok(kc, "%%distributed\nimport os\nos.getpid()")  # the same processes, not restarted
+    assert sorted(int(p) for p in re.findall(r"\[rank \d\] (\d+)\n", same)) == sorted(pids)
+    _ok(kc, "%dist_shutdown")
+    deadline = time.monotonic() + 30
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
+    cell, announcing = CASES[case]
+    with _pool_in_kernel(tmp_path) as (km, kc, pids):
+        inside = lambda t: all(f"[rank {r}] in collective" in t for r in announcing)  # noqa: E731
+        msg_id, _ = _run(kc, cell, until=inside)
+        time.sleep(1.0)  # let rank 0 settle into its blocking wait (the case SIGINT cannot reach)
+        km.interrupt_kernel()
+        reply = _finish(kc, msg_id, timeout=120)
+        assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
+        _check_recovered(kc, pids)
+        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
+
+
+@pytest.mark.timeout(600)
+def test_cell_timeout_in_a_collective_on_a_subset_rebuilds_the_group(tmp_path):
+    """No stop button: the cell timeout stops a collective that only rank 0 joined (%%rank)."""
+    with _pool_in_kernel(tmp_path) as (_, kc, pids):
+        reply, text = _run(kc, "%%rank [0] --timeout 3\ncomm.all_reduce(big)")
+        assert reply["status"] == "error" and reply["ename"] == "DistributedCellError", (reply, text)
+        assert "cell timed out after 3.0s" in reply["evalue"], reply["evalue"]
+        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
+        _check_recovered(kc, pids)
