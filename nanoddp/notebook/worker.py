@@ -327,18 +327,21 @@ class Worker:
         """Run `body` as a cell: busy while it runs, then flush output and report how it went."""
         report: dict[str, Any] = {"status": "ok", "result": None, "error": None}
         started = time.perf_counter()
+        failure = None
         self.channel.busy, self.state = True, "busy"
         try:
             value = body()
         except KeyboardInterrupt as exc:
-            value = NO_VALUE
-            report.update(status="interrupted", error=_error_info(exc), comm_in_flight=comm_in_flight(exc))
+            value, failure = NO_VALUE, exc
+            report.update(status="interrupted", error=_error_info(exc))
         except BaseException as exc:  # SystemExit too: a cell must not end the worker
-            value = NO_VALUE
-            report.update(status="error", error=_error_info(exc), comm_in_flight=comm_in_flight(exc))
+            value, failure = NO_VALUE, exc
+            report.update(status="error", error=_error_info(exc))
         finally:
             self.channel.busy, self.state = False, "idle"
         report["seconds"] = time.perf_counter() - started
+        if failure is not None:  # the kernel rebuilds the group if communication was cut short
+            report["comm_in_flight"] = comm_in_flight(failure)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
