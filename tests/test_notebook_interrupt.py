@@ -205,3 +205,45 @@ def test_cell_timeout_in_a_collective_on_a_subset_rebuilds_the_group(tmp_path):
         assert "cell timed out after 3.0s" in reply["evalue"], reply["evalue"]
         assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
         _check_recovered(kc, pids)
+
+
+# ----------------------------------------------------------------------------- the mechanism alone
+def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float]:
+    """Rank 0 blocks in a receive that rank 1 never sends; rank 1 aborts. Then both rebuild."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import nanoddp.comm as comm
+    from nanoddp.notebook.recovery import abort_collectives, peer_sockets, rebuild_group
+
+    pids = [None] * env.world_size
+    dist.all_gather_object(pids, os.getpid())
+    held = dist.group.WORLD  # something still holds the group: the abort must not depend on it
+    found = len(peer_sockets(pids))
+    error = ""
+    if env.rank == 0:
+        try:
+            dist.irecv(torch.empty(4), src=1, tag=99).wait()  # nobody sends: only the abort ends it
+        except RuntimeError as exc:
+            error = str(exc)
+    else:
+        # (a thread, like the worker's inbox; the moment does not matter: rank 0 waits until it)
+        threading.Timer(0.5, abort_collectives, args=(pids, env.backend)).start()
+    rebuild_group(env, f"file://{store_dir}/store-g2", 60.0, pids)
+    assert dist.group.WORLD is not held
+    t = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(t)
+    c = torch.full((2**20,), float(env.rank + 1))  # 4 MiB: the ring, on the new group
+    comm.all_reduce(c)
+    return found == 1, error, t.item(), c.unique().item()
+
+
+def test_abort_fails_a_blocked_receive_and_the_group_is_rebuilt(tmp_path):
+    from conftest import run_on_ranks
+
+    results = run_on_ranks(_abort_then_rebuild, 2, str(tmp_path), timeout=120)
+    for found, _, total, ring in results:
+        assert found and total == 3.0 and ring == 3.0, results  # 1 + 2, exact in float32
+    assert "Connection closed" in results[0][1], results[0][1]  # gloo's words for the shut socket

@@ -48,8 +48,14 @@ def peer_sockets(peer_pids: Iterable[int]) -> list[int]:
     peer_ends = set()
     for pid in set(peer_pids) - {me}:
         with suppress(psutil.Error):
-            peer_ends.update(c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.raddr)
-    return [c.fd for c in psutil.Process(me).net_connections("tcp") if c.raddr and c.raddr in peer_ends]
+            peer_ends.update(c.laddr for c in _tcp_connections(psutil.Process(pid)) if c.raddr)
+    return [c.fd for c in _tcp_connections(psutil.Process(me)) if c.raddr and c.raddr in peer_ends]
+
+
+def _tcp_connections(process: psutil.Process) -> list:
+    """`net_connections` (psutil >= 6) or its older name, `connections` (pyproject allows 5.9)."""
+    method = getattr(process, "net_connections", None) or process.connections
+    return method("tcp")
 
 
 def abort_collectives(peer_pids: Iterable[int], backend: str) -> int:
