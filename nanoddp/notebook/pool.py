@@ -6,6 +6,12 @@ Transport: one `multiprocessing.connection` Unix socket in a fresh private direc
 interface, and a process that cannot read the directory cannot even reach the socket. The
 process group rendezvous is a `file://` store in the same directory, so no port is used.
 
+Recovery: after a cell that may have left communication half-done (a rank stopped or failed
+inside a collective, or still blocked in one), `rebuild` sends every worker "abort" (its inbox
+thread shuts the connections to the other workers, failing whatever is in flight) and then
+"recover" with the next generation's rendezvous file, `store-g<G>`: a fresh default group on
+every rank, nothing read from the old one (see `nanoddp.notebook.recovery`).
+
 The pool knows nothing of IPython: output goes to a `sink` object (`stream(rank, name, text)`,
 `display(rank, bundle)`), so the magics decide how it looks.
 """
