@@ -39,13 +39,18 @@ def assert_same_grads(a: nn.Module, b: nn.Module, what: str) -> None:
         assert_close(p.grad, q.grad, **TIGHT, msg=lambda m, name=name: f"{what}: {name}: {m}")
 
 
-def case_powersgd_keeps_replicas_equal(env, backend):
+def case_powersgd_keeps_replicas_equal(env, backend, bucket_cap_mb=None):
     """Rank-dependent data, PowerSGD from iteration 2 (vanilla all-reduce before): after every
     step all replicas hold the same parameters, and the hook really compressed (the gradients
-    differ from the exact average once PowerSGD is on)."""
-    # one bucket: PowerSGD issues its second all-reduce from a future callback (a gloo thread),
-    # which with several buckets races the main thread's next bucket on CPU/gloo
-    ddp = DistributedDataParallel(build(), comm_backend=backend)
+    differ from the exact average once PowerSGD is on).
+
+    With several buckets (bucket_cap_mb=0.005: 3), PowerSGD issues each bucket's second
+    all-reduce from a future callback, which gloo runs on its own thread: unless the engine
+    waits for the previous bucket's future before launching the next, ranks issue collectives in
+    different orders (SIGABRT or a hang, as torch's own DDP does on gloo here)."""
+    ddp = DistributedDataParallel(build(), comm_backend=backend, bucket_cap_mb=bucket_cap_mb)
+    if bucket_cap_mb is not None:
+        assert len(ddp.bucket_param_names) > 1
     exact = DistributedDataParallel(build(), comm_backend=backend)
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
@@ -107,7 +112,11 @@ def cases(world_size: int):
     p = functools.partial
     fns = [case_powersgd_keeps_replicas_equal, case_compile_matches_torch_ddp] if world_size == 2 else []
     fns += [case_subgroup_matches_torch] if world_size == 4 else []
-    return [(f"{b}-{fn.__name__.removeprefix('case_')}", p(fn, backend=b)) for b in BACKENDS for fn in fns]
+    out = [(f"{b}-{fn.__name__.removeprefix('case_')}", p(fn, backend=b)) for b in BACKENDS for fn in fns]
+    if world_size == 2:
+        out += [(f"{b}-powersgd_3_buckets", p(case_powersgd_keeps_replicas_equal, backend=b, bucket_cap_mb=0.005))
+                for b in BACKENDS]  # fmt: skip
+    return out
 
 
 def compat_suite(env, out_dir):

@@ -255,6 +255,7 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
         self._hook_counts = [0] * len(self._params)
         self._arrival: list[int] = []  # static_graph's first iteration: first-hook order
         self._next_bucket = 0
+        self._last_hook_future = None
         self._backward_started = False
         self._finalize_queued = False
         self._sync_this_backward = False
@@ -339,8 +340,12 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
                 bucket.buffer.mul_(1.0 / self._divisor)
             bucket.handle = self._collectives.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         else:
+            if self._last_hook_future is not None and bucket.buffer.device.type == "cpu":
+                # gloo runs a hook's future callbacks (PowerSGD's 2nd all-reduce) on its own
+                # threads: let the last bucket's finish first, so all ranks issue the same order
+                self._last_hook_future.wait()
             grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
-            bucket.handle = self._comm_hook(self._comm_hook_state, grad_bucket)
+            bucket.handle = self._last_hook_future = self._comm_hook(self._comm_hook_state, grad_bucket)
 
     # ---- end of backward ------------------------------------------------------------------------
 
