@@ -21,7 +21,7 @@ from suite_runner import run_cases, suites_by_world_size
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from nanoddp import DistributedDataParallel
+from nanoddp import DistributedDataParallel, verify_replicas
 
 BACKENDS = ("torch", "nanoddp")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -121,8 +121,22 @@ def case_torch_mixed_precision_needs_an_accelerator(env, backend):
         theirs(batch(env.rank, 0))
 
 
+def case_join_with_bf16_buckets(env, backend):
+    """Uneven inputs (5 / 3 batches) with bf16 buckets: the joined rank's zero stand-ins must be
+    bf16 too (nanoddp's collectives check the dtype on every rank); replicas end identical."""
+    ddp = DistributedDataParallel(Net(), comm_backend=backend, mixed_precision=_MixedPrecision(BF16, BF16, BF16))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    with ddp.join():
+        for step in range((5, 3)[env.rank]):
+            opt.zero_grad()
+            loss_of(ddp(batch(env.rank, step))).backward()
+            opt.step()
+    verify_replicas(ddp.module, atol=0, comm_backend=backend)
+    assert all(p.dtype == F32 for p in ddp.parameters())
+
+
 def cases(world_size: int):
-    out = []
+    out = [(f"{b}-join", functools.partial(case_join_with_bf16_buckets, backend=b)) for b in BACKENDS]
     for b in BACKENDS:
         out += [
             (f"{b}-{name}", functools.partial(case_matches_reference, backend=b, cfg=cfg))
