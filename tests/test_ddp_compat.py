@@ -18,6 +18,7 @@ from torch.testing import assert_close
 
 from nanoddp import DistributedDataParallel, verify_replicas
 from nanoddp.models import MLPClassifier
+from nanoddp.parallel.hooks import allreduce_hook
 
 BACKENDS = ("torch", "nanoddp")
 B = 4
@@ -54,6 +55,9 @@ def case_powersgd_keeps_replicas_equal(env, backend, bucket_cap_mb=None):
     exact = DistributedDataParallel(build(), comm_backend=backend)
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    assert ddp._serialize_hooks, "a hook from outside nanoddp on CPU: the buckets' hooks are serialised"
+    exact.register_comm_hook(None, allreduce_hook)
+    assert not exact._serialize_hooks, "nanoddp's own hooks keep the buckets overlapping"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(4):
         x, y = batch(env.rank, step)

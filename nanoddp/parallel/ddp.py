@@ -340,10 +340,8 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
                 bucket.buffer.mul_(1.0 / self._divisor)
             bucket.handle = self._collectives.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         else:
-            if self._last_hook_future is not None and bucket.buffer.device.type == "cpu":
-                # gloo runs a hook's future callbacks (PowerSGD's 2nd all-reduce) on its own
-                # threads: let the last bucket's finish first, so all ranks issue the same order
-                self._last_hook_future.wait()
+            if self._serialize_hooks and self._last_hook_future is not None:
+                self._last_hook_future.wait()  # see DDPUserAPI.register_comm_hook
             grad_bucket = GradBucket(bucket, len(self._buckets), self._collectives, self.process_group)
             bucket.handle = self._last_hook_future = self._comm_hook(self._comm_hook_state, grad_bucket)
 

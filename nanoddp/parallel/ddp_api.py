@@ -17,6 +17,8 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 class DDPUserAPI:
     """Mixed into DistributedDataParallel (which owns every attribute used here)."""
 
+    _serialize_hooks = False  # see register_comm_hook
+
     @property
     def bucket_param_names(self) -> list[list[str]]:
         """Parameter names per bucket, in reduction order (for inspection and tests)."""
@@ -43,3 +45,12 @@ class DDPUserAPI:
         if self._sync_iterations > 0:
             raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
         self._comm_hook, self._comm_hook_state = hook, state
+        # gloo (CPU tensors) completes futures, and so runs their callbacks, on its own threads:
+        # a hook that issues collectives from a callback (torch's PowerSGD: its second
+        # all-reduce) would race the next bucket's launch, and ranks would issue collectives in
+        # different orders (an abort or a hang; torch's own DDP fails so). For such hooks the
+        # engine waits for each bucket's future before launching the next hook. nanoddp's own
+        # hooks (and its wrappers of them) issue every collective in the call: no wait, the
+        # buckets keep overlapping.
+        foreign = not getattr(hook, "__module__", "").startswith("nanoddp.")
+        self._serialize_hooks = foreign and all(p.device.type == "cpu" for p in self._params)
