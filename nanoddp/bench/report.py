@@ -204,7 +204,13 @@ def format_summary(data: dict, world_size: int = 2) -> str:
     torch_overlap = rows["torch"]["overlap_fraction"]
     parts = [ratio(e, label) for e, label in (("nanoddp", "nanoddp DDP"), ("nanoddp_torchcomm", "nanoddp DDP over "
              "torch's collectives"), ("zero", "ZeRO-1"), ("allreduce", "manual all-reduce"), ("rs_ag",
-             "manual reduce-scatter + all-gather"), ("nocomm", "no sync at all (the compute ceiling)"))]  # fmt: skip
+             "manual reduce-scatter + all-gather"), ("zero2", "ZeRO-2"), ("fsdp", "nanoddp FSDP"),
+             ("torch_fsdp", "torch FSDP2"), ("nocomm", "no sync at all (the compute ceiling)"))]  # fmt: skip
+    if "fsdp" in rows and "torch_fsdp" in rows:  # the sharding peers, head to head
+        ours, theirs = rows["fsdp"], rows["torch_fsdp"]
+        speed = ours["samples_per_s"] / theirs["samples_per_s"]
+        mb = [row["peak_mem_bytes_per_rank"] / 2**20 for row in (ours, theirs)]
+        parts.append(f"nanoddp FSDP ÷ torch FSDP2 {speed:.2f}× samples/s, peak {mb[0]:.0f} vs {mb[1]:.0f} MB/rank")
     load = meta.get("load_average_before")
     busy = load is not None and load[0] > meta["cpus"]  # more runnable threads than cores
     return (
