@@ -20,6 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ import torch.distributed as dist
 import nanoddp
 from nanoddp import comm
 from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
+from nanoddp.bench.machine import command_line, git_commit
+from nanoddp.comm import ring
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +99,37 @@ def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters:
     return rows
 
 
+# Per-peer bytes of each benchmarked op, for a `size`-byte buffer over `n` ranks (all_gather and
+# reduce_scatter: `size` is the whole gathered/scattered buffer, one rank's part goes to each peer).
+_PER_PEER_BYTES = {
+    "all_reduce": lambda size, n: size,
+    "broadcast": lambda size, n: size,
+    "all_gather": lambda size, n: size // n,
+    "reduce_scatter": lambda size, n: size // n,
+}
+_BULK_ALGORITHM = {
+    "all_reduce": "pipelined ring (reduce-scatter + all-gather)",
+    "broadcast": "pipelined chain",
+    "all_gather": "ring, pieces received in place",
+    "reduce_scatter": "ring",
+}
+
+
+def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
+    """How nanoddp.comm moves this message, from the same switch point the collectives use: data
+    in the header frame (one round, the header check costs nothing extra) or a header round and
+    then the bulk algorithm."""
+    if op == "all_to_all":
+        return "header round (split sizes), then pairwise exchange"
+    if _PER_PEER_BYTES[op](size, n) <= ring.inline_limit_for(n, gloo):
+        return "one round: data in the header frame"
+    return f"header round, then {_BULK_ALGORITHM[op]}"
+
+
 def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
     med_ours, med_torch = (statistics.median(times[:, i].tolist()) for i in range(2))
     factor = BUSBW_FACTOR[op](n)
-    row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0]}
+    row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0], "path": comm_path(op, size, n)}
     for impl, t in (("nanoddp", med_ours), ("torch", med_torch)):
         row[f"{impl}_time_us"] = t * 1e6
         row[f"{impl}_algbw_gbps"] = size / t / 1e9
@@ -135,6 +165,32 @@ def format_table(rows: list[dict]) -> str:
             f"{r['busbw_ratio']:>7.2f}"
         )
     lines.append("busbw in GB/s (nccl-tests convention); ratio = nanoddp busbw / torch busbw")
+    return "\n".join(lines)
+
+
+def format_markdown(data: dict) -> str:
+    """The docs' table: per op, size and world size, the ratio to torch's built-in and the path."""
+    meta, rows = data["meta"], data["results"]
+    caption = (
+        f"gloo, {meta.get('dtype', 'float32')}, {meta.get('cpus', '?')} cores, torch {meta.get('torch', '?')}; "
+        f"median of {meta.get('iters', '?')} paired iterations (x5 below 1 MB), slowest rank per iteration"
+    )
+    if meta.get("date"):
+        caption += f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}"
+    if meta.get("load_average_before"):
+        caption += f"; 1-min load {meta['load_average_before'][0]:.1f}"
+    lines = [
+        caption,
+        "",
+        "| op | ws | size | nanoddp µs | torch µs | ratio (busbw) | nanoddp path |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["op"], r["world_size"], r["size_bytes"])):
+        path = r.get("path") or comm_path(r["op"], r["size_bytes"], r["world_size"])
+        lines.append(
+            f"| {r['op']} | {r['world_size']} | {_human(r['size_bytes'])} | {r['nanoddp_time_us']:,.0f} | "
+            f"{r['torch_time_us']:,.0f} | {r['busbw_ratio']:.2f} | {path} |"
+        )
     return "\n".join(lines)
 
 
@@ -216,6 +272,8 @@ def _run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
         "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
+        "load_average_before": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip
     if args.json:
         write_json(args.json, {"meta": meta, "results": rows})

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from nanoddp.bench.collectives import format_markdown as format_collectives
 from nanoddp.bench.report import format_markdown, format_summary
 from nanoddp.train.snapshot import atomic_write_bytes
 
@@ -35,11 +36,22 @@ def render_text(text: str, root: Path) -> str:
         except (OSError, ValueError) as e:
             raise ValueError(f"bench block names {match['file']}, which cannot be read as JSON ({e})") from None
         if not isinstance(data, dict) or "meta" not in data or "results" not in data:
-            raise ValueError(f"{match['file']} is not a `nanoddp bench train --json` file (no meta/results)")
-        body = format_markdown(data) if match["kind"] == "table" else format_summary(data, int(match["ws"] or 2))
+            raise ValueError(
+                f"{match['file']} is not a `nanoddp bench train|collectives --json` file (no meta/results)"
+            )
+        if _is_collectives(data):
+            body = format_collectives(data)  # one table: the summary is the table
+        elif match["kind"] == "table":
+            body = format_markdown(data)
+        else:
+            body = format_summary(data, int(match["ws"] or 2))
         return f"{match['open']}{body}\n{match['close']}"
 
     return BLOCK.sub(block, text)
+
+
+def _is_collectives(data: dict) -> bool:
+    return bool(data["results"]) and "op" in data["results"][0]
 
 
 def render_files(paths: list[Path], root: Path, check: bool = False) -> list[Path]:

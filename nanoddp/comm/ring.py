@@ -105,9 +105,15 @@ class Peers:
 
 def inline_limit(peers: Peers) -> int:
     """Largest per-peer payload (bytes) that rides in a frame on this group."""
-    if not peers.gloo:
+    return inline_limit_for(peers.size, peers.gloo)
+
+
+def inline_limit_for(world_size: int, gloo: bool) -> int:
+    """`inline_limit` for a group of `world_size` ranks (gloo: what one rank sends in all stays
+    under INLINE_SEND_BYTES; nccl: INLINE_MAX_BYTES, its rounds are cheap)."""
+    if not gloo:
         return INLINE_MAX_BYTES
-    return max(INLINE_MAX_BYTES, INLINE_SEND_BYTES // max(peers.size - 1, 1))
+    return max(INLINE_MAX_BYTES, INLINE_SEND_BYTES // max(world_size - 1, 1))
 
 
 def wait_all(works: Sequence[dist.Work]) -> None:

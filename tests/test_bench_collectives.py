@@ -1,0 +1,56 @@
+"""`nanoddp bench collectives`: real paired runs against torch's built-ins, each row naming the path
+nanoddp.comm took (data in the header frame, or a header round and then the bulk algorithm), and
+the docs' table rendered from the JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import run_on_ranks
+
+from nanoddp.bench import collectives as bench
+from nanoddp.bench.render import render_text
+from nanoddp.comm import ring, runner_for
+
+
+def _limits(env) -> tuple[int, int]:
+    """The switch point the collectives use on this real group, and the bench's formula for it."""
+    peers = runner_for(None).peers
+    return ring.inline_limit(peers), ring.inline_limit_for(env.world_size, gloo=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
+    used, described = run_on_ranks(_limits, world_size)[0]
+    assert used == described
+    below, above = described, described + 4
+    assert bench.comm_path("all_reduce", below, world_size) == "one round: data in the header frame"
+    assert bench.comm_path("all_reduce", above, world_size).startswith("header round, then pipelined ring")
+    # all_gather / reduce_scatter: the per-peer message is one rank's part of the buffer
+    assert bench.comm_path("all_gather", below * world_size, world_size).startswith("one round")
+    assert bench.comm_path("reduce_scatter", (above + 4) * world_size, world_size).startswith("header round")
+
+
+@pytest.mark.timeout(300)
+def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
+    sizes = [4096, 8 << 20]  # one under the gloo one-round limit at ws 2 (3 MB), one over it
+    rows = bench.run_benchmark([2], ["all_reduce", "broadcast"], sizes, iters=2, warmup=1)
+    assert {(r["op"], r["size_bytes"]) for r in rows} == {(op, s) for op in ("all_reduce", "broadcast") for s in sizes}
+    for r in rows:
+        assert r["nanoddp_time_us"] > 0 and r["torch_time_us"] > 0
+        expected = r["nanoddp_busbw_gbps"] / r["torch_busbw_gbps"]
+        torch.testing.assert_close(r["busbw_ratio"], expected)
+        assert r["path"].startswith("one round" if r["size_bytes"] == 4096 else "header round")
+    data = {"meta": {"torch": torch.__version__, "iters": 2, "cpus": 2}, "results": rows}
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "c.json").write_text(json.dumps(data))
+    text = "x\n<!-- bench:table docs/c.json -->\nstale\n<!-- /bench -->\n"
+    rendered = render_text(text, tmp_path)
+    assert "stale" not in rendered
+    lines = [line for line in rendered.splitlines() if line.startswith("| all_reduce | 2 | 8 MB |")]
+    assert len(lines) == 1 and "header round, then pipelined ring" in lines[0]
+    ratio = next(r["busbw_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
+    assert f"| {ratio:.2f} |" in lines[0]
