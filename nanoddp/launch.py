@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import linecache
 import logging
+import marshal
 import multiprocessing as mp
 import os
 import pickle
@@ -22,6 +23,7 @@ import signal
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -242,10 +244,8 @@ def notebook_launch(
     (a big tensor in the notebook's namespace is copied `nprocs` times: load data inside `fn`),
     and what a child changes in them does not come back; return values do.
     """
-    import cloudpickle  # a core dependency, imported here: `launch` alone never needs it
-
     try:
-        payload = cloudpickle.dumps((fn, tuple(args)))
+        payload = _dumps_by_value((fn, tuple(args)))
     except Exception as exc:  # cloudpickle raises many kinds (PicklingError, TypeError, ...)
         raise ValueError(
             f"notebook_launch cannot serialise fn={fn!r} with its args ({type(exc).__name__}: {exc}); "
@@ -272,8 +272,25 @@ def _in_memory_sources() -> dict[str, tuple]:
 def _run_by_value(env: nd.DistEnv, payload: bytes, sources: dict[str, tuple]) -> bytes:
     """Child side of `notebook_launch`: rebuild `fn` and its args, run it, and return its value
     by value too (it may be an instance of a class defined in the notebook)."""
-    import cloudpickle
-
     linecache.cache.update(sources)  # mtime None: linecache.checkcache keeps these entries
     fn, args = pickle.loads(payload)  # cloudpickle's output is read by plain pickle
-    return cloudpickle.dumps(fn(env, *args))
+    return _dumps_by_value(fn(env, *args))
+
+
+def _dumps_by_value(obj: Any) -> bytes:
+    """cloudpickle's bytes for `obj`, with code objects kept whole (marshal): cloudpickle >= 3.1.3
+    renames every function's file to "<dynamic-code>", and the child's traceback could then no
+    longer show the notebook cell's lines from `linecache`."""
+    import io
+
+    import cloudpickle  # a core dependency, imported here: `launch` alone never needs it
+
+    class CodeKeepingPickler(cloudpickle.Pickler):
+        def reducer_override(self, value: Any) -> Any:
+            if isinstance(value, types.CodeType):  # same interpreter on both sides: marshal is exact
+                return marshal.loads, (marshal.dumps(value),)
+            return super().reducer_override(value)
+
+    buffer = io.BytesIO()
+    CodeKeepingPickler(buffer).dump(obj)
+    return buffer.getvalue()
