@@ -265,15 +265,43 @@ def _smollm2_cache(cache_dir: str | Path | None) -> Path:
             del config.quantization_config  # re-home the de-quantized fp32 weights in a plain one
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         lm.load_state_dict(gguf_lm.state_dict())
+        # transformers >= 5.24 writes weights only on rank 0 of an initialised process group; this
+        # copy is private to this process (a temporary directory), so every rank writes its own.
+        lm.should_save_on_this_rank = lambda is_main_process: True
         lm.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        expected = ("config.json", "model.safetensors", "tokenizer.json")
+        missing = [name for name in expected if not (tmp / name).is_file()]
+        if missing:
+            raise RuntimeError(f"converting {gguf.name} wrote no {', '.join(missing)} (transformers "
+                               f"{transformers.__version__}); report it with this message")  # fmt: skip
+        _install_cache(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own temporary copy, when the rename lost
+    return target
+
+
+def _install_cache(tmp: Path, target: Path) -> None:
+    """Rename the converted copy into place. Another process may have won the race (its complete
+    copy stays); a target without config.json is an incomplete older conversion, set aside."""
+    import shutil
+    import tempfile
+
+    try:
+        os.replace(tmp, target)
+        return
+    except OSError:
+        if (target / "config.json").is_file():
+            return
+    stale = Path(tempfile.mkdtemp(prefix=".smollm2-stale-", dir=target.parent))
+    try:
+        os.replace(target, stale / "incomplete")
         os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").is_file():
             raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own temporary copy, when the rename lost
-    return target
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_smollm2_tokenizer(cache_dir: str | Path | None = None):

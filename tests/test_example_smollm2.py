@@ -33,4 +33,4 @@ def test_finetune_example_lowers_the_eval_loss_and_times_one_vs_two_workers():
     assert out.count("sample before:") == 1 and out.count("sample after:") == 1
     rows = re.findall(r"^\s+([12])\s+(\d+\.\d+)\s+", out, re.M)  # the timing table: workers, samples/s
     assert [workers for workers, _ in rows] == ["1", "2"] and all(float(rate) > 0 for _, rate in rows)
-    assert out.rstrip().splitlines()[-1].startswith("verdict:")  # the verdict line comes last
+    assert done.stdout.rstrip().splitlines()[-1].startswith("verdict:")  # the verdict line comes last

@@ -155,3 +155,24 @@ def test_resume_after_one_step_is_bitwise_equal_to_two_steps(tmp_path):
     resumed.train()
     for name, value in resumed.module.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_cache_install_replaces_an_incomplete_copy_and_keeps_a_complete_one(tmp_path):
+    """The converted copy is renamed into place; a target without config.json (an interrupted
+    or rank-gated older conversion) is set aside, a complete one (another rank won) is kept."""
+    from nanoddp.models import _install_cache
+
+    def copy(name: str, files: dict[str, str]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        for file, text in files.items():
+            (path / file).write_text(text)
+        return path
+
+    target = copy("target", {"tokenizer.json": "old"})  # incomplete: no config.json
+    _install_cache(copy("new", {"config.json": "new", "tokenizer.json": "new"}), target)
+    assert (target / "config.json").read_text() == "new" and (target / "tokenizer.json").read_text() == "new"
+    loser = copy("late", {"config.json": "late"})
+    _install_cache(loser, target)  # the race was won already: the complete copy stays
+    assert (target / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late", "target"]  # nothing else left behind
