@@ -1,5 +1,6 @@
 """The benchmark tables in docs/performance.md and README.md are exactly what their committed
-JSON (docs/bench/*.json) renders to, figure for figure, and that JSON keeps its raw samples.
+JSON (docs/bench/*.json) renders to, figure for figure; training JSON keeps its raw samples, and
+collectives JSON rows are consistent with their own timings and the collectives' switch point.
 
 So a table cannot drift from its data: edit a figure by hand, or change the JSON without
 `nanoddp bench render`, and this fails. Nothing is run or measured here.
@@ -19,6 +20,8 @@ from nanoddp.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_FILES = sorted((ROOT / "docs" / "bench").glob("*.json"))
+TRAIN_JSON = [p for p in JSON_FILES if not p.name.startswith("collectives")]  # bench train's files
+COLLECTIVES_JSON = [p for p in JSON_FILES if p.name.startswith("collectives")]
 
 
 @pytest.mark.parametrize("name", DEFAULT_FILES)
@@ -31,7 +34,23 @@ def test_every_table_is_what_its_json_renders_to(name):
     assert render_text(text, ROOT) == text, f"{name} is out of date: run `nanoddp bench render`"
 
 
-@pytest.mark.parametrize("path", JSON_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", COLLECTIVES_JSON, ids=lambda p: p.name)
+def test_committed_collectives_json_is_consistent(path):
+    """Each row's ratio is its two busbw figures' quotient, and its path is what the
+    collectives' own switch point gives for that op, size and world size."""
+    from nanoddp.bench.collectives import BUSBW_FACTOR, comm_path
+
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    assert meta["command"].startswith("nanoddp bench collectives") and len(meta["load_average_before"]) == 3
+    for row in data["results"]:
+        ours, theirs = (row["size_bytes"] / (row[f"{impl}_time_us"] * 1e-6) / 1e9 for impl in ("nanoddp", "torch"))
+        factor = BUSBW_FACTOR[row["op"]](row["world_size"])
+        assert row["busbw_ratio"] == pytest.approx((ours * factor) / (theirs * factor), rel=1e-9)
+        assert row["path"] == comm_path(row["op"], row["size_bytes"], row["world_size"])
+
+
+@pytest.mark.parametrize("path", TRAIN_JSON, ids=lambda p: p.name)
 def test_committed_json_keeps_the_raw_samples_its_rows_come_from(path):
     data = json.loads(path.read_text())
     meta = data["meta"]
