@@ -25,14 +25,11 @@ import torch.distributed as dist
 from nanoddp.env import DistEnv
 from nanoddp.parallel.flat import FlatLayout, Piece
 from nanoddp.train.engines import SHARDED_ENGINES
+from nanoddp.train.ranks import distributed
 
 # A unit of the saved layout: (optimizer index or None for a frozen parameter, numel, shape)
 # for each of its parameters, in flat order.
 UnitLayout = list[tuple[int | None, int, tuple[int, ...]]]
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -57,7 +54,7 @@ def collect(optimizer: torch.optim.Optimizer, engine, zero: bool, env: DistEnv) 
         optimizer.consolidate_state_dict(to=0)
     if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
         states = [optimizer.state_dict()]
-        if _distributed():
+        if distributed():
             states = [None] * env.world_size if env.is_master else None
             dist.gather_object(optimizer.state_dict(), states, dst=0)
         if not env.is_master:

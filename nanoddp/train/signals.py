@@ -17,6 +17,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from nanoddp.train.ranks import distributed
+
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -60,7 +62,7 @@ def agreed_stop(device: torch.device) -> int:
     if not _state["installed"]:
         return 0
     flag = torch.tensor([_state["signum"]], dtype=torch.int32, device=device)  # (1,)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
 

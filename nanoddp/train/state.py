@@ -44,6 +44,7 @@ from nanoddp.parallel.ddp import DistributedDataParallel
 from nanoddp.parallel.dp import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.train import snapshot
+from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +62,6 @@ def unwrap(module: torch.nn.Module | SimpleDDP) -> torch.nn.Module:
     while isinstance(module, (*_WRAPPERS, SimpleDDP)):
         module = module.model if isinstance(module, SimpleDDP) else module.module
     return module
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _rank() -> int:
@@ -136,7 +133,7 @@ def save_state(path: str | Path, **objects: Any) -> Path:
     rank, world_size = _rank(), _world_size()
     rng = snapshot.capture_rng_state()
     rng_per_rank: list[Any] | None = [rng]
-    if _distributed():
+    if distributed():
         rng_per_rank = [None] * world_size if rank == 0 else None
         dist.gather_object(rng, rng_per_rank, dst=0)
     saved = {}
@@ -147,7 +144,7 @@ def save_state(path: str | Path, **objects: Any) -> Path:
         state = {"format": FORMAT, "objects": saved, "rng": rng_per_rank, "world_size": world_size}
         snapshot.save(target, state)
         logger.info("saved state %s (%s)", target, ", ".join(objects))
-    if _distributed():
+    if distributed():
         dist.barrier()  # nobody returns (and maybe loads) before the file exists
     return target
 
@@ -160,7 +157,7 @@ def _resolve(path: str | Path) -> Path | None:
         return Path(path)
     found = snapshot.find_latest_valid(path) if _rank() == 0 else None
     chosen = [str(found[0]) if found else None]
-    if _distributed():
+    if distributed():
         dist.broadcast_object_list(chosen, src=0)  # every rank loads the same file
     return Path(chosen[0]) if chosen[0] else None
 
@@ -205,7 +202,7 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     rng = state["rng"]
     if len(rng) == _world_size():
         snapshot.restore_rng_state(rng[_rank()])
-    elif _distributed() and _rank() == 0:  # one process reading a job's weights (eval, export) needs none
+    elif distributed() and _rank() == 0:  # one process reading a job's weights (eval, export) needs none
         logger.warning(
             "state saved at world size %d, loaded at %d: RNG streams not restored (reseed them)",
             len(rng),
