@@ -65,13 +65,12 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
             "nanoddp.Trainer: "
             + "; ".join(f"{name} describes nanoddp train's built-in setup: {BUILTIN_ONLY[name]}" for name in builtin)
         )
-    config = TrainConfig(
+    return TrainConfig(
         **{"eval_samples": 0, **options},  # the whole eval set unless asked
         model=_class_name(model),  # recorded in config.json and the snapshot's fingerprint
         data=_class_name(dataset),
         zero=isinstance(optimizer, ZeroRedundancyOptimizer),
     )
-    return config
 
 
 def _class_name(obj: Any) -> str:

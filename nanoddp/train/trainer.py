@@ -100,8 +100,6 @@ class Trainer:
         train_set, val_set, spec = build_datasets(
             config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
         )
-        check_data(config, env.world_size, len(train_set))
-        torch.set_num_threads(threads_per_rank(config, env.world_size))
         torch.manual_seed(config.seed)  # identical initial weights on every rank
         module = build_model(config, spec).to(env.device)
         optimizer = make_optimizer(module, config)
@@ -110,12 +108,12 @@ class Trainer:
         )
         trainer = cls.__new__(cls)
         trainer._lock_fd = None  # the launcher's agent holds the run directory
-        trainer.spec = spec
         trainer._setup(config, env, module, optimizer, scheduler, (train_set, val_set), batch_loss_for(None), None)
         return trainer
 
     def _setup(self, config, env, module, optimizer, scheduler, datasets, batch_loss, collate_fn) -> None:
-        """The part every trainer shares: sampler, loader, RNG streams, resume, engine, metrics."""
+        """The part every trainer shares: data checks, threads, sampler, loader, RNG streams,
+        resume, engine, metrics."""
         self.env, self.config, self.run_dir = env, config, Path(config.out)
         self.train_set, self.val_set = datasets
         check_data(config, env.world_size, len(self.train_set))
