@@ -27,10 +27,14 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     used, described = run_on_ranks(_limits, world_size)[0]
     assert used == described
     below, above = described, described + 4
-    assert bench.comm_path("all_reduce", below, world_size) == "one round: data in the header frame"
-    assert bench.comm_path("all_reduce", above, world_size).startswith("header round, then pipelined ring")
-    # all_gather / reduce_scatter: the per-peer message is one rank's part of the buffer
-    assert bench.comm_path("all_gather", below * world_size, world_size).startswith("one round")
+    shape = "exchange" if world_size == 2 else "star via rank 0"
+    assert bench.comm_path("all_reduce", below, world_size) == f"one round ({shape}): data in the frames"
+    assert bench.comm_path("all_reduce", above, world_size).startswith(f"header round ({shape}), then pipelined ring")
+    # all_gather / reduce_scatter: `size` is the whole buffer; in the star, rank 0's frames hold n-1
+    # ranks' shares (all_gather results) or n (reduce_scatter inputs)
+    per_rank = described // (1 if world_size == 2 else world_size - 1)
+    assert bench.comm_path("all_gather", per_rank * world_size, world_size).startswith("one round")
+    assert bench.comm_path("all_gather", (per_rank + 4) * world_size, world_size).startswith("header round")
     assert bench.comm_path("reduce_scatter", (above + 4) * world_size, world_size).startswith("header round")
 
 
@@ -51,6 +55,6 @@ def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
     rendered = render_text(text, tmp_path)
     assert "stale" not in rendered
     lines = [line for line in rendered.splitlines() if line.startswith("| all_reduce | 2 | 8 MB |")]
-    assert len(lines) == 1 and "header round, then pipelined ring" in lines[0]
+    assert len(lines) == 1 and "header round (exchange), then pipelined ring" in lines[0]
     ratio = next(r["busbw_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
     assert f"| {ratio:.2f} |" in lines[0]

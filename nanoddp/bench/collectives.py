@@ -29,7 +29,7 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
 from nanoddp.bench.machine import command_line, git_commit
-from nanoddp.comm import ring
+from nanoddp.comm import frames, ring
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters:
     return rows
 
 
-# Per-peer bytes of each benchmarked op, for a `size`-byte buffer over `n` ranks (all_gather and
-# reduce_scatter: `size` is the whole gathered/scattered buffer, one rank's part goes to each peer).
-_PER_PEER_BYTES = {
+# Each rank's share of a `size`-byte buffer over `n` ranks (all_gather and reduce_scatter: `size`
+# is the whole gathered/scattered buffer, of which each rank holds one part).
+_SHARE_BYTES = {
     "all_reduce": lambda size, n: size,
     "broadcast": lambda size, n: size,
     "all_gather": lambda size, n: size // n,
@@ -117,13 +117,15 @@ _BULK_ALGORITHM = {
 
 def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
     """How nanoddp.comm moves this message, from the same switch point the collectives use: data
-    in the header frame (one round, the header check costs nothing extra) or a header round and
-    then the bulk algorithm."""
+    in the header round's frames (one round, the check costs nothing extra) or a header round and
+    then the bulk algorithm. The header round is one exchange at 2 ranks, a star through rank 0
+    above (`nanoddp.comm.frames`)."""
     if op == "all_to_all":
         return "header round (split sizes), then pairwise exchange"
-    if _PER_PEER_BYTES[op](size, n) <= ring.inline_limit_for(n, gloo):
-        return "one round: data in the header frame"
-    return f"header round, then {_BULK_ALGORITHM[op]}"
+    round_shape = "exchange" if n <= 2 else "star via rank 0"
+    if frames.largest_frame_bytes(op, _SHARE_BYTES[op](size, n), n) <= ring.inline_limit_for(n, gloo):
+        return f"one round ({round_shape}): data in the frames"
+    return f"header round ({round_shape}), then {_BULK_ALGORITHM[op]}"
 
 
 def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:

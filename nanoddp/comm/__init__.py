@@ -8,21 +8,23 @@ So do `reduce_scatter` (list form, here), `all_to_all_single`, `all_to_all`, `ba
 `monitored_barrier`, `batch_isend_irecv` (`nanoddp.comm.alltoall`) and the object collectives
 (`nanoddp.comm.objects`; pickles: trusted ranks only).
 
-Algorithms. Every collective opens with one round of *frames* between all pairs: a header
-(collective, numel, dtype, op, root) so mismatched calls raise the same ValueError on every
-rank instead of hanging. A call that fails its own argument checks on one rank only (an int
-tensor with AVG, a bad root, a wrong output size) takes part in that round too, carrying its
-error message, so every rank raises that rank's error word for word (`nanoddp.comm.checks`);
-with `async_op=True` it is raised by `wait()`. Small messages ride inside that frame, so they cost exactly one round
-(all_reduce: every rank reduces all contributions in rank order — bitwise identical
-everywhere). Larger ones then run a pipelined ring (all_reduce = reduce-scatter + all-gather;
-all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sends (scatter,
-gather).
+Algorithms. Every collective opens with the header round (`nanoddp.comm.frames`): each rank's
+header (collective, numel, dtype, op, root) reaches a place where all of them are checked — one
+exchange between 2 ranks, a star through group rank 0 for more — so mismatched calls raise the
+same ValueError on every rank instead of hanging. A call that fails its own argument checks on
+one rank only (an int tensor with AVG, a bad root, a wrong output size) takes part in that round
+too, carrying its error message, so every rank raises that rank's error word for word
+(`nanoddp.comm.checks`); with `async_op=True` it is raised by `wait()`. Small messages ride inside
+the round's frames, so they cost that one round and nothing more (all_reduce: the contributions
+are reduced in rank order in one place — each rank at 2 ranks, rank 0 in the star — so every rank
+gets bitwise the same result). Larger ones then run a pipelined ring (all_reduce = reduce-scatter
++ all-gather; all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sends
+(scatter, gather).
 
-The switch point (`ring.inline_limit`): on gloo, a payload rides in the frame while what one
-rank sends in that round, (ws-1) x payload, stays within `INLINE_SEND_BYTES`. Below it the
-single round wins because on a CPU host a round trip costs far more than its bytes, and the ring
-needs 2(ws-1) of them plus the header round; above it the ring's smaller per-rank volume,
+The switch point (`ring.inline_limit`, `frames.largest_frame_bytes`): on gloo, a payload rides
+in the frames while what one rank sends in that round stays within `INLINE_SEND_BYTES`. Below it
+the single round wins because on a CPU host a round trip costs far more than its bytes, and the
+ring needs 2(ws-1) of them plus the header round; above it the ring's smaller per-rank volume,
 2(ws-1)/ws x payload, and its pipelining win. The limit was chosen by measuring both side by side
 (docs/performance.md, "Collectives: where the thresholds come from"). On nccl frames travel whole
 (exact sizes), so there the limit stays at `INLINE_MAX_BYTES`.
@@ -49,10 +51,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import ring
-from nanoddp.comm.checks import Prepared, check, check_list, flat, group_root, header, list_on_root, nbytes, op_name
+from nanoddp.comm import frames, ring
+from nanoddp.comm.checks import Prepared, check, check_list, fits, flat, header, land, nbytes, op_name
 from nanoddp.comm.checks import submit as _submit
 from nanoddp.comm.checks import write_back as _write_back
+from nanoddp.comm.frames import others_for, unpack
 from nanoddp.comm.ring import INLINE_MAX_BYTES, INLINE_SEND_BYTES, Peers
 from nanoddp.comm.runner import Work, runner_for
 
@@ -94,90 +97,22 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
     n = peers.size
     if n == 1:
         return
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    received = ring.exchange_frames(
-        peers, _header("all_reduce", tensor, op), [flat if inline else None] * n, tensor.device
-    )
-    if tensor.numel() == 0:
+    flat, header = _flat(tensor), _header("all_reduce", tensor, op)
+    if tensor.numel() == 0 or not fits(peers, "all_reduce", tensor):
+        frames.one_round(peers, header, tensor.device)
+        if tensor.numel():
+            chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
+            ring.ring(peers, chunks, op, reduce_steps=n - 1, gather_steps=n - 1, shift=0)
+        _write_back(tensor, flat)
         return
-    if inline:  # one round: everyone already has everyone's data
-        parts = [flat if p == peers.rank else received[p].view(tensor.dtype) for p in range(n)]
-        ring.reduce_in_rank_order(op, parts, flat)
-    else:
-        chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
-        ring.ring(peers, chunks, op, reduce_steps=n - 1, gather_steps=n - 1, shift=0)
+
+    def combine(pick, p: int) -> torch.Tensor:  # every rank's data, reduced in rank order: bitwise the same everywhere
+        ring.reduce_in_rank_order(op, [pick(q).view(tensor.dtype) for q in range(n)], flat)
+        return flat
+
+    result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=combine, same_for_all=True)
+    land(flat, result)
     _write_back(tensor, flat)
-
-
-def reduce(
-    tensor: torch.Tensor,
-    dst: int,
-    op: ReduceOp = ReduceOp.SUM,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """Reduce `tensor` over the group into global rank `dst`'s tensor (others are left as they were)."""
-    runner = runner_for(group)
-    if runner is None:
-        return None
-
-    def prepare() -> Prepared:
-        check(tensor, "tensor")
-        name = op_name(op, tensor)
-        root = group_root(runner.peers, dst, "dst")
-        return tensor.numel(), lambda: _reduce(runner.peers, tensor, name, root), [tensor]
-
-    return _submit(runner, "reduce", "reduce", prepare, async_op)
-
-
-def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    payloads = [flat if inline and p == root else None for p in range(n)]
-    received = ring.exchange_frames(peers, _header("reduce", tensor, op, root), payloads, tensor.device)
-    if tensor.numel() == 0 or n == 1:
-        return
-    if not inline:
-        ring.chain_reduce(peers, flat, op, root)
-    elif me == root:
-        parts = [flat if p == me else received[p].view(tensor.dtype) for p in range(n)]
-        ring.reduce_in_rank_order(op, parts, flat)
-    if me == root:
-        _write_back(tensor, flat)
-
-
-def broadcast(
-    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> Work | None:
-    """Copy global rank `src`'s tensor into every other rank's `tensor`."""
-    runner = runner_for(group)
-    if runner is None:
-        return None
-
-    def prepare() -> Prepared:
-        check(tensor, "tensor")
-        root = group_root(runner.peers, src, "src")
-        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor]
-
-    return _submit(runner, "broadcast", "broadcast", prepare, async_op)
-
-
-def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    payloads = [flat if inline and me == root else None] * n
-    received = ring.exchange_frames(peers, _header("broadcast", tensor, root=root), payloads, tensor.device)
-    if tensor.numel() == 0 or n == 1 or (inline and me == root):
-        return
-    if inline:
-        flat.copy_(received[root].view(tensor.dtype))
-    else:
-        ring.chain_broadcast(peers, flat, root)
-    if me != root:
-        _write_back(tensor, flat)
 
 
 def all_gather(
@@ -236,18 +171,15 @@ def all_gather_into_tensor(
 def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """outputs: one 1-D contiguous tensor per group rank."""
     n, me = peers.size, peers.rank
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    received = ring.exchange_frames(peers, _header("all_gather", tensor), [flat if inline else None] * n, tensor.device)
+    flat, header = _flat(tensor), _header("all_gather", tensor)
     outputs[me].copy_(flat)
-    if tensor.numel() == 0:
+    if tensor.numel() == 0 or n == 1 or not fits(peers, "all_gather", tensor):
+        frames.one_round(peers, header, tensor.device)
+        if tensor.numel() and n > 1:
+            ring.ring(peers, outputs, None, reduce_steps=0, gather_steps=n - 1, shift=0)
         return
-    if inline:
-        for p in range(n):
-            if p != me:
-                outputs[p].copy_(received[p].view(tensor.dtype))
-    else:
-        ring.ring(peers, outputs, None, reduce_steps=0, gather_steps=n - 1, shift=0)
+    result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=others_for(n))
+    unpack(result, [outputs[q] for q in range(n) if q != me])
 
 
 def reduce_scatter_tensor(
@@ -305,111 +237,38 @@ def reduce_scatter(
 
 def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
     n, me, m = peers.size, peers.rank, output.numel()
-    in_flat = _flat(input)
-    chunks = [in_flat[p * m : (p + 1) * m] for p in range(n)]
-    inline = n == 1 or _nbytes(output) <= ring.inline_limit(peers)
-    payloads = chunks if inline else [None] * n
-    received = ring.exchange_frames(peers, _header("reduce_scatter", output, op), payloads, output.device)
+    in_flat, out_flat, header = _flat(input), _flat(output), _header("reduce_scatter", output, op)
+    if m and (n == 1 or fits(peers, "reduce_scatter", output)):
+        share = m * output.element_size()
+
+        def combine(pick, p: int) -> torch.Tensor:  # chunk p of every rank's input, reduced in rank order
+            out = out_flat if p == me else torch.empty_like(out_flat)  # the star's hub reduces for all
+            ring.reduce_in_rank_order(op, [pick(q).view(output.dtype) for q in range(n)], out)
+            return out
+
+        result = frames.one_round(
+            peers,
+            header,
+            output.device,
+            lambda p: in_flat if p is None else in_flat[p * m : (p + 1) * m],
+            select=lambda whole, p: frames.as_bytes(whole)[p * share : (p + 1) * share],
+            combine=combine,
+        )
+        land(out_flat, result)
+        _write_back(output, out_flat)
+        return
+    frames.one_round(peers, header, output.device)
     if m == 0:
         return
-    out_flat = _flat(output)
-    if inline:
-        parts = [chunks[p] if p == me else received[p].view(output.dtype) for p in range(n)]
-        ring.reduce_in_rank_order(op, parts, out_flat)
-    else:  # reduce in a scratch copy: the caller's input must survive
-        work = peers.scratch("reduce_scatter", n * m, output.dtype, output.device).view(n, m)
-        work.copy_(in_flat.view(n, m))
-        ring.ring(peers, list(work), op, reduce_steps=n - 1, gather_steps=0, shift=-1)
-        out_flat.copy_(work[me])
+    work = peers.scratch("reduce_scatter", n * m, output.dtype, output.device).view(n, m)
+    work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
+    ring.ring(peers, list(work), op, reduce_steps=n - 1, gather_steps=0, shift=-1)
+    out_flat.copy_(work[me])
     _write_back(output, out_flat)
 
 
-def scatter(
-    tensor: torch.Tensor,
-    scatter_list: list[torch.Tensor] | None = None,
-    src: int = 0,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """Global rank `src` sends `scatter_list[i]` to group rank i's `tensor` (the list is read on src only)."""
-    runner = runner_for(group)
-    if runner is None:
-        return None
-
-    def prepare() -> Prepared:
-        check(tensor, "tensor")
-        root = group_root(runner.peers, src, "src")
-        sources = list_on_root(runner.peers, root, scatter_list, "scatter_list", tensor)
-        return tensor.numel(), lambda: _scatter(runner.peers, tensor, sources, root), [tensor]
-
-    return _submit(runner, "scatter", "scatter", prepare, async_op)
-
-
-def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    flats = [_flat(t) for t in sources] if sources is not None else [None] * n
-    payloads = flats if inline else [None] * n
-    received = ring.exchange_frames(peers, _header("scatter", tensor, root=root), payloads, tensor.device)
-    if tensor.numel() == 0:
-        return
-    if me == root:
-        if not inline:
-            ring.wait_all([peers.isend(flats[p], p) for p in range(n) if p != me])
-        flat.copy_(flats[me])
-    elif inline:
-        flat.copy_(received[root].view(tensor.dtype))
-    else:
-        peers.irecv(flat, root).wait()
-    _write_back(tensor, flat)
-
-
-def gather(
-    tensor: torch.Tensor,
-    gather_list: list[torch.Tensor] | None = None,
-    dst: int = 0,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """Every rank's `tensor` into global rank `dst`'s `gather_list` (the list is used on dst only)."""
-    runner = runner_for(group)
-    if runner is None:
-        return None
-
-    def prepare() -> Prepared:
-        check(tensor, "tensor")
-        root = group_root(runner.peers, dst, "dst")
-        targets = list_on_root(runner.peers, root, gather_list, "gather_list", tensor)
-        return tensor.numel(), lambda: _gather(runner.peers, tensor, targets, root), targets or []
-
-    return _submit(runner, "gather", "gather", prepare, async_op)
-
-
-def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat = _flat(tensor)
-    inline = _nbytes(tensor) <= ring.inline_limit(peers)
-    payloads = [flat if inline and p == root else None for p in range(n)]
-    received = ring.exchange_frames(peers, _header("gather", tensor, root=root), payloads, tensor.device)
-    if me != root:
-        if tensor.numel() and not inline:
-            peers.isend(flat, root).wait()
-        return
-    flats = [_flat(t) for t in targets]
-    flats[me].copy_(flat)
-    if tensor.numel() and inline:
-        for p in range(n):
-            if p != me:
-                flats[p].copy_(received[p].view(tensor.dtype))
-    elif tensor.numel():
-        ring.wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
-    for out, f in zip(targets, flats, strict=True):
-        _write_back(out, f)
-
-
-# The rest of torch.distributed's surface, built on the above and on point-to-point (kept in
-# their own modules; imported last because they use this module's collectives).
+# The rooted collectives and the rest of torch.distributed's surface, built the same way or on
+# the above (kept in their own modules; imported last because some use this module's collectives).
 from nanoddp.comm.alltoall import (  # noqa: E402
     all_to_all,
     all_to_all_single,
@@ -423,3 +282,4 @@ from nanoddp.comm.objects import (  # noqa: E402
     gather_object,
     scatter_object_list,
 )
+from nanoddp.comm.rooted import broadcast, gather, reduce, scatter  # noqa: E402

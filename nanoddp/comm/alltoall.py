@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import ring, watchdog
+from nanoddp.comm import frames, ring, watchdog
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
 from nanoddp.comm.ring import Peers
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
@@ -128,10 +128,17 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
     """sends[j] (1-D) goes to group rank j; recvs[i] (1-D) receives group rank i's part for us."""
     n, me = peers.size, peers.rank
     dtype, device = sends[0].dtype, sends[0].device
-    counts = torch.tensor([t.numel() for t in sends] + [t.numel() for t in recvs], dtype=torch.int64)  # (2n,)
+    counts = torch.tensor([t.numel() for t in sends] + [t.numel() for t in recvs], dtype=torch.int64, device=device)
     header = [KIND["all_to_all"], 0, ring.DTYPE_CODES[dtype], -1, -1]
-    received = ring.exchange_frames(peers, header, [counts] * n, device)
-    table = [counts.tolist() if p == me else received[p].view(torch.int64).tolist() for p in range(n)]  # (n, 2n)
+    every = frames.one_round(
+        peers,
+        header,
+        device,
+        lambda p: counts,
+        combine=lambda pick, p: torch.cat([frames.as_bytes(pick(q)) for q in range(n)]),
+        same_for_all=True,
+    )
+    table = frames.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
     wrong = [(i, j) for i in range(n) for j in range(n) if table[i][j] != table[j][n + i]]
     if wrong:
         shown = "; ".join(
@@ -175,7 +182,7 @@ def barrier(
 
 
 def _header_round(peers: Peers, kind: str) -> None:
-    ring.exchange_frames(peers, [KIND[kind], 0, -1, -1, -1], [None] * peers.size, default_device(peers))
+    frames.one_round(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
 
 
 def agree(runner: GroupRunner, kind: str, check_call) -> object:

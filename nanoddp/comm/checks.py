@@ -4,7 +4,7 @@ A collective must fail the same way on every rank, or the ranks that passed thei
 forever for the one that did not. So a check never raises on the calling rank alone: the
 collective's body is replaced by `fail_everywhere`, which takes part in the header round like
 a valid call but sends its error message instead of data. Every rank (the valid ones too) then
-raises that rank's error, word for word (`ring.raise_invalid`), and the group stays usable.
+raises that rank's error, word for word (`frames.raise_invalid`), and the group stays usable.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import ring
+from nanoddp.comm import frames, ring
 from nanoddp.comm.ring import Peers
 from nanoddp.comm.runner import GroupRunner, Work
 
@@ -43,10 +43,10 @@ def submit(runner: GroupRunner, kind: str, name: str, prepare: Callable[[], Prep
 
 def fail_everywhere(peers: Peers, kind: str, name: str, exc: Exception) -> None:
     """The body of an invalid call to `name`: one header round carrying the error, then every rank raises."""
-    code, message = ring.error_frame(name, exc)
+    code, message = frames.error_frame(name, exc)
     header = [KIND[kind], 0, -1, -1, -1]
-    ring.exchange_frames(peers, header, [message] * peers.size, default_device(peers), error=code)
-    raise exc  # not reached: exchange_frames raised the shared error (kept for type checkers)
+    frames.one_round(peers, header, default_device(peers), lambda p: message.to(default_device(peers)), error=code)
+    raise exc  # not reached: one_round raised the shared error (kept for type checkers)
 
 
 def default_device(peers: Peers) -> torch.device:
@@ -129,3 +129,14 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
     """Copy a result computed in `flat` into the caller's tensor, unless `flat` is its view."""
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
+
+
+def fits(peers: Peers, kind: str, tensor: torch.Tensor) -> bool:
+    """Whether a `kind` call with this tensor (each rank's share) rides in the header round's frames."""
+    return frames.largest_frame_bytes(kind, nbytes(tensor), peers.size) <= ring.inline_limit(peers)
+
+
+def land(flat: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a one-round result into `flat`, unless it was computed there."""
+    if result.data_ptr() != flat.data_ptr():
+        flat.copy_(result.view(flat.dtype))

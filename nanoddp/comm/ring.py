@@ -1,17 +1,13 @@
-"""Point-to-point algorithms behind `nanoddp.comm`: frames, the ring, the chain, reductions.
+"""Point-to-point algorithms behind `nanoddp.comm`: the ring, the chain, reductions.
 
 Everything here moves bytes with `torch.distributed.isend`/`irecv` only. Ranks are *group*
 ranks (0..n-1 inside the group); `Peers` passes them to torch as `group_dst`/`group_src`, so
 a subgroup needs no global-rank bookkeeping.
 
-The three shapes of traffic:
+Every collective starts with the header round (`nanoddp.comm.frames`), which checks that the
+ranks agree and, for small messages, already carries the data. Larger messages then take one
+of two shapes of traffic:
 
-* **Frames** (`exchange_frames`): one round in which every rank sends every other rank a
-  fixed-format frame: a small header (which collective, numel, dtype, op, root) and, for
-  small messages, the payload itself. Every collective starts with it, so a rank that passes
-  a tensor of another size or dtype is caught before any data moves, and every rank raises
-  the same error. For small messages the payload rides in the frame, so the check is free:
-  the header *is* the latency-optimal one-round algorithm.
 * **Ring** (`ring`): reduce-scatter then all-gather around ranks 0→1→…→n-1→0. Each chunk is
   cut into pieces; a piece is forwarded the moment it has been received (and reduced), so
   sending, receiving and adding all overlap, and the last reduce-scatter step flows straight
@@ -29,14 +25,11 @@ import torch.distributed as dist
 
 from nanoddp.env import group_ranks
 
-TAG_FRAME = 0x6E6401  # our own tags: user send/recv on the same group cannot steal our messages
 TAG_DATA = 0x6E6402
-TAG_GATHER = 0x6E6403
-HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
-HEADER_BYTES = 64  # 8 int64 slots: the fields above, the inline payload size, an error code, 1 spare
-# Largest payload that rides inside a frame (see comm.py for why): 64 KB on nccl, where frames
-# travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank sends
-# in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
+TAG_GATHER = 0x6E6403  # our own tags: user send/recv on the same group cannot steal our messages
+# Largest payload that rides inside a frame (see nanoddp.comm for why): 64 KB on nccl, where
+# frames travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank
+# sends in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_SEND_BYTES = 3 * 1024 * 1024
 # Pipelining granularity: two pieces per chunk (as gloo's own ring), within these bounds. Each
@@ -75,6 +68,7 @@ class Peers:
         # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
         self.gloo = dist.get_backend(group) == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.cache: dict[object, object] = {}  # per-group state of other modules (frames.buffers)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag if self.gloo else 0)
@@ -119,108 +113,6 @@ def inline_limit_for(world_size: int, gloo: bool) -> int:
 def wait_all(works: Sequence[dist.Work]) -> None:
     for work in works:
         work.wait()
-
-
-# --- frames: the header round, with small payloads inline ---------------------------------
-
-
-def exchange_frames(
-    peers: Peers,
-    header: Sequence[int],
-    payloads: Sequence[torch.Tensor | None],
-    device: torch.device,
-    error: int = 0,
-) -> list[torch.Tensor]:
-    """Send every peer our header (+ `payloads[peer]`, <= inline_limit); check all headers.
-
-    Returns the payload bytes received from each peer (uint8; empty for ourselves). Raises the
-    same ValueError on every rank when the headers disagree, because every rank sees the same
-    table of headers. A rank whose call was invalid (`error` = an ERRORS code) sends its error
-    message as the payload to everyone instead, so every rank raises that rank's error.
-    """
-    n, me = peers.size, peers.rank
-    if n == 1:
-        raise_invalid([[*header, 0, error]], [payloads[0]])
-        return [payloads[0]]
-    limit = inline_limit(peers)
-    frame_bytes = HEADER_BYTES + limit
-    inbox = peers.scratch("inbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
-    outbox = peers.scratch("outbox", n * frame_bytes, torch.uint8, device).view(n, frame_bytes)
-    sends = []
-    for p in range(n):
-        if p == me:
-            continue
-        payload = payloads[p]
-        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        assert nbytes <= limit, f"inline payload of {nbytes} bytes is too large"
-        frame = outbox[p]
-        frame[:HEADER_BYTES].view(torch.int64)[: len(header) + 2] = torch.tensor([*header, nbytes, error])
-        if nbytes:
-            frame[HEADER_BYTES : HEADER_BYTES + nbytes].view(payload.dtype).copy_(payload.reshape(-1))
-        sends.append((frame[: HEADER_BYTES + nbytes] if peers.gloo else frame, p))
-    works = peers.exchange(sends, [(inbox[p], p) for p in range(n) if p != me], TAG_FRAME)
-    wait_all(works)
-    slots = inbox[:, :HEADER_BYTES].view(torch.int64)[:, : len(header) + 2].tolist()  # (n, fields+2)
-    slots[me] = [*header, 0, error]
-    received = [inbox[p, HEADER_BYTES : HEADER_BYTES + slots[p][-2]] for p in range(n)]
-    raise_invalid(slots, [payloads[me] if p == me else received[p] for p in range(n)])
-    check_headers([row[: len(header)] for row in slots])
-    return received
-
-
-# What went wrong with an invalid call, as sent in a frame's error slot (0: the call is valid).
-ERRORS = {1: ValueError, 2: TypeError}
-
-
-def error_frame(name: str, exc: Exception) -> tuple[int, torch.Tensor]:
-    """(error code, message bytes) for a call to `name` that failed this rank's argument checks."""
-    code = 2 if isinstance(exc, TypeError) else 1
-    message = f"{name}\n{exc}".encode()[:INLINE_MAX_BYTES]
-    return code, torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(
-        0, dtype=torch.uint8
-    )
-
-
-def raise_invalid(slots: list[list[int]], payloads: Sequence[torch.Tensor | None]) -> None:
-    """If any rank's call was invalid, raise its error, worded identically on every rank.
-
-    The lowest group rank with an invalid call decides the message and the type; the others
-    are named, so a user sees every rank that erred."""
-    bad = [r for r, row in enumerate(slots) if row[-1] != 0]
-    if not bad:
-        return
-    first = bad[0]
-    name, _, message = bytes(payloads[first].tolist()).decode(errors="replace").partition("\n")
-    others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
-    raise ERRORS[slots[first][-1]](
-        f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "
-        "[raised on every rank of the group; no data moved]"
-    )
-
-
-def check_headers(table: list[list[int]]) -> None:
-    """Raise one ValueError, worded identically on every rank, if the ranks' headers differ."""
-    for field, name in enumerate(HEADER_FIELDS):
-        values = [row[field] for row in table]
-        if len(set(values)) == 1:
-            continue
-        shown = ", ".join(f"rank {r}: {_describe(name, v)}" for r, v in enumerate(values))
-        collective = COLLECTIVES[table[0][0]]
-        raise ValueError(
-            f"nanoddp.comm.{collective}: ranks disagree on {name} ({shown}; ranks are group ranks); "
-            "every rank must call the same collectives in the same order, with tensors of the "
-            "same numel and dtype and the same op/src/dst"
-        )
-
-
-def _describe(name: str, value: int) -> str:
-    if name == "collective":
-        return COLLECTIVES[value]
-    if name == "dtype":
-        return str(DTYPES[value]).removeprefix("torch.")
-    if name == "op":
-        return OPS[value] if value >= 0 else "none"
-    return str(value)
 
 
 # --- reductions -------------------------------------------------------------------------------

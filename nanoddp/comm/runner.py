@@ -28,20 +28,28 @@ class Work:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._result = result
-        self._future: torch.futures.Future = torch.futures.Future()
+        # Made on first `get_future()` (DDP comm hooks ask; a blocking call never does).
+        self._future: torch.futures.Future | None = None
+        self._future_lock = threading.Lock()
         self._watch_token: int | None = None  # this collective's entry in the hang watchdog
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
-        self._done.set()
+        with self._future_lock:
+            self._done.set()
+            if self._future is not None:
+                self._settle(self._future)
+
+    def _settle(self, future: torch.futures.Future) -> None:
+        error = self._error
         if error is None:
-            self._future.set_result(self._result)
+            future.set_result(self._result)
         elif isinstance(error, Exception):
-            self._future.set_exception(error)
+            future.set_exception(error)
         else:  # a torch Future holds Exceptions only; `wait()` still raises the original
             wrapped = RuntimeError(f"collective interrupted by {type(error).__name__}: {error}")
             wrapped.__cause__ = error
-            self._future.set_exception(wrapped)
+            future.set_exception(wrapped)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; re-raise the collective's error (same on every rank) if it failed."""
@@ -66,7 +74,12 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         """A torch Future resolving to the output tensors (what DDP comm hooks return)."""
-        return self._future
+        with self._future_lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._done.is_set():
+                    self._settle(self._future)
+            return self._future
 
 
 class GroupRunner:
@@ -137,6 +150,9 @@ _RUNNERS_LOCK = threading.Lock()
 def runner_for(group: dist.ProcessGroup | None) -> GroupRunner | None:
     """This group's runner, or None (with a warning, like torch) on a rank outside the group."""
     group = group if group is not None else dist.group.WORLD
+    runner = _RUNNERS.get(group)  # the hot path: a runner exists only for a group this rank is in
+    if runner is not None:
+        return runner
     if dist.get_rank(group) < 0:
         logger.warning("this rank is not a member of the group; the collective is skipped")
         return None
