@@ -370,6 +370,32 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
     assert "rank 2: 5" in per_rank[0][0]
 
 
+def _bulk_after_failed_bulk(env) -> None:
+    """Ring and chain receives are posted before the header round's verdict; when the round
+    raises they stay posted, unmatched, and later ring and chain traffic must not land in them."""
+    r = env.rank
+    for _ in range(2):
+        with pytest.raises(ValueError, match="disagree on numel"):
+            comm.all_reduce(torch.ones(BIG + r))  # both ring-sized: receives posted on every rank
+        with pytest.raises(ValueError, match="disagree on numel"):
+            comm.broadcast(torch.ones(BIG + r), src=0)  # chain-sized
+    for numel in (BIG, BIG + 7):
+        x = _randn(numel, torch.float32, seed=r)
+        ours, ref = x.clone(), x.clone()
+        comm.all_reduce(ours)
+        dist.all_reduce(ref)
+        _same(ours, ref, "ring all_reduce after failed ones", exact=False)
+        ours, ref = x.clone(), x.clone()
+        comm.broadcast(ours, src=1)
+        dist.broadcast(ref, src=1)
+        _same(ours, ref, "chain broadcast after failed ones")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bulk_traffic_after_a_failed_header_round(world_size):
+    run_on_ranks(_bulk_after_failed_bulk, world_size, timeout=180)
+
+
 @given(numel=st.integers(0, 10_000), n=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_chunks_and_pieces_cover_everything_once(numel, n, itemsize):
     bounds = ring.balanced_bounds(numel, n)

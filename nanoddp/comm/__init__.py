@@ -74,6 +74,10 @@ _flat, _nbytes, _header = flat, nbytes, header
 # --- the collectives ----------------------------------------------------------------------------
 
 
+def _nothing() -> None:
+    """The bulk phase of an empty message."""
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp = ReduceOp.SUM,
@@ -99,10 +103,10 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
         return
     flat, header = _flat(tensor), _header("all_reduce", tensor, op)
     if tensor.numel() == 0 or not fits(peers, "all_reduce", tensor):
+        chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
+        run = ring.start_ring(peers, chunks, op, n - 1, n - 1, shift=0) if tensor.numel() else _nothing
         frames.one_round(peers, header, tensor.device)
-        if tensor.numel():
-            chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
-            ring.ring(peers, chunks, op, reduce_steps=n - 1, gather_steps=n - 1, shift=0)
+        run()
         _write_back(tensor, flat)
         return
 
@@ -174,9 +178,9 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor)
     flat, header = _flat(tensor), _header("all_gather", tensor)
     outputs[me].copy_(flat)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "all_gather", tensor):
+        run = ring.start_ring(peers, outputs, None, 0, n - 1, shift=0) if tensor.numel() else _nothing
         frames.one_round(peers, header, tensor.device)
-        if tensor.numel() and n > 1:
-            ring.ring(peers, outputs, None, reduce_steps=0, gather_steps=n - 1, shift=0)
+        run()
         return
     result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=others_for(n))
     unpack(result, [outputs[q] for q in range(n) if q != me])
@@ -257,12 +261,14 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
         land(out_flat, result)
         _write_back(output, out_flat)
         return
-    frames.one_round(peers, header, output.device)
     if m == 0:
+        frames.one_round(peers, header, output.device)
         return
     work = peers.scratch("reduce_scatter", n * m, output.dtype, output.device).view(n, m)
+    run = ring.start_ring(peers, list(work), op, n - 1, 0, shift=-1)
+    frames.one_round(peers, header, output.device)
     work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
-    ring.ring(peers, list(work), op, reduce_steps=n - 1, gather_steps=0, shift=-1)
+    run()
     out_flat.copy_(work[me])
     _write_back(output, out_flat)
 

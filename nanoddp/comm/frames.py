@@ -141,13 +141,15 @@ def one_round(
     Raises the same ValueError on every rank when the headers disagree, and every rank raises an
     invalid call's error (`error` != 0: `part` gives its message) word for word. `same_for_all`:
     `combine` gives every rank the same result, so the star computes it once."""
-    if peers.size == 1:
-        own = [*header, 0, error, 0]
-        raise_invalid([own], [part(0) if part else None])
-        return combine(lambda q: part(0), 0) if combine else None
-    if peers.size == 2:
-        return _exchange(peers, list(header), device, part, combine, error)
-    return _star(peers, list(header), device, part, select or _whole, combine, same_for_all, error)
+    try:
+        if peers.size == 1:
+            raise_invalid([[*header, 0, error, 0]], [part(0) if part else None])
+            return combine(lambda q: part(0), 0) if combine else None
+        if peers.size == 2:
+            return _exchange(peers, list(header), device, part, combine, error)
+        return _star(peers, list(header), device, part, select or _whole, combine, same_for_all, error)
+    finally:
+        peers.calls += 1  # every rank counts every round, passed or raised: see Peers.call_tags
 
 
 def others_for(size: int) -> Combine:

@@ -18,15 +18,17 @@ of two shapes of traffic:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nanoddp.env import group_ranks
 
-TAG_DATA = 0x6E6402
-TAG_GATHER = 0x6E6403  # our own tags: user send/recv on the same group cannot steal our messages
+TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
+# The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
+TAG_CALLS = 0x10000000
+CALL_TAG_CYCLE = 1 << 24
 # Largest payload that rides inside a frame (see nanoddp.comm for why): 64 KB on nccl, where
 # frames travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank
 # sends in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
@@ -69,6 +71,16 @@ class Peers:
         self.gloo = dist.get_backend(group) == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.cache: dict[object, object] = {}  # per-group state of other modules (frames.buffers)
+        self.calls = 0  # header rounds run on this group: the same count on every rank
+
+    def call_tags(self) -> tuple[int, int]:
+        """Two tags that belong to the current call alone.
+
+        The bulk phase posts its receives before the header round's verdict; if the round
+        raises, they stay posted, unmatched. With tags of their own no later message can ever
+        land in them (and gloo forgets a receive whose handle was dropped)."""
+        base = TAG_CALLS + 2 * (self.calls % CALL_TAG_CYCLE)
+        return base, base + 1
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag if self.gloo else 0)
@@ -170,7 +182,20 @@ def ring(
     gather_steps: int,
     shift: int,
 ) -> None:
-    """Run `reduce_steps` reduce-scatter steps then `gather_steps` all-gather steps in place.
+    """Run the ring now (see `start_ring`)."""
+    start_ring(peers, chunks, op, reduce_steps, gather_steps, shift)()
+
+
+def start_ring(
+    peers: Peers,
+    chunks: Sequence[torch.Tensor],
+    op: str | None,
+    reduce_steps: int,
+    gather_steps: int,
+    shift: int,
+) -> Callable[[], None]:
+    """Post the ring's first receives now; the returned function runs it: `reduce_steps`
+    reduce-scatter steps then `gather_steps` all-gather steps, in place.
 
     `chunks` are n 1-D contiguous tensors (sizes may differ, even be 0). At step j this rank
     sends chunk (rank - j + shift) to its right neighbour and receives chunk (rank - j - 1 +
@@ -178,26 +203,30 @@ def ring(
     during all-gather it lands in the chunk directly. What is received at step j is exactly
     what is sent at step j+1, so each piece is forwarded as soon as it is ready. After n-1
     reduce steps this rank holds the finished chunk (rank + 1 + shift).
+
+    Callers start the ring before the header round and run it after: a gloo send only starts
+    once the receiver has announced the matching receive, and that announcement then travels
+    during the header round instead of after it (see `Peers.call_tags` for why receives left
+    unmatched by a round that raised are harmless).
     """
     if peers.size == 1:
-        return
+        return lambda: None
     if peers.gloo:
-        _pipelined_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
-    else:
-        _lockstep_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
+        return _start_pipelined_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
+    return lambda: _lockstep_ring(peers, chunks, op, reduce_steps, gather_steps, shift)
 
 
-def _pipelined_ring(
+def _start_pipelined_ring(
     peers: Peers, chunks: Sequence[torch.Tensor], op: str | None, reduce_steps: int, gather_steps: int, shift: int
-) -> None:
+) -> Callable[[], None]:
     """The ring on gloo: every receive posted before any data moves, pieces forwarded one by one.
 
     A gloo send only starts once the receiver has announced its receive, so receives are
     posted early: all-gather receives go straight into their chunks, all up front. That is
     safe although this rank may still be sending from the same chunk: the finished value of a
     piece cannot arrive before our own contribution to it has been received downstream, i.e.
-    before our send has been read. Reduce-scatter receives use scratch slots (tag TAG_DATA,
-    so they match independently of the all-gather ones, tag TAG_GATHER), posted a step ahead.
+    before our send has been read. Reduce-scatter receives use scratch slots (their own tag,
+    so they match independently of the all-gather ones), posted a step ahead.
     """
     n, r = peers.size, peers.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -208,7 +237,8 @@ def _pipelined_ring(
     slots = min(reduce_steps, 2)
     scratch = peers.scratch("ring", slots * longest, chunks[0].dtype, chunks[0].device).view(slots, longest)
     chunk_at = [(r - j - 1 + shift) % n for j in range(steps)]  # chunk received at step j
-    tag_at = [TAG_DATA if j < reduce_steps else TAG_GATHER for j in range(steps)]
+    reduce_tag, gather_tag = peers.call_tags()
+    tag_at = [reduce_tag if j < reduce_steps else gather_tag for j in range(steps)]
 
     def post_recvs(j: int) -> list[dist.Work]:
         c = chunk_at[j]
@@ -217,22 +247,26 @@ def _pipelined_ring(
 
     recvs = {j: post_recvs(j) for j in range(reduce_steps, steps)}
     recvs.update({j: post_recvs(j) for j in range(min(reduce_steps, 2))})
-    first = (r + shift) % n
-    sends = [peers.isend(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
-    for j in range(steps):
-        if j > 0 and j + 1 < reduce_steps:  # slot (j+1) % 2 was freed by step j-1
-            recvs[j + 1] = post_recvs(j + 1)
-        c = chunk_at[j]
-        for (a, b), work in zip(pieces[c], recvs.pop(j), strict=True):
-            work.wait()
-            piece = chunks[c][a:b]
-            if j < reduce_steps:
-                reduce_into(op, piece, scratch[j % 2, a:b])
-                if j == reduce_steps - 1:
-                    finish_avg(op, piece, n)
-            if j + 1 < steps:
-                sends.append(peers.isend(piece, right, tag_at[j + 1]))
-    wait_all(sends)
+
+    def run() -> None:
+        first = (r + shift) % n
+        sends = [peers.isend(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
+        for j in range(steps):
+            if j > 0 and j + 1 < reduce_steps:  # slot (j+1) % 2 was freed by step j-1
+                recvs[j + 1] = post_recvs(j + 1)
+            c = chunk_at[j]
+            for (a, b), work in zip(pieces[c], recvs.pop(j), strict=True):
+                work.wait()
+                piece = chunks[c][a:b]
+                if j < reduce_steps:
+                    reduce_into(op, piece, scratch[j % 2, a:b])
+                    if j == reduce_steps - 1:
+                        finish_avg(op, piece, n)
+                if j + 1 < steps:
+                    sends.append(peers.isend(piece, right, tag_at[j + 1]))
+        wait_all(sends)
+
+    return run
 
 
 def _lockstep_ring(
@@ -262,44 +296,70 @@ def balanced_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 # --- the chain: broadcast and reduce ------------------------------------------------------
 
 
-def chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> None:
-    """root → root+1 → … → root-1; every piece is forwarded as soon as it arrives."""
+def start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Callable[[], None]:
+    """root → root+1 → … → root-1; every piece is forwarded as soon as it arrives. Receives are
+    posted now, the returned function runs it (started before the header round, as `start_ring`)."""
+    return _posted_now_on_gloo(peers, lambda: _start_chain_broadcast(peers, flat, root))
+
+
+def start_chain_reduce(peers: Peers, flat: torch.Tensor, op: str, root: int) -> Callable[[], None]:
+    """root-1 → root-2 → … → root: each rank adds its part to the running result and passes it
+    on. Only the root's `flat` is written; the others accumulate in scratch. Receives are posted
+    now, the returned function runs it (started before the header round, as `start_ring`)."""
+    return _posted_now_on_gloo(peers, lambda: _start_chain_reduce(peers, flat, op, root))
+
+
+def _posted_now_on_gloo(peers: Peers, start: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+    """Post a chain's receives now on gloo; elsewhere (nccl matches by order, not by tag, so nothing
+    may be posted ahead of the header round's frames) post them when it runs."""
+    if peers.gloo:
+        return start()
+    return lambda: start()()
+
+
+def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Callable[[], None]:
     n, r = peers.size, peers.rank
     position = (r - root) % n
     right, left = (r + 1) % n, (r - 1) % n
     pieces = _pieces(flat.numel(), piece_numel(flat.numel(), flat.element_size()))
+    tag = peers.call_tags()[0]
     if position == 0:
-        wait_all([peers.isend(flat[a:b], right) for a, b in pieces])
-        return
-    recvs = [peers.irecv(flat[a:b], left) for a, b in pieces]
-    sends = []
-    for (a, b), work in zip(pieces, recvs, strict=True):
-        work.wait()
-        if position < n - 1:
-            sends.append(peers.isend(flat[a:b], right))
-    wait_all(sends)
+        return lambda: wait_all([peers.isend(flat[a:b], right, tag) for a, b in pieces])
+    recvs = [peers.irecv(flat[a:b], left, tag) for a, b in pieces]
+
+    def run() -> None:
+        sends = []
+        for (a, b), work in zip(pieces, recvs, strict=True):
+            work.wait()
+            if position < n - 1:
+                sends.append(peers.isend(flat[a:b], right, tag))
+        wait_all(sends)
+
+    return run
 
 
-def chain_reduce(peers: Peers, flat: torch.Tensor, op: str, root: int) -> None:
-    """root-1 → root-2 → … → root: each rank adds its part to the running result and passes it
-    on. Only the root's `flat` is written; the others accumulate in scratch."""
+def _start_chain_reduce(peers: Peers, flat: torch.Tensor, op: str, root: int) -> Callable[[], None]:
     n, r = peers.size, peers.rank
     position = (r - root) % n
     toward_root, upstream = (r - 1) % n, (r + 1) % n
     pieces = _pieces(flat.numel(), piece_numel(flat.numel(), flat.element_size()))
+    tag = peers.call_tags()[0]
     if position == n - 1:  # the far end of the chain starts with its own data
-        wait_all([peers.isend(flat[a:b], toward_root) for a, b in pieces])
-        return
+        return lambda: wait_all([peers.isend(flat[a:b], toward_root, tag) for a, b in pieces])
     incoming = peers.scratch("chain", flat.numel(), flat.dtype, flat.device)
-    recvs = [peers.irecv(incoming[a:b], upstream) for a, b in pieces]
-    sends = []
-    for (a, b), work in zip(pieces, recvs, strict=True):
-        work.wait()
+    recvs = [peers.irecv(incoming[a:b], upstream, tag) for a, b in pieces]
+
+    def run() -> None:
+        sends = []
+        for (a, b), work in zip(pieces, recvs, strict=True):
+            work.wait()
+            if position == 0:
+                reduce_into(op, flat[a:b], incoming[a:b])
+            else:
+                reduce_into(op, incoming[a:b], flat[a:b])
+                sends.append(peers.isend(incoming[a:b], toward_root, tag))
+        wait_all(sends)
         if position == 0:
-            reduce_into(op, flat[a:b], incoming[a:b])
-        else:
-            reduce_into(op, incoming[a:b], flat[a:b])
-            sends.append(peers.isend(incoming[a:b], toward_root))
-    wait_all(sends)
-    if position == 0:
-        finish_avg(op, flat, n)
+            finish_avg(op, flat, n)
+
+    return run

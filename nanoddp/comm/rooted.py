@@ -49,9 +49,10 @@ def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("reduce", tensor, op, root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "reduce", tensor):
+        run = ring.start_chain_reduce(peers, flat, op, root) if tensor.numel() and n > 1 else None
         frames.one_round(peers, header, tensor.device)
-        if tensor.numel() and n > 1:
-            ring.chain_reduce(peers, flat, op, root)
+        if run:
+            run()
     else:
 
         def combine(pick, p: int) -> torch.Tensor | None:
@@ -88,9 +89,10 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("broadcast", tensor, root=root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "broadcast", tensor):
+        run = ring.start_chain_broadcast(peers, flat, root) if tensor.numel() and n > 1 else None
         frames.one_round(peers, header, tensor.device)
-        if tensor.numel() and n > 1:
-            ring.chain_broadcast(peers, flat, root)
+        if run:
+            run()
     else:
         result = frames.one_round(
             peers,
