@@ -129,6 +129,14 @@ def test_resume_path_without_a_valid_snapshot_is_an_error(tmp_path, capsys):
     (corrupt / "step-00000005.pt").write_bytes(b"garbage")
     assert cli.main(["train", *FLAGS, "--out", str(tmp_path / "b"), "--resume", str(corrupt.parent)]) == 2
     assert "no valid snapshot" in capsys.readouterr().err
+    (corrupt / "step-00000009.pt").write_bytes(b"more garbage")
+    launched = subprocess.run(  # as a user sees it: the whole of stderr is one line naming both files
+        [sys.executable, "-m", "nanoddp", "train", *FLAGS, "--out", str(tmp_path / "d"),
+         "--resume", str(corrupt.parent)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert launched.returncode == 2 and len(launched.stderr.strip().splitlines()) == 1, launched.stderr
+    assert "2 did not verify" in launched.stderr and "step-00000005.pt" in launched.stderr
     with pytest.raises(ValueError, match="no valid snapshot"):
         Trainer.from_config(replace(SMALL, out=str(tmp_path / "c"), resume=str(empty)), DistEnv.single_process("gloo"))
 

@@ -22,11 +22,14 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 # Outputs of a run, moved aside together by --overwrite.
@@ -170,9 +173,13 @@ def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, An
     path = Path(mode)
     if path.is_dir():
         directory = path / "snapshots" if (path / "snapshots").is_dir() else path
-        found = snapshot.find_latest_valid(directory)
-        if found is None:
-            raise ValueError(f"--resume {mode}: no valid snapshot (step-*.pt) in {directory}")
+        skipped: list[str] = []
+        found = snapshot.find_latest_valid(directory, skipped)
+        if found is None:  # one line, the reasons included: the launcher prints just this
+            why = f" ({len(skipped)} did not verify: {'; '.join(skipped)})" if skipped else ""
+            raise ValueError(f"--resume {mode}: no valid snapshot (step-*.pt) in {directory}{why}")
+        for reason in skipped:
+            logger.warning("skipping snapshot: %s", reason)
         return found
     try:
         return path, snapshot.load(path)

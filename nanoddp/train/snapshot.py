@@ -112,13 +112,17 @@ def list_snapshots(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def find_latest_valid(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest snapshot that verifies, with its state; bad ones are skipped with a warning."""
+def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest snapshot that verifies, with its state. Bad ones are skipped: why, appended to
+    `skipped` when given (the caller reports it, e.g. inside its one error line), else logged."""
     for _, path in list_snapshots(directory):
         try:
             return path, load(path)
         except SnapshotError as exc:
-            logger.warning("skipping snapshot: %s", exc)
+            if skipped is None:
+                logger.warning("skipping snapshot: %s", exc)
+            else:
+                skipped.append(str(exc))
     return None
 
 
