@@ -66,3 +66,27 @@ def test_socket_dir_of_a_killed_kernel_is_removed_by_the_next_start(tmp_path, mo
     finally:
         kernel.kill()
         kernel.wait()
+
+
+DEEP_KERNEL = """
+import os
+from nanoddp.notebook.pool import WorkerPool
+pool = WorkerPool(2, "gloo", ["cpu", "cpu"], num_threads=1, pg_timeout_s=60)
+pool.start(timeout_s=120)
+socket_dir = pool._dir
+print(socket_dir, flush=True)
+pool.shutdown()
+print(os.path.exists(socket_dir), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_temp_dir_too_deep_for_a_unix_socket_still_starts_the_pool(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)  # a socket path under it would pass Linux's 107 bytes
+    deep.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-c", DEEP_KERNEL], capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "TMPDIR": str(deep)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    socket_dir, exists_after = proc.stdout.split()
+    assert Path(socket_dir).parent == Path(handshake.SHORT_TEMP)  # the short fallback, not the deep dir
+    assert exists_after == "False"  # and it is removed at shutdown

@@ -70,12 +70,30 @@ def authenticate(conn: Connection, authkey: bytes, accepted: queue.Queue) -> Non
     accepted.put((conn, hello))
 
 
+SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path on Linux (sun_path holds 108, NUL included)
+SHORT_TEMP = "/tmp"
+
+
+def socket_dir_parent() -> str:
+    """Where the private socket dir goes: the temp dir, unless a socket path in it would be too
+    long for a Unix socket (a deep TMPDIR), then /tmp; if neither will do, say how to fix it."""
+    for parent in dict.fromkeys([tempfile.gettempdir(), SHORT_TEMP]):
+        longest = os.path.join(parent, f"{DIR_PREFIX}{os.getpid()}-{'x' * 8}", "sock")  # mkdtemp adds 8
+        if len(os.fsencode(longest)) <= SOCKET_PATH_MAX and os.access(parent, os.W_OK):
+            return parent
+    raise PoolError(
+        f"the temp dir {tempfile.gettempdir()!r} is too long for a Unix socket path ({SOCKET_PATH_MAX} bytes) "
+        f"and {SHORT_TEMP} is not writable; set TMPDIR to a short writable directory"
+    )
+
+
 def remove_stale_dirs() -> None:
     """Remove socket dirs left by notebook kernels that were killed (their pid is gone)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*"):
-        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
-            shutil.rmtree(path, ignore_errors=True)
+    for parent in dict.fromkeys([tempfile.gettempdir(), SHORT_TEMP]):
+        for path in Path(parent).glob(f"{DIR_PREFIX}*"):
+            pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def accept_workers(listener: Listener, address: str, authkey: bytes, workers: list, deadline: float) -> None:

@@ -35,7 +35,14 @@ from typing import Any, Protocol
 
 import psutil
 
-from nanoddp.notebook.handshake import DIR_PREFIX, PoolError, accept_workers, remove_stale_dirs, wait_ready
+from nanoddp.notebook.handshake import (
+    DIR_PREFIX,
+    PoolError,
+    accept_workers,
+    remove_stale_dirs,
+    socket_dir_parent,
+    wait_ready,
+)
 from nanoddp.notebook.processes import catch_sigint, spawn_worker, terminate
 
 logger = logging.getLogger(__name__)
@@ -144,7 +151,7 @@ class WorkerPool:
         remove_stale_dirs()
         # mode 0700: private to this user; named by our pid so a later start can remove it if
         # this process is killed before its own cleanup runs
-        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=socket_dir_parent())
         address = os.path.join(self._dir, "sock")
         authkey = secrets.token_bytes(32)
         # No authkey here: Listener.accept would run the handshake inline, so one connection that
