@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from nanoddp.comm import frames, ring
@@ -100,7 +99,7 @@ def list_on_root(peers: Peers, root: int, tensors: Sequence[torch.Tensor] | None
 
 def group_root(peers: Peers, rank: int, what: str) -> int:
     """Translate a global src/dst rank into a group rank, or raise."""
-    world = dist.get_world_size()
+    world = peers.world_size
     if not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"{what} must be a global rank in [0, {world}), got {rank!r}")
     if rank not in peers.global_ranks:

@@ -273,9 +273,9 @@ def raise_invalid(table: list[list[int]], payloads: Sequence[torch.Tensor | None
 
     The lowest group rank with an invalid call decides the message and the type; the others
     are named, so a user sees every rank that erred."""
-    bad = [r for r, row in enumerate(table) if row[SLOT_ERROR] != 0]
-    if not bad:
+    if not any(row[SLOT_ERROR] for row in table):
         return
+    bad = [r for r, row in enumerate(table) if row[SLOT_ERROR] != 0]
     first = bad[0]
     name, _, message = bytes(payloads[first].tolist()).decode(errors="replace").partition("\n")
     others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
@@ -287,6 +287,9 @@ def raise_invalid(table: list[list[int]], payloads: Sequence[torch.Tensor | None
 
 def check_headers(table: list[list[int]]) -> None:
     """Raise one ValueError, worded identically on every rank, if the ranks' headers differ."""
+    first = table[0][: len(HEADER_FIELDS)]
+    if all(row[: len(HEADER_FIELDS)] == first for row in table):
+        return
     for field, name in enumerate(HEADER_FIELDS):
         values = [row[field] for row in table]
         if len(set(values)) == 1:
