@@ -18,6 +18,8 @@ of two shapes of traffic:
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -93,6 +95,15 @@ class Peers:
             return self.group.recv([tensor], peer, tag)
         return dist.irecv(tensor, group=self.group, group_src=peer)
 
+    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
+        """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo
+        send writes it into the socket on the posting thread, so posted here it would hold up
+        receiving and reducing the next piece (docs/performance.md, "the bulk phase"). All of a
+        bulk phase's sends go this way, so they reach gloo in the order they were made."""
+        if not self.gloo:
+            return self.isend(tensor, peer, tag)
+        return _background_send(self.group, tensor, peer, tag)
+
     def exchange(
         self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], tag: int = TAG_DATA
     ) -> list[dist.Work]:
@@ -112,6 +123,50 @@ class Peers:
             buf = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
             self._scratch[(name, device)] = buf
         return buf[:nbytes].view(dtype)
+
+
+class BackgroundSend:
+    """A send handed to the background sender: `wait()` returns once it was posted and is done."""
+
+    __slots__ = ("_error", "_posted", "_work")
+
+    def __init__(self) -> None:
+        self._posted = threading.Event()
+        self._work: dist.Work | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._posted.wait()
+        if self._error is not None:
+            raise self._error
+        self._work.wait()
+
+
+_SENDS: queue.SimpleQueue | None = None  # one sender thread per process, for every group
+_SENDS_LOCK = threading.Lock()
+
+
+def _background_send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> BackgroundSend:
+    global _SENDS
+    with _SENDS_LOCK:
+        if _SENDS is None:
+            _SENDS = queue.SimpleQueue()
+            threading.Thread(target=_send_loop, args=(_SENDS,), name="nanoddp-sender", daemon=True).start()
+    handle = BackgroundSend()
+    _SENDS.put((handle, group, tensor, peer, tag))
+    return handle
+
+
+def _send_loop(sends: queue.SimpleQueue) -> None:
+    """Post queued sends in order (FIFO keeps each pair's messages in the order they were made)."""
+    while True:
+        handle, group, tensor, peer, tag = sends.get()
+        try:
+            handle._work = group.send([tensor], peer, tag)
+        except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
+            handle._error = exc
+        finally:
+            handle._posted.set()
 
 
 def inline_limit(peers: Peers) -> int:
@@ -158,12 +213,24 @@ def reduce_in_rank_order(op: str, parts: Sequence[torch.Tensor], out: torch.Tens
     Every rank combines the same parts in the same order, so all ranks get bitwise the same
     result (DDP replicas must not drift apart by rounding).
     """
+    later = {p.data_ptr() for p in parts[2:]}
+    if out.dtype not in LOW_PRECISION and len(parts) > 1 and out.data_ptr() not in later:
+        # Straight into `out` (it may be parts[0] or parts[1]: elementwise, each is read before it
+        # is written): the accumulator's additions in the same order, without its two copies.
+        _FIRST_PAIR[op](parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            reduce_into(op, out, part)
+        finish_avg(op, out, len(parts))
+        return
     acc_dtype = torch.float32 if out.dtype in LOW_PRECISION else out.dtype
     acc = parts[0].to(acc_dtype, copy=True)
     for part in parts[1:]:
         reduce_into(op, acc, part)
     finish_avg(op, acc, len(parts))
     out.copy_(acc.view_as(out))
+
+
+_FIRST_PAIR = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
 
 
 # --- the ring ---------------------------------------------------------------------------------
@@ -255,7 +322,7 @@ def _start_pipelined_ring(
 
     def run() -> None:
         first = (r + shift) % n
-        sends = [peers.isend(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
+        sends = [peers.post_send(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
         for j in range(steps):
             if j > 0 and j + 1 < reduce_steps:  # slot (j+1) % 2 was freed by step j-1
                 recvs[j + 1] = post_recvs(j + 1)
@@ -268,7 +335,7 @@ def _start_pipelined_ring(
                     if j == reduce_steps - 1:
                         finish_avg(op, piece, n)
                 if j + 1 < steps:
-                    sends.append(peers.isend(piece, right, tag_at[j + 1]))
+                    sends.append(peers.post_send(piece, right, tag_at[j + 1]))
         wait_all(sends)
 
     return run
@@ -329,7 +396,7 @@ def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Calla
     pieces = _pieces(flat.numel(), piece_numel(flat.numel(), flat.element_size()))
     tag = peers.call_tags()[0]
     if position == 0:
-        return lambda: wait_all([peers.isend(flat[a:b], right, tag) for a, b in pieces])
+        return lambda: wait_all([peers.post_send(flat[a:b], right, tag) for a, b in pieces])
     recvs = [peers.irecv(flat[a:b], left, tag) for a, b in pieces]
 
     def run() -> None:
@@ -337,7 +404,7 @@ def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Calla
         for (a, b), work in zip(pieces, recvs, strict=True):
             work.wait()
             if position < n - 1:
-                sends.append(peers.isend(flat[a:b], right, tag))
+                sends.append(peers.post_send(flat[a:b], right, tag))
         wait_all(sends)
 
     return run
@@ -350,7 +417,7 @@ def _start_chain_reduce(peers: Peers, flat: torch.Tensor, op: str, root: int) ->
     pieces = _pieces(flat.numel(), piece_numel(flat.numel(), flat.element_size()))
     tag = peers.call_tags()[0]
     if position == n - 1:  # the far end of the chain starts with its own data
-        return lambda: wait_all([peers.isend(flat[a:b], toward_root, tag) for a, b in pieces])
+        return lambda: wait_all([peers.post_send(flat[a:b], toward_root, tag) for a, b in pieces])
     incoming = peers.scratch("chain", flat.numel(), flat.dtype, flat.device)
     recvs = [peers.irecv(incoming[a:b], upstream, tag) for a, b in pieces]
 
@@ -362,7 +429,7 @@ def _start_chain_reduce(peers: Peers, flat: torch.Tensor, op: str, root: int) ->
                 reduce_into(op, flat[a:b], incoming[a:b])
             else:
                 reduce_into(op, incoming[a:b], flat[a:b])
-                sends.append(peers.isend(incoming[a:b], toward_root, tag))
+                sends.append(peers.post_send(incoming[a:b], toward_root, tag))
         wait_all(sends)
         if position == 0:
             finish_avg(op, flat, n)
