@@ -690,15 +690,21 @@ def out_is_a_file(ctx: Ctx) -> tuple[bool, str]:
 
 @probe("4.2", "`--out` read-only", BEFORE_WORKERS)
 def out_is_read_only(ctx: Ctx) -> tuple[bool | None, str]:
-    if os.geteuid() == 0:
-        return None, "skipped (root): chmod does not stop root from writing"
+    """chmod 555 does not stop root, so as root the dir is made immutable (chattr +i), which does."""
     read_only = ctx.dir / "ro"
     read_only.mkdir()
-    read_only.chmod(0o555)
+    as_root = os.geteuid() == 0
+    if as_root and subprocess.run(["chattr", "+i", str(read_only)], capture_output=True).returncode != 0:
+        return None, "skipped (root, and chattr +i is not available here)"
+    if not as_root:
+        read_only.chmod(0o555)
     try:
-        return refusal(ctx.nanoddp("train", *flags(out=read_only / "run")), "not writable|[Pp]ermission")
+        return refusal(ctx.nanoddp("train", *flags(out=read_only / "run")), "not writable|[Pp]ermission|[Rr]ead-only")
     finally:
-        read_only.chmod(0o755)
+        if as_root:
+            subprocess.run(["chattr", "-i", str(read_only)], capture_output=True)
+        else:
+            read_only.chmod(0o755)
 
 
 @probe("4.3", "corrupt `--resume` file", BEFORE_WORKERS)
