@@ -86,14 +86,10 @@ class Peers:
         return base, base + 1
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
-        if self.gloo:  # the process group's own send, by group rank: c10d's wrapper costs ~8 us a call
-            return self.group.send([tensor], peer, tag)
-        return dist.isend(tensor, group=self.group, group_dst=peer)
+        return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag if self.gloo else 0)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
-        if self.gloo:
-            return self.group.recv([tensor], peer, tag)
-        return dist.irecv(tensor, group=self.group, group_src=peer)
+        return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag if self.gloo else 0)
 
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
         """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo

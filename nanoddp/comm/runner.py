@@ -93,6 +93,10 @@ class GroupRunner:
         self._pending = 0
         self._thread: threading.Thread | None = None
 
+    # Never traced by torch.compile (a compiled DDP forward reaches collectives): a collective is
+    # I/O on shared buffers (its header slots are written through numpy views, which dynamo would
+    # turn into writes on copies), so it runs eagerly and dynamo breaks the graph around it.
+    @torch.compiler.disable
     def submit(
         self, name: str, numel: int, body: Callable[[], None], result: list[torch.Tensor], async_op: bool
     ) -> Work | None:
