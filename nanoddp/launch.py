@@ -20,7 +20,6 @@ import pickle
 import queue
 import shutil
 import signal
-import tempfile
 import time
 import traceback
 import types
@@ -30,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from nanoddp import env as nd
+from nanoddp.tempdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def launch(
     backend = backend or nd.default_backend(nprocs)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    rendezvous_dir = tempfile.mkdtemp(prefix="nanoddp-rdzv-")
+    rendezvous_dir = make_private_dir("nanoddp-rdzv-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
     base_env = nd.DistEnv(0, 0, nprocs, nprocs, 0, nd.device_for(backend, 0), backend)
     procs = []

@@ -1,5 +1,6 @@
 """No leftovers: `bench restarts` and the runs it starts remove every temp dir (theirs and
-torchelastic's), and the notebook's socket dir does not outlive a killed kernel."""
+torchelastic's), and the notebook's socket dir, `launch`'s and the agent's temp dirs do not
+outlive a killed process for longer than the next start."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nanoddp import launch, tempdirs
 from nanoddp.notebook import handshake
 
 
@@ -90,3 +92,26 @@ def test_a_temp_dir_too_deep_for_a_unix_socket_still_starts_the_pool(tmp_path):
     socket_dir, exists_after = proc.stdout.split()
     assert Path(socket_dir).parent == Path(handshake.SHORT_TEMP)  # the short fallback, not the deep dir
     assert exists_after == "False"  # and it is removed at shutdown
+
+
+def _noop(env) -> int:
+    return env.rank
+
+
+@pytest.mark.timeout(120)
+def test_dirs_of_killed_runs_are_removed_by_the_next_one(tmp_path, monkeypatch):
+    """SIGKILL skips a run's own cleanup: `nanoddp.launch` and the `nanoddp train` agent name their
+    temp dirs by pid, and the next one removes those whose process is gone (a live one's stays)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = [tmp_path / f"{prefix}{dead.pid}-abcd1234" for prefix in ("nanoddp-rdzv-", "nanoddp-torchrun-")]
+    live = tmp_path / f"nanoddp-torchrun-{os.getpid()}-live0000"
+    for path in [*stale, live]:
+        path.mkdir()
+    assert launch(_noop, 2) == [0, 1]  # runs in the same temp dir
+    assert not stale[0].exists() and stale[1].exists()
+    made = Path(tempdirs.make_private_dir("nanoddp-torchrun-"))  # what the agent does at start
+    assert not stale[1].exists() and live.is_dir()
+    assert made.name.startswith(f"nanoddp-torchrun-{os.getpid()}-") and made.parent == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, made.name])  # launch removed its own

@@ -8,11 +8,9 @@ cleanup must not leave its dir behind forever.
 
 from __future__ import annotations
 
-import getpass
 import logging
 import os
 import queue
-import shutil
 import socket
 import tempfile
 import threading
@@ -27,9 +25,8 @@ from multiprocessing.connection import (
     deliver_challenge,
     wait,
 )
-from pathlib import Path
 
-import psutil
+from nanoddp import tempdirs
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +87,7 @@ def socket_dir_parent() -> str:
 def remove_stale_dirs() -> None:
     """Remove socket dirs left by notebook kernels that were killed (their pid is gone)."""
     for parent in dict.fromkeys([tempfile.gettempdir(), SHORT_TEMP]):
-        for path in Path(parent).glob(f"{DIR_PREFIX}*"):
-            pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
-            if pid.isdigit() and not psutil.pid_exists(int(pid)) and path.owner() == getpass.getuser():
-                shutil.rmtree(path, ignore_errors=True)
+        tempdirs.remove_stale_dirs(DIR_PREFIX, parent)
 
 
 def accept_workers(listener: Listener, address: str, authkey: bytes, workers: list, deadline: float) -> None:

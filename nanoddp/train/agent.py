@@ -15,11 +15,11 @@ import secrets
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from nanoddp import env as nd
 from nanoddp.comm.watchdog import HANG_EXIT_CODE
+from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals, snapshot
 from nanoddp.train.config import TrainConfig
 
@@ -44,7 +44,7 @@ def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = Fal
         _quiet_torchrun_logs()
     torchrun_argv, rendezvous_store = private_rendezvous(torchrun_argv)
     print(f"nanoddp: torchrun {' '.join(torchrun_argv)}", file=sys.stderr)
-    log_dir = tempfile.mkdtemp(prefix="nanoddp-torchrun-")  # else torchelastic leaves its own
+    log_dir = make_private_dir("nanoddp-torchrun-")  # else torchelastic leaves its own
     try:
         run(get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_argv]))
     except ChildFailedError as exc:
