@@ -29,7 +29,12 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     below, above = described, described + 4
     shape = "exchange" if world_size == 2 else "star via rank 0"
     assert bench.comm_path("all_reduce", below, world_size) == f"one round ({shape}): data in the frames"
-    assert bench.comm_path("all_reduce", above, world_size).startswith(f"header round ({shape}), then pipelined ring")
+    path = bench.comm_path("all_reduce", above, world_size)
+    assert path.startswith(f"header round ({shape}), with its first ") and path.endswith(
+        ": pipelined ring (reduce-scatter + all-gather)"
+    )
+    early = ring.early_bytes(above // world_size, gloo=True)  # the ring's chunk starts with early data
+    assert f"first {bench._human(early)} early" in path
     # all_gather / reduce_scatter: `size` is the whole buffer; in the star, rank 0's frames hold n-1
     # ranks' shares (all_gather results) or n (reduce_scatter inputs)
     per_rank = described // (1 if world_size == 2 else world_size - 1)
@@ -55,6 +60,6 @@ def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
     rendered = render_text(text, tmp_path)
     assert "stale" not in rendered
     lines = [line for line in rendered.splitlines() if line.startswith("| all_reduce | 2 | 8 MB |")]
-    assert len(lines) == 1 and "header round (exchange), then pipelined ring" in lines[0]
+    assert len(lines) == 1 and "header round (exchange), with its first 4 MB early: pipelined ring" in lines[0]
     ratio = next(r["busbw_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
     assert f"| {ratio:.2f} |" in lines[0]

@@ -373,12 +373,24 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 def _bulk_after_failed_bulk(env) -> None:
     """Ring and chain receives are posted before the header round's verdict; when the round
     raises they stay posted, unmatched, and later ring and chain traffic must not land in them."""
-    r = env.rank
+    r, n = env.rank, env.world_size
     for _ in range(2):
         with pytest.raises(ValueError, match="disagree on numel"):
             comm.all_reduce(torch.ones(BIG + r))  # both ring-sized: receives posted on every rank
         with pytest.raises(ValueError, match="disagree on numel"):
             comm.broadcast(torch.ones(BIG + r), src=0)  # chain-sized
+        # Early data (ring.early_bytes) goes out before the verdict. Sizes of another power of two:
+        # the early pieces' tags differ, so they never meet a receive of the wrong size.
+        with pytest.raises(ValueError, match="disagree on numel"):
+            comm.all_reduce(torch.ones(BIG * (1 + r)))
+        with pytest.raises(ValueError, match="disagree on numel"):
+            comm.broadcast(torch.ones(BIG * (1 + r)), src=0)
+        # The same early size in two collectives: the pieces meet, and the round still raises.
+        with pytest.raises(ValueError, match="disagree on collective"):
+            if r == 0:
+                comm.all_gather_into_tensor(torch.empty(n * BIG), torch.ones(BIG))
+            else:
+                comm.all_reduce(torch.ones(n * BIG))
     for numel in (BIG, BIG + 7):
         x = _randn(numel, torch.float32, seed=r)
         ours, ref = x.clone(), x.clone()
@@ -389,6 +401,10 @@ def _bulk_after_failed_bulk(env) -> None:
         comm.broadcast(ours, src=1)
         dist.broadcast(ref, src=1)
         _same(ours, ref, "chain broadcast after failed ones")
+        ours, ref = torch.empty(n * numel), torch.empty(n * numel)
+        comm.all_gather_into_tensor(ours, x)
+        dist.all_gather_into_tensor(ref, x)
+        _same(ours, ref, "ring all_gather after failed ones")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -396,7 +412,7 @@ def test_bulk_traffic_after_a_failed_header_round(world_size):
     run_on_ranks(_bulk_after_failed_bulk, world_size, timeout=180)
 
 
-@given(numel=st.integers(0, 10_000), n=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
+@given(numel=st.integers(0, 3_000_000), n=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_chunks_and_pieces_cover_everything_once(numel, n, itemsize):
     bounds = ring.balanced_bounds(numel, n)
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
@@ -407,3 +423,10 @@ def test_chunks_and_pieces_cover_everything_once(numel, n, itemsize):
         pieces = ring._pieces(b - a, step)
         assert sum(y - x for x, y in pieces) == b - a
         assert all(0 < (y - x) * itemsize <= ring.PIECE_MAX_BYTES for x, y in pieces)
+        early = ring.early_bytes((b - a) * itemsize, gloo=True) // itemsize
+        assert early == 0 or (b - a) * itemsize >= ring.EARLY_MIN_BYTES
+        after = ring._pieces_after(b - a, early, step)
+        assert sum(y - x for x, y in after) == b - a and all(
+            p[1] == q[0] for p, q in zip(after, after[1:], strict=False)
+        )
+        assert not early or after[0] == (0, early)

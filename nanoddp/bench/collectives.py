@@ -1,9 +1,9 @@
 """`nanoddp bench collectives`: nanoddp.comm against torch.distributed, side by side.
 
 For every collective, message size and world size, both implementations run in the same
-processes on the same tensors, iteration by iteration in alternation, so machine noise hits
-both alike. Each iteration is timed on every rank after a barrier; an iteration's time is the
-slowest rank's, and the median over iterations is reported.
+processes on the same tensors, iteration by iteration in alternation (who goes first flips each
+iteration), so machine noise hits both alike. Each iteration is timed on every rank after a
+barrier; an iteration's time is the slowest rank's, and the median over iterations is reported.
 
 Bandwidth follows the nccl-tests convention: algbw = size / time and busbw = algbw * factor,
 with factor 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter (whose size is
@@ -81,6 +81,17 @@ def _time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _time_pair(ours: Callable[[], object], theirs: Callable[[], object], i: int) -> list[float]:
+    """[ours, theirs] seconds for iteration i; who goes first flips every iteration, so neither side
+    always runs right after the other: an op's time depends on what ran just before it on the same
+    connections and caches, so a fixed order would favour one side."""
+    if i % 2:
+        theirs_s = _time_once(theirs)
+        return [_time_once(ours), theirs_s]
+    ours_s = _time_once(ours)
+    return [ours_s, _time_once(theirs)]
+
+
 def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int) -> list[dict]:
     """Runs on every rank; returns (on every rank) one row per (op, size) with both timings."""
     torch.set_num_threads(1)  # one core per rank at most: ranks share the host's cores
@@ -91,7 +102,7 @@ def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters:
             for _ in range(warmup):
                 ours(), theirs()
             count = iters * 5 if size < SMALL_BYTES else iters
-            times = torch.tensor([[_time_once(ours), _time_once(theirs)] for _ in range(count)])  # (I, 2)
+            times = torch.tensor([_time_pair(ours, theirs, i) for i in range(count)])  # (I, 2)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             rows.append(_row(op, size, n, times))
             if env.is_master:
@@ -116,16 +127,22 @@ _BULK_ALGORITHM = {
 
 
 def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
-    """How nanoddp.comm moves this message, from the same switch point the collectives use: data
-    in the header round's frames (one round, the check costs nothing extra) or a header round and
-    then the bulk algorithm. The header round is one exchange at 2 ranks, a star through rank 0
-    above (`nanoddp.comm.frames`)."""
+    """How nanoddp.comm moves this message, from the same switch points the collectives use: data
+    in the header round's frames (one round, the check costs nothing extra) or the bulk algorithm
+    after the header round, whose first piece travels *with* the round where `ring.early_bytes`
+    allows. The header round is one exchange at 2 ranks, a star through rank 0 above
+    (`nanoddp.comm.frames`)."""
     if op == "all_to_all":
         return "header round (split sizes), then pairwise exchange"
     round_shape = "exchange" if n <= 2 else "star via rank 0"
-    if frames.largest_frame_bytes(op, _SHARE_BYTES[op](size, n), n) <= ring.inline_limit_for(n, gloo):
+    share = _SHARE_BYTES[op](size, n)
+    one_round = frames.largest_frame_bytes(op, share, n) <= ring.inline_limit_for(n, gloo)
+    if one_round:
         return f"one round ({round_shape}): data in the frames"
-    return f"header round ({round_shape}), then {_BULK_ALGORITHM[op]}"
+    first_piece = share // n if op == "all_reduce" else share  # the ring's chunk, the chain's message
+    early = ring.early_bytes(first_piece, gloo)
+    timing = f"with its first {_human(early)} early" if early else "then"
+    return f"header round ({round_shape}), {timing}: {_BULK_ALGORITHM[op]}"
 
 
 def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:

@@ -265,9 +265,9 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
         frames.one_round(peers, header, output.device)
         return
     work = peers.scratch("reduce_scatter", n * m, output.dtype, output.device).view(n, m)
-    run = ring.start_ring(peers, list(work), op, n - 1, 0, shift=-1)
-    frames.one_round(peers, header, output.device)
     work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
+    run = ring.start_ring(peers, list(work), op, n - 1, 0, shift=-1)  # sends its first piece now
+    frames.one_round(peers, header, output.device)
     run()
     out_flat.copy_(work[me])
     _write_back(output, out_flat)

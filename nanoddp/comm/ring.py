@@ -31,6 +31,12 @@ TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot ste
 # The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
 TAG_CALLS = 0x10000000
 CALL_TAG_CYCLE = 1 << 24
+# Early data (`early_bytes`): the first piece of call k, 2**e bytes, travels under tag
+# TAG_EARLY + 32 (k mod EARLY_TAG_CYCLE) + e, so it can only land in a receive of the same size.
+TAG_EARLY = 0x20000000
+EARLY_TAG_CYCLE = 1 << 20
+EARLY_MIN_BYTES = 64 * 1024
+EARLY_MAX_BYTES = 4 * 1024 * 1024
 # Largest payload that rides inside a frame (see nanoddp.comm for why): 64 KB on nccl, where
 # frames travel whole; on gloo, where only the bytes used travel, as much as keeps what one rank
 # sends in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
@@ -84,6 +90,10 @@ class Peers:
         land in them (and gloo forgets a receive whose handle was dropped)."""
         base = TAG_CALLS + 2 * (self.calls % CALL_TAG_CYCLE)
         return base, base + 1
+
+    def early_tag(self, nbytes: int) -> int:
+        """The tag of this call's early piece of `nbytes` bytes (a power of two, see `early_bytes`)."""
+        return TAG_EARLY + 32 * (self.calls % EARLY_TAG_CYCLE) + nbytes.bit_length() - 1
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag if self.gloo else 0)
@@ -178,6 +188,21 @@ def inline_limit_for(world_size: int, gloo: bool) -> int:
     return max(INLINE_MAX_BYTES, INLINE_SEND_BYTES // max(world_size - 1, 1))
 
 
+def early_bytes(nbytes: int, gloo: bool) -> int:
+    """How many leading bytes of an `nbytes` message go out *with* the header round, before its
+    verdict: the largest power of two <= nbytes, at most EARLY_MAX_BYTES; 0 below EARLY_MIN_BYTES
+    and on nccl (which matches messages by order, so nothing may overtake the header's frames).
+
+    Sending data before the ranks know they agree is safe because of the size: gloo aborts the
+    process when a message is larger than the receive it lands in, and this piece's tag names its
+    size (`Peers.early_tag`), so it can only meet a receive of exactly its size. If the ranks
+    disagree, the round raises on every rank and an unmatched early send or receive stays posted
+    under a tag no later call uses (as `Peers.call_tags`)."""
+    if not gloo or nbytes < EARLY_MIN_BYTES:
+        return 0
+    return min(1 << (nbytes.bit_length() - 1), EARLY_MAX_BYTES)
+
+
 def wait_all(works: Sequence[dist.Work]) -> None:
     for work in works:
         work.wait()
@@ -242,6 +267,12 @@ def _pieces(length: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
+def _pieces_after(length: int, first: int, step: int) -> list[tuple[int, int]]:
+    """[0, first) as one piece (if first > 0), then the rest in pieces of `step`."""
+    rest = [(first + a, first + b) for a, b in _pieces(length - first, step)]
+    return [(0, first), *rest] if first else rest
+
+
 def ring(
     peers: Peers,
     chunks: Sequence[torch.Tensor],
@@ -300,25 +331,39 @@ def _start_pipelined_ring(
     right, left = (r + 1) % n, (r - 1) % n
     steps = reduce_steps + gather_steps
     longest = max(c.numel() for c in chunks)
-    step = piece_numel(longest, chunks[0].element_size())
-    pieces = [_pieces(c.numel(), step) for c in chunks]
+    itemsize = chunks[0].element_size()
+    step = piece_numel(longest, itemsize)
+    # Every chunk's first piece is early data (`early_bytes`, sized by the smallest chunk, which all
+    # ranks agree on): step 0 sends it now, so it travels during the header round.
+    early = early_bytes(min(c.numel() for c in chunks) * itemsize, peers.gloo) // itemsize  # elements
+    pieces = [_pieces_after(c.numel(), early, step) for c in chunks]
     slots = min(reduce_steps, 2)
     scratch = peers.scratch("ring", slots * longest, chunks[0].dtype, chunks[0].device).view(slots, longest)
     chunk_at = [(r - j - 1 + shift) % n for j in range(steps)]  # chunk received at step j
     reduce_tag, gather_tag = peers.call_tags()
     tag_at = [reduce_tag if j < reduce_steps else gather_tag for j in range(steps)]
+    early_tag = peers.early_tag(early * itemsize) if early else None
+
+    def tag_of(j: int, i: int) -> int:  # piece i of step j
+        return early_tag if early and j == 0 and i == 0 else tag_at[j]
 
     def post_recvs(j: int) -> list[dist.Work]:
         c = chunk_at[j]
         target = scratch[j % 2] if j < reduce_steps else chunks[c]
-        return [peers.irecv(target[a:b], left, tag_at[j]) for a, b in pieces[c]]
+        return [peers.irecv(target[a:b], left, tag_of(j, i)) for i, (a, b) in enumerate(pieces[c])]
 
     recvs = {j: post_recvs(j) for j in range(reduce_steps, steps)}
     recvs.update({j: post_recvs(j) for j in range(min(reduce_steps, 2))})
+    first = (r + shift) % n
+    # Posted on this thread, not by the background sender: a gloo send posted from another thread
+    # while this one posts the header round's frames on the same pair hung about 1 run in 5 on a
+    # loaded machine (tests/test_comm.py, test_bulk_traffic_after_a_failed_header_round[3]).
+    early_send = [peers.isend(chunks[first][:early], right, early_tag)] if early else []
 
     def run() -> None:
-        first = (r + shift) % n
-        sends = [peers.post_send(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first]]
+        sends = early_send + [
+            peers.post_send(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first][len(early_send) :]
+        ]
         for j in range(steps):
             if j > 0 and j + 1 < reduce_steps:  # slot (j+1) % 2 was freed by step j-1
                 recvs[j + 1] = post_recvs(j + 1)
@@ -386,21 +431,28 @@ def _posted_now_on_gloo(peers: Peers, start: Callable[[], Callable[[], None]]) -
 
 
 def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Callable[[], None]:
+    """The chain's first piece is early data (`early_bytes`): the root sends it now, so it travels
+    during the header round; the others follow the verdict."""
     n, r = peers.size, peers.rank
     position = (r - root) % n
     right, left = (r + 1) % n, (r - 1) % n
-    pieces = _pieces(flat.numel(), piece_numel(flat.numel(), flat.element_size()))
+    itemsize = flat.element_size()
+    early = early_bytes(flat.numel() * itemsize, peers.gloo) // itemsize  # elements
     tag = peers.call_tags()[0]
+    pieces = [(a, b, tag) for a, b in _pieces_after(flat.numel(), early, piece_numel(flat.numel(), itemsize))]
+    if early:
+        pieces[0] = (0, early, peers.early_tag(early * itemsize))
     if position == 0:
-        return lambda: wait_all([peers.post_send(flat[a:b], right, tag) for a, b in pieces])
-    recvs = [peers.irecv(flat[a:b], left, tag) for a, b in pieces]
+        first = [peers.isend(flat[:early], right, pieces[0][2])] if early else []  # this thread: see the ring
+        return lambda: wait_all(first + [peers.post_send(flat[a:b], right, t) for a, b, t in pieces[len(first) :]])
+    recvs = [peers.irecv(flat[a:b], left, t) for a, b, t in pieces]
 
     def run() -> None:
         sends = []
-        for (a, b), work in zip(pieces, recvs, strict=True):
+        for (a, b, t), work in zip(pieces, recvs, strict=True):
             work.wait()
             if position < n - 1:
-                sends.append(peers.post_send(flat[a:b], right, tag))
+                sends.append(peers.post_send(flat[a:b], right, t))
         wait_all(sends)
 
     return run
