@@ -121,6 +121,8 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous tensor with `tensor`'s values: a view when possible, else a copy."""
+    if tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor  # the common case (flat buckets, 1-D buffers): no view op to pay for
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 

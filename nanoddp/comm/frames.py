@@ -68,6 +68,21 @@ class FrameBuffers:
         self._in = in_slots.numpy() if cpu else in_slots
         self._out = out_slots.numpy() if cpu else out_slots
 
+        # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
+        # training loop sends the same few sizes over and over. Cleared when it grows large.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
+        views = self._views.get((peer, nbytes))
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            end = HEADER_BYTES + nbytes
+            out_row, in_row = self.out_rows[peer], self.in_rows[peer]
+            views = self._views[(peer, nbytes)] = (out_row[HEADER_BYTES:end], out_row[:end], in_row[HEADER_BYTES:end])
+        return views
+
     def fill(self, peer: int, slots: Sequence[int], payload: torch.Tensor | None, exact: bool) -> torch.Tensor:
         """Write `slots` (8 ints) and `payload` into the outbox row for `peer`; return what to send
         (only the bytes used, unless `exact`: nccl receives need the sizes they posted)."""
@@ -75,17 +90,17 @@ class FrameBuffers:
             self._out[peer] = torch.tensor(slots, dtype=torch.int64, device=self._out.device)
         else:
             self._out[peer] = slots
-        row = self.out_rows[peer]
         nbytes = slots[SLOT_NBYTES]
+        room, frame, _ = self._views_for(peer, nbytes)
         if nbytes:
-            row[HEADER_BYTES : HEADER_BYTES + nbytes].copy_(as_bytes(payload))
-        return row if exact else row[: HEADER_BYTES + nbytes]
+            room.copy_(as_bytes(payload))
+        return self.out_rows[peer] if exact else frame
 
     def slots(self, peer: int) -> list[int]:
         return self._in[peer].tolist()
 
     def payload(self, peer: int, nbytes: int) -> torch.Tensor:
-        return self.in_rows[peer][HEADER_BYTES : HEADER_BYTES + nbytes]
+        return self._views_for(peer, nbytes)[2]
 
 
 # How many ranks' worth of data the largest frame of a one-round collective holds, in the star
@@ -109,7 +124,7 @@ def largest_frame_bytes(kind: str, share_bytes: int, size: int) -> int:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes (any dtype)."""
-    flat = tensor.reshape(-1)
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
@@ -143,7 +158,7 @@ def one_round(
     `combine` gives every rank the same result, so the star computes it once."""
     try:
         if peers.size == 1:
-            raise_invalid([[*header, 0, error, 0]], [part(0) if part else None])
+            raise_invalid([[*header, 0, error, 0]], lambda q: part(0) if part else None)
             return combine(lambda q: part(0), 0) if combine else None
         if peers.size == 2:
             return _exchange(peers, list(header), device, part, combine, error)
@@ -192,7 +207,7 @@ def _exchange(
     theirs = bufs.slots(other)
     received = bufs.payload(other, theirs[SLOT_NBYTES])
     table = [mine, theirs] if me == 0 else [theirs, mine]
-    raise_invalid(table, [outgoing if q == me else received for q in range(2)])
+    raise_invalid(table, lambda q: outgoing if q == me else received)
     check_headers(table)
     if combine is None:
         return None
@@ -228,7 +243,7 @@ def _star(
     table = [mine] + [bufs.slots(p) for p in range(1, n)]
     wholes = [whole] + [bufs.payload(p, table[p][SLOT_NBYTES]) for p in range(1, n)]
     try:
-        raise_invalid(table, wholes)
+        raise_invalid(table, wholes.__getitem__)
         check_headers(table)
     except (ValueError, TypeError) as exc:
         message = torch.frombuffer(bytearray(str(exc).encode()[:ERROR_ROOM]), dtype=torch.uint8).to(device)
@@ -268,7 +283,7 @@ def error_frame(name: str, exc: Exception) -> tuple[int, torch.Tensor]:
     )
 
 
-def raise_invalid(table: list[list[int]], payloads: Sequence[torch.Tensor | None]) -> None:
+def raise_invalid(table: list[list[int]], payload_of: Callable[[int], torch.Tensor | None]) -> None:
     """If any rank's call was invalid, raise its error, worded identically on every rank.
 
     The lowest group rank with an invalid call decides the message and the type; the others
@@ -277,7 +292,7 @@ def raise_invalid(table: list[list[int]], payloads: Sequence[torch.Tensor | None
         return
     bad = [r for r, row in enumerate(table) if row[SLOT_ERROR] != 0]
     first = bad[0]
-    name, _, message = bytes(payloads[first].tolist()).decode(errors="replace").partition("\n")
+    name, _, message = bytes(payload_of(first).tolist()).decode(errors="replace").partition("\n")
     others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
     raise ERRORS[table[first][SLOT_ERROR]](
         f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "

@@ -104,16 +104,18 @@ class GroupRunner:
 
         The hang watchdog sees the collective from submission (the moment this rank entered
         it, as far as its peers can tell) until its body finishes."""
-        work = Work(result)
-        work._watch_token = watchdog.begin(name, numel, self.peers.global_ranks)
+        token = watchdog.begin(name, numel, self.peers.global_ranks)
         with self._mutex:
             inline = not async_op and self._pending == 0
             self._pending += 1
             if not inline:
+                work = Work(result)
+                work._watch_token = token
                 self._start_thread()
                 self._queue.put((body, work))
-        if inline:  # nothing queued ahead of us: skip the thread hand-off
-            self._execute(body, work)
+        if inline:  # nothing queued ahead of us: run it here, no thread hand-off and no handle
+            self._run_inline(body, token)
+            return None
         if async_op:
             return work
         work.wait()
@@ -129,6 +131,16 @@ class GroupRunner:
         while True:
             body, work = self._queue.get()
             self._execute(body, work)
+
+    def _run_inline(self, body: Callable[[], None], token: int | None) -> None:
+        """A blocking call with nothing queued ahead: its errors reach the caller directly."""
+        try:
+            with self._running:
+                body()
+        finally:
+            with self._mutex:
+                self._pending -= 1
+            watchdog.end(token)
 
     def _execute(self, body: Callable[[], None], work: Work) -> None:
         """Run one body; whatever it raises, even a BaseException such as KeyboardInterrupt, goes
