@@ -207,8 +207,7 @@ def _exchange(
     theirs = bufs.slots(other)
     received = bufs.payload(other, theirs[SLOT_NBYTES])
     table = [mine, theirs] if me == 0 else [theirs, mine]
-    raise_invalid(table, lambda q: outgoing if q == me else received)
-    check_headers(table)
+    check_table(table, lambda q: outgoing if q == me else received)
     if combine is None:
         return None
     own = part(me) if part else None
@@ -243,8 +242,7 @@ def _star(
     table = [mine] + [bufs.slots(p) for p in range(1, n)]
     wholes = [whole] + [bufs.payload(p, table[p][SLOT_NBYTES]) for p in range(1, n)]
     try:
-        raise_invalid(table, wholes.__getitem__)
-        check_headers(table)
+        check_table(table, wholes.__getitem__)
     except (ValueError, TypeError) as exc:
         message = torch.frombuffer(bytearray(str(exc).encode()[:ERROR_ROOM]), dtype=torch.uint8).to(device)
         code = 2 if isinstance(exc, TypeError) else 1
@@ -264,10 +262,16 @@ def _star(
 
 
 def _send_down(peers: Peers, bufs: FrameBuffers, payloads: list[torch.Tensor | None], code: int, exact: bool) -> None:
-    sends = []
+    """Send group rank p its down frame with `payloads[p]`. Ranks given the same payload object
+    (a broadcast's data, an all_reduce's sum, a verdict) share one frame: one fill, not n-1."""
+    sends: list[tuple[torch.Tensor, int]] = []
     for p in range(1, peers.size):
-        nbytes = 0 if payloads[p] is None else payloads[p].numel() * payloads[p].element_size()
-        sends.append((bufs.fill(p, [code, 0, 0, 0, 0, nbytes, 0, 0], payloads[p], exact), p))
+        payload = payloads[p]
+        if p > 1 and payload is payloads[p - 1]:
+            sends.append((sends[-1][0], p))
+            continue
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        sends.append((bufs.fill(p, [code, 0, 0, 0, 0, nbytes, 0, 0], payload, exact), p))
     wait_all(peers.exchange(sends, [], TAG_FRAME))
 
 
@@ -281,6 +285,15 @@ def error_frame(name: str, exc: Exception) -> tuple[int, torch.Tensor]:
     return code, torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(
         0, dtype=torch.uint8
     )
+
+
+def check_table(table: list[list[int]], payload_of: Callable[[int], torch.Tensor | None]) -> None:
+    """Raise, identically on every rank, if any rank's call was invalid or the headers differ."""
+    first = table[0][:SLOT_NBYTES]
+    if all(row[:SLOT_NBYTES] == first and not row[SLOT_ERROR] for row in table):
+        return  # the common case, decided in one pass
+    raise_invalid(table, payload_of)
+    check_headers(table)
 
 
 def raise_invalid(table: list[list[int]], payload_of: Callable[[int], torch.Tensor | None]) -> None:
