@@ -136,8 +136,7 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
         return "header round (split sizes), then pairwise exchange"
     round_shape = "exchange" if n <= 2 else "star via rank 0"
     share = _SHARE_BYTES[op](size, n)
-    one_round = frames.largest_frame_bytes(op, share, n) <= ring.inline_limit_for(n, gloo)
-    if one_round:
+    if frames.rides_in_frames(op, share, n, gloo):
         return f"one round ({round_shape}): data in the frames"
     first_piece = share // n if op == "all_reduce" else share  # the ring's chunk, the chain's message
     early = ring.early_bytes(first_piece, gloo)
@@ -290,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
     meta = {
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
-        "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES,
+        "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES, "gather_bulk_bytes": ring.GATHER_BULK_BYTES,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
         "load_average_before": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip

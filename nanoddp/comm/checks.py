@@ -134,7 +134,7 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
 
 def fits(peers: Peers, kind: str, tensor: torch.Tensor) -> bool:
     """Whether a `kind` call with this tensor (each rank's share) rides in the header round's frames."""
-    return frames.largest_frame_bytes(kind, nbytes(tensor), peers.size) <= ring.inline_limit(peers)
+    return frames.rides_in_frames(kind, nbytes(tensor), peers.size, peers.gloo)
 
 
 def land(flat: torch.Tensor, result: torch.Tensor) -> None:

@@ -122,6 +122,14 @@ def largest_frame_bytes(kind: str, share_bytes: int, size: int) -> int:
     return _STAR_SHARES[kind](size) * share_bytes
 
 
+def rides_in_frames(kind: str, share_bytes: int, size: int, gloo: bool) -> bool:
+    """Whether a one-round `kind` with `share_bytes` per rank carries its data in the frames on a
+    group of `size` ranks (else its bulk path runs after the header round)."""
+    if gloo and kind == "all_gather" and share_bytes >= ring.GATHER_BULK_BYTES:
+        return False
+    return largest_frame_bytes(kind, share_bytes, size) <= ring.inline_limit_for(size, gloo)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes (any dtype)."""
     flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
