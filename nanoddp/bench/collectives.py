@@ -284,6 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS + EXTRA_OPS)}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    load_before = list(os.getloadavg())  # what else kept the cores busy, read before we add to it
     rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup)
     print(format_table(rows))
     meta = {
@@ -291,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
         "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES, "gather_bulk_bytes": ring.GATHER_BULK_BYTES,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-        "load_average_before": list(os.getloadavg()), "command": command_line(),
+        "load_average_before": load_before, "load_average_after": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip
     if args.json:
         write_json(args.json, {"meta": meta, "results": rows})
