@@ -30,6 +30,11 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     shape = "exchange" if world_size == 2 else "star via rank 0"
     assert bench.comm_path("all_reduce", below, world_size) == f"one round ({shape}): data in the frames"
     path = bench.comm_path("all_reduce", above, world_size)
+    if world_size == 2:  # one exchange of whole tensors up to EXCHANGE_MAX_BYTES, the ring past it
+        assert path.endswith(": one exchange of whole tensors, each piece reduced as it lands")
+        assert f"first {bench._human(ring.early_bytes(above, gloo=True))} early" in path
+        above = ring.EXCHANGE_MAX_BYTES + 4
+        path = bench.comm_path("all_reduce", above, world_size)
     assert path.startswith(f"header round ({shape}), with its first ") and path.endswith(
         ": pipelined ring (reduce-scatter + all-gather)"
     )

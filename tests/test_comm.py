@@ -181,28 +181,33 @@ def _other_collectives(env) -> None:
 def _ring_everywhere(env) -> None:
     """The ring and chain paths for every dtype and op, on tensors kept small by shrinking the
     one-round limit to 64 KB and the pieces to 16-64 KB: every world size then forwards several
-    pieces per chunk and posts reduce-scatter receives into reused scratch slots."""
-    saved = ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES
+    pieces per chunk and posts reduce-scatter receives into reused scratch slots. At 2 ranks
+    all_reduce runs twice: as one exchange of whole tensors (its default at these sizes), and
+    as the ring (the exchange limit set to 0, as for tensors past it)."""
+    saved = ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES, ring.EXCHANGE_MAX_BYTES
     ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = 0, 16 * 1024, 64 * 1024
     try:
-        for dtype in DTYPES:
-            for op in OPS if dtype == torch.float32 else [ReduceOp.SUM, ReduceOp.MAX]:
-                x = _ints(2**17 + 3, dtype, seed=env.rank)
+        for exchange_max in (saved[3], 0) if env.world_size == 2 else (saved[3],):
+            ring.EXCHANGE_MAX_BYTES = exchange_max
+            path = "exchange" if ring.reduces_by_exchange(BIG * 4, env.world_size, gloo=True) else "ring"
+            for dtype in DTYPES:
+                for op in OPS if dtype == torch.float32 else [ReduceOp.SUM, ReduceOp.MAX]:
+                    x = _ints(2**17 + 3, dtype, seed=env.rank)
+                    ours, ref = x.clone(), x.clone()
+                    comm.all_reduce(ours, op=op)
+                    dist.all_reduce(ref, op=op)
+                    _same(ours, ref, f"{path} all_reduce {dtype} {op}", exact=op != ReduceOp.AVG)
+            for op in OPS:
+                x = _randn(BIG, torch.float32, seed=env.rank)
                 ours, ref = x.clone(), x.clone()
                 comm.all_reduce(ours, op=op)
                 dist.all_reduce(ref, op=op)
-                _same(ours, ref, f"ring all_reduce {dtype} {op}", exact=op != ReduceOp.AVG)
-        for op in OPS:
-            x = _randn(BIG, torch.float32, seed=env.rank)
-            ours, ref = x.clone(), x.clone()
-            comm.all_reduce(ours, op=op)
-            dist.all_reduce(ref, op=op)
-            _same(ours, ref, f"many pieces all_reduce {op}", exact=False)
+                _same(ours, ref, f"many pieces {path} all_reduce {op}", exact=op == ReduceOp.SUM and path == "exchange")
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             _rooted_cases(env, 2**16 + 1, dtype)
             _gather_scatter_cases(env, 2**16 + 1, dtype)
     finally:
-        ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = saved
+        ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES, ring.EXCHANGE_MAX_BYTES = saved
 
 
 def _matches_torch(env) -> int:

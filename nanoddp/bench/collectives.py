@@ -138,10 +138,13 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
     share = _SHARE_BYTES[op](size, n)
     if frames.rides_in_frames(op, share, n, gloo):
         return f"one round ({round_shape}): data in the frames"
+    algorithm = _BULK_ALGORITHM[op]
     first_piece = share // n if op == "all_reduce" else share  # the ring's chunk, the chain's message
+    if op == "all_reduce" and ring.reduces_by_exchange(share, n, gloo):
+        algorithm, first_piece = "one exchange of whole tensors, each piece reduced as it lands", share
     early = ring.early_bytes(first_piece, gloo)
     timing = f"with its first {_human(early)} early" if early else "then"
-    return f"header round ({round_shape}), {timing}: {_BULK_ALGORITHM[op]}"
+    return f"header round ({round_shape}), {timing}: {algorithm}"
 
 
 def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:

@@ -104,8 +104,13 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
         return
     flat, header = _flat(tensor), _header("all_reduce", tensor, op)
     if tensor.numel() == 0 or not fits(peers, "all_reduce", tensor):
-        chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
-        run = ring.start_ring(peers, chunks, op, n - 1, n - 1, shift=0) if tensor.numel() else _nothing
+        if not tensor.numel():
+            run = _nothing
+        elif ring.reduces_by_exchange(flat.numel() * flat.element_size(), n, peers.gloo):
+            run = ring.start_exchange_reduce(peers, flat, op)
+        else:
+            chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
+            run = ring.start_ring(peers, chunks, op, n - 1, n - 1, shift=0)
         frames.one_round(peers, header, tensor.device)
         run()
         _write_back(tensor, flat)

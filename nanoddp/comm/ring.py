@@ -53,6 +53,11 @@ GATHER_BULK_BYTES = 1024 * 1024
 # thresholds come from").
 PIECE_MIN_BYTES = 1024 * 1024
 PIECE_MAX_BYTES = 4 * 1024 * 1024
+# all_reduce on 2 gloo ranks, above the one-round limit and up to this size, is one exchange of
+# whole tensors (`start_exchange_reduce`) instead of the ring. Measured side by side (ws 2, shuffled,
+# 40-80 iterations): 4 MB 0.79-1.03x torch vs 0.64-0.77x for the ring in four runs, 6 MB 0.84x
+# vs 0.66x; 8 MB even (0.79/0.91x vs 0.82/0.94x), 16 and 64 MB behind the ring.
+EXCHANGE_MAX_BYTES = 6 * 1024 * 1024
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -421,6 +426,44 @@ def _lockstep_ring(
 def balanced_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     """n contiguous ranges covering [0, numel), sizes differing by at most one."""
     return [(numel * i // n, numel * (i + 1) // n) for i in range(n)]
+
+
+# --- two ranks: all_reduce as one exchange ------------------------------------------------
+
+
+def reduces_by_exchange(nbytes: int, size: int, gloo: bool) -> bool:
+    """Whether an all_reduce of `nbytes` past the one-round limit runs `start_exchange_reduce`."""
+    return size == 2 and gloo and nbytes <= EXCHANGE_MAX_BYTES
+
+
+def start_exchange_reduce(peers: Peers, flat: torch.Tensor, op: str) -> Callable[[], None]:
+    """all_reduce on 2 gloo ranks: each sends the other its whole tensor and reduces locally.
+
+    The ring at 2 ranks moves the same bytes each way (half, then the reduced half back), but in
+    two dependent exchanges with a reduction between them; here the link carries one exchange
+    and each received piece is reduced as it lands. Two operands combine the same either way
+    round (a + b == b + a in IEEE arithmetic, as min, max and product), so both ranks, and
+    gloo's own ring, get bitwise the same result. Receives are posted now and the first piece
+    leaves early (`early_bytes`), as in `start_ring`; the returned function runs the rest."""
+    other = 1 - peers.rank
+    itemsize = flat.element_size()
+    early = early_bytes(flat.numel() * itemsize, peers.gloo) // itemsize  # elements
+    pieces = _pieces_after(flat.numel(), early, piece_numel(flat.numel(), itemsize))
+    tag = peers.call_tags()[0]
+    tags = [peers.early_tag(early * itemsize) if early and i == 0 else tag for i in range(len(pieces))]
+    incoming = peers.scratch("exchange", flat.numel(), flat.dtype, flat.device)
+    recvs = [peers.irecv(incoming[a:b], other, t) for (a, b), t in zip(pieces, tags, strict=True)]
+    first = [peers.send_early(flat[:early], other)] if early else []
+
+    def run() -> None:
+        sends = first + [peers.post_send(flat[a:b], other, tag) for a, b in pieces[len(first) :]]
+        for (a, b), received, sent in zip(pieces, recvs, sends, strict=True):
+            received.wait()
+            sent.wait()  # the piece is read out before its sum overwrites it
+            reduce_into(op, flat[a:b], incoming[a:b])
+        finish_avg(op, flat, 2)
+
+    return run
 
 
 # --- the chain: broadcast and reduce ------------------------------------------------------
