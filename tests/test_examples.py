@@ -134,6 +134,8 @@ def test_torchrun_restart_resumes_from_snapshot(tmp_path):
             "-m",
             "torch.distributed.run",
             "--standalone",
+            "--log-dir",  # else torchelastic leaves a torchelastic_* directory in /tmp
+            str(tmp_path / "torchrun-logs"),
             "--nproc-per-node",
             "2",
             "--max-restarts",

@@ -186,6 +186,7 @@ def test_plain_torchrun_runs_the_same_job(reference_run, tmp_path):
     flags = [*TRAIN_ARGS, "--out", str(tmp_path)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--log-dir", str(tmp_path / "torchrun-logs"),  # else torchelastic leaves one in /tmp
          "-m", "nanoddp.train", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
