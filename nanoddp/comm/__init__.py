@@ -106,7 +106,7 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
     if tensor.numel() == 0 or not fits(peers, "all_reduce", tensor):
         if not tensor.numel():
             run = _nothing
-        elif ring.reduces_by_exchange(flat.numel() * flat.element_size(), n, peers.gloo):
+        elif ring.reduces_by_exchange(_nbytes(flat), n, peers.gloo):
             run = ring.start_exchange_reduce(peers, flat, op)
         else:
             chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]

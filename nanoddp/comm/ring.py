@@ -428,6 +428,19 @@ def balanced_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     return [(numel * i // n, numel * (i + 1) // n) for i in range(n)]
 
 
+def _message_pieces(peers: Peers, flat: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
+    """How one whole message moves (the chain, the 2-rank exchange): (early elements, pieces as
+    (start, end, tag)). Its early piece (`early_bytes`) comes first under the tag naming its size,
+    the rest in pieces of `piece_numel` under this call's first tag."""
+    itemsize = flat.element_size()
+    early = early_bytes(flat.numel() * itemsize, peers.gloo) // itemsize  # elements
+    tag = peers.call_tags()[0]
+    pieces = [(a, b, tag) for a, b in _pieces_after(flat.numel(), early, piece_numel(flat.numel(), itemsize))]
+    if early:
+        pieces[0] = (0, early, peers.early_tag(early * itemsize))
+    return early, pieces
+
+
 # --- two ranks: all_reduce as one exchange ------------------------------------------------
 
 
@@ -446,18 +459,14 @@ def start_exchange_reduce(peers: Peers, flat: torch.Tensor, op: str) -> Callable
     gloo's own ring, get bitwise the same result. Receives are posted now and the first piece
     leaves early (`early_bytes`), as in `start_ring`; the returned function runs the rest."""
     other = 1 - peers.rank
-    itemsize = flat.element_size()
-    early = early_bytes(flat.numel() * itemsize, peers.gloo) // itemsize  # elements
-    pieces = _pieces_after(flat.numel(), early, piece_numel(flat.numel(), itemsize))
-    tag = peers.call_tags()[0]
-    tags = [peers.early_tag(early * itemsize) if early and i == 0 else tag for i in range(len(pieces))]
+    early, pieces = _message_pieces(peers, flat)
     incoming = peers.scratch("exchange", flat.numel(), flat.dtype, flat.device)
-    recvs = [peers.irecv(incoming[a:b], other, t) for (a, b), t in zip(pieces, tags, strict=True)]
+    recvs = [peers.irecv(incoming[a:b], other, t) for a, b, t in pieces]
     first = [peers.send_early(flat[:early], other)] if early else []
 
     def run() -> None:
-        sends = first + [peers.post_send(flat[a:b], other, tag) for a, b in pieces[len(first) :]]
-        for (a, b), received, sent in zip(pieces, recvs, sends, strict=True):
+        sends = first + [peers.post_send(flat[a:b], other, t) for a, b, t in pieces[len(first) :]]
+        for (a, b, _), received, sent in zip(pieces, recvs, sends, strict=True):
             received.wait()
             sent.wait()  # the piece is read out before its sum overwrites it
             reduce_into(op, flat[a:b], incoming[a:b])
@@ -496,12 +505,7 @@ def _start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Calla
     n, r = peers.size, peers.rank
     position = (r - root) % n
     right, left = (r + 1) % n, (r - 1) % n
-    itemsize = flat.element_size()
-    early = early_bytes(flat.numel() * itemsize, peers.gloo) // itemsize  # elements
-    tag = peers.call_tags()[0]
-    pieces = [(a, b, tag) for a, b in _pieces_after(flat.numel(), early, piece_numel(flat.numel(), itemsize))]
-    if early:
-        pieces[0] = (0, early, peers.early_tag(early * itemsize))
+    early, pieces = _message_pieces(peers, flat)
     if position == 0:
         first = [peers.send_early(flat[:early], right)] if early else []
         return lambda: wait_all(first + [peers.post_send(flat[a:b], right, t) for a, b, t in pieces[len(first) :]])

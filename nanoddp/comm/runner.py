@@ -138,9 +138,7 @@ class GroupRunner:
             with self._running:
                 body()
         finally:
-            with self._mutex:
-                self._pending -= 1
-            watchdog.end(token)
+            self._leave(token)
 
     def _execute(self, body: Callable[[], None], work: Work) -> None:
         """Run one body; whatever it raises, even a BaseException such as KeyboardInterrupt, goes
@@ -153,10 +151,14 @@ class GroupRunner:
                 except BaseException as exc:  # handed to the waiter, raised by Work.wait()
                     error = exc
         finally:  # bookkeeping survives an interrupt landing here too, so the runner stays usable
-            with self._mutex:
-                self._pending -= 1
-            watchdog.end(work._watch_token)
+            self._leave(work._watch_token)
             work._finish(error)
+
+    def _leave(self, token: int | None) -> None:
+        """A body ended, however it ended: one fewer pending, and the watchdog stops watching it."""
+        with self._mutex:
+            self._pending -= 1
+        watchdog.end(token)
 
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
