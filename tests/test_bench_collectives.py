@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import run_on_ranks
 
 from nanoddp.bench import collectives as bench
+from nanoddp.bench import floor
 from nanoddp.bench.render import render_text
 from nanoddp.comm import ring, runner_for
 
@@ -69,3 +71,50 @@ def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
     assert len(lines) == 1 and "header round (exchange), with its first 4 MB early: pipelined ring" in lines[0]
     ratio = next(r["busbw_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
     assert f"| {ratio:.2f} |" in lines[0]
+
+
+def _bare_pattern_delivers(env, op: str) -> bool:
+    """Runs `op`'s bare send/recv pattern and checks every received byte against what its sender
+    held (gathered beforehand with torch's all_gather): the floor moves the real data."""
+    n, me = env.world_size, env.rank
+    run, buffers = floor.bare_pattern(op, 4096 * n + 12, me, n)  # a size not divisible by n
+    held = {}  # name -> every rank's copy of that buffer before the run
+    for name, buf in buffers.items():
+        held[name] = [torch.empty_like(buf) for _ in range(n)]
+        dist.all_gather(held[name], buf)
+    run()
+    others = [p for p in range(n) if p != me]
+    if op == "broadcast":
+        assert torch.equal(buffers["message"], held["message"][0])
+    elif op == "all_gather":  # row p of the output is rank p's own row
+        assert torch.equal(buffers["output"], torch.stack([held["output"][p][p] for p in range(n)]))
+    elif op in ("reduce_scatter", "all_to_all"):  # peer p sent me row `me` of its input
+        assert all(torch.equal(buffers["received"][p], held["input"][p][me]) for p in others)
+    elif n == 2:  # all_reduce at 2 ranks: one exchange of whole tensors
+        assert torch.equal(buffers["received"], held["tensor"][others[0]])
+    else:  # all_reduce: the reduce-scatter round's rows, then the all-gather round's
+        assert all(torch.equal(buffers["received"][p], held["tensor"][p][me]) for p in others)
+        assert torch.equal(buffers["tensor"], torch.stack([held["tensor"][p][p] for p in range(n)]))
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_bare_floor_moves_every_ops_real_bytes(world_size):
+    for op in floor.PATTERNS:
+        assert run_on_ranks(_bare_pattern_delivers, world_size, op) == [True] * world_size
+
+
+@pytest.mark.timeout(300)
+def test_a_run_with_the_floor_adds_the_bare_columns(tmp_path):
+    rows = bench.run_benchmark([2], ["all_gather"], [1 << 20], iters=2, warmup=1, floor=True)
+    (r,) = rows
+    assert r["bare_time_us"] > 0
+    torch.testing.assert_close(r["bare_ratio"], r["bare_busbw_gbps"] / r["torch_busbw_gbps"])
+    torch.testing.assert_close(r["nanoddp_vs_bare"], r["nanoddp_busbw_gbps"] / r["bare_busbw_gbps"])
+    table = bench.format_markdown({"meta": {"iters": 2}, "results": rows})
+    assert "| bare send/recv µs | bare ÷ torch |" in table and bench.BARE_LEGEND in table
+    line = next(line for line in table.splitlines() if line.startswith("| all_gather | 2 | 1 MB |"))
+    assert f"| {r['bare_time_us']:,.0f} | {r['bare_ratio']:.2f} |" in line
+    with pytest.raises(ValueError, match="no bare send/recv pattern for op 'gather'"):
+        floor.bare_pattern("gather", 4096, 0, 1)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import nanoddp
 from nanoddp import comm
 from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
+from nanoddp.bench.floor import bare_pattern
 from nanoddp.bench.machine import command_line, git_commit
 from nanoddp.comm import frames, ring
 
@@ -44,6 +45,12 @@ BUSBW_FACTOR = {
     "all_to_all": lambda n: (n - 1) / n,
 }
 SMALL_BYTES = 1 << 20  # below this, run 5x the iterations: small timings are noisier
+CONTESTANTS = ("nanoddp", "torch", "bare")  # timing columns in this order; "bare" only with --floor
+
+
+def _torch_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
+    single = getattr(dist, "all_gather_single", None)  # the new name (torch >= 2.13)
+    (single or dist.all_gather_into_tensor)(output, input)
 
 
 def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -68,7 +75,7 @@ def _op_pair(op: str, size: int, n: int, rank: int) -> tuple[Callable[[], object
     if op == "all_gather":
         return (
             lambda: comm.all_gather_into_tensor(big, small),
-            lambda: dist.all_gather_into_tensor(big, small),
+            lambda: _torch_all_gather(big, small),
         )
     big.normal_()
     return lambda: comm.reduce_scatter_tensor(small, big), lambda: _torch_reduce_scatter(small, big)
@@ -81,28 +88,35 @@ def _time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _time_pair(ours: Callable[[], object], theirs: Callable[[], object], i: int) -> list[float]:
-    """[ours, theirs] seconds for iteration i; who goes first flips every iteration, so neither side
-    always runs right after the other: an op's time depends on what ran just before it on the same
-    connections and caches, so a fixed order would favour one side."""
-    if i % 2:
-        theirs_s = _time_once(theirs)
-        return [_time_once(ours), theirs_s]
-    ours_s = _time_once(ours)
-    return [ours_s, _time_once(theirs)]
+def _time_round(contestants: list[Callable[[], object]], i: int) -> list[float]:
+    """Seconds for each contestant in iteration i, in the order given; who goes first rotates every
+    iteration (with two, it flips), so none always runs right after another: an op's time depends on
+    what ran just before it on the same connections and caches, so a fixed order would favour one."""
+    k = len(contestants)
+    times = [0.0] * k
+    for j in range(k):
+        who = (i + j) % k
+        times[who] = _time_once(contestants[who])
+    return times
 
 
-def _bench_worker(env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int) -> list[dict]:
-    """Runs on every rank; returns (on every rank) one row per (op, size) with both timings."""
+def _bench_worker(
+    env: nanoddp.DistEnv, ops: list[str], sizes: list[int], iters: int, warmup: int, floor: bool = False
+) -> list[dict]:
+    """Runs on every rank; returns (on every rank) one row per (op, size) with every timing:
+    ours, torch's and, with `floor`, the bare send/recv of the same bytes (`nanoddp.bench.floor`)."""
     torch.set_num_threads(1)  # one core per rank at most: ranks share the host's cores
     n, rows = env.world_size, []
     for op in ops:
         for size in sizes:
-            ours, theirs = _op_pair(op, size, n, env.rank)
+            contestants = list(_op_pair(op, size, n, env.rank))
+            if floor:
+                contestants.append(bare_pattern(op, size, env.rank, n)[0])
             for _ in range(warmup):
-                ours(), theirs()
+                for run in contestants:
+                    run()
             count = iters * 5 if size < SMALL_BYTES else iters
-            times = torch.tensor([_time_pair(ours, theirs, i) for i in range(count)])  # (I, 2)
+            times = torch.tensor([_time_round(contestants, i) for i in range(count)])  # (I, 2 or 3)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             rows.append(_row(op, size, n, times))
             if env.is_master:
@@ -148,21 +162,29 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
 
 
 def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
-    med_ours, med_torch = (statistics.median(times[:, i].tolist()) for i in range(2))
+    """One (op, size, ws) result from its (iterations, contestants) times: medians, bandwidths,
+    ours ÷ torch and, where the bare send/recv ran, bare ÷ torch (how close the transport alone
+    gets to torch's built-in) and ours ÷ bare (what our algorithm and checks cost on top of it)."""
     factor = BUSBW_FACTOR[op](n)
     row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0], "path": comm_path(op, size, n)}
-    for impl, t in (("nanoddp", med_ours), ("torch", med_torch)):
+    for impl, column in zip(CONTESTANTS[: times.shape[1]], times.unbind(1), strict=True):
+        t = statistics.median(column.tolist())
         row[f"{impl}_time_us"] = t * 1e6
         row[f"{impl}_algbw_gbps"] = size / t / 1e9
         row[f"{impl}_busbw_gbps"] = size / t / 1e9 * factor
     row["busbw_ratio"] = row["nanoddp_busbw_gbps"] / row["torch_busbw_gbps"]
+    if "bare_time_us" in row:
+        row["bare_ratio"] = row["bare_busbw_gbps"] / row["torch_busbw_gbps"]
+        row["nanoddp_vs_bare"] = row["nanoddp_busbw_gbps"] / row["bare_busbw_gbps"]
     return row
 
 
-def run_benchmark(nprocs: list[int], ops: list[str], sizes: list[int], iters: int, warmup: int) -> list[dict]:
+def run_benchmark(
+    nprocs: list[int], ops: list[str], sizes: list[int], iters: int, warmup: int, floor: bool = False
+) -> list[dict]:
     rows = []
     for n in nprocs:
-        rows += nanoddp.launch(_bench_worker, n, args=(ops, sizes, iters, warmup), backend="gloo")[0]
+        rows += nanoddp.launch(_bench_worker, n, args=(ops, sizes, iters, warmup, floor), backend="gloo")[0]
     return rows
 
 
@@ -174,19 +196,29 @@ def _human(size: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
+    bare = any("bare_time_us" in r for r in rows)
     head = (
         f"{'op':<15}{'ws':>3}{'size':>8}{'nanoddp us':>12}{'torch us':>11}"
-        f"{'nanoddp busbw':>15}{'torch busbw':>13}{'ratio':>7}"
+        f"{'nanoddp busbw':>15}{'torch busbw':>13}{'ratio':>7}" + (f"{'bare us':>10}{'bare ratio':>12}" if bare else "")
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['op']:<15}{r['world_size']:>3}{_human(r['size_bytes']):>8}{r['nanoddp_time_us']:>12.0f}"
             f"{r['torch_time_us']:>11.0f}{r['nanoddp_busbw_gbps']:>15.3f}{r['torch_busbw_gbps']:>13.3f}"
-            f"{r['busbw_ratio']:>7.2f}"
+            f"{r['busbw_ratio']:>7.2f}" + (f"{r['bare_time_us']:>10.0f}{r['bare_ratio']:>12.2f}" if bare else "")
         )
     lines.append("busbw in GB/s (nccl-tests convention); ratio = nanoddp busbw / torch busbw")
+    if bare:
+        lines.append("bare = the same bytes over bare send/recv (transport floor); bare ratio = its busbw / torch's")
     return "\n".join(lines)
+
+
+BARE_LEGEND = (
+    "bare send/recv: the same bytes moved by the group's own send/recv with nothing else (no header "
+    "round, checks or reductions; `nanoddp/bench/floor.py`), timed in the same rotation; bare ÷ torch "
+    "below 1 means the transport alone is slower than torch's built-in at that size."
+)
 
 
 def format_markdown(data: dict) -> str:
@@ -200,18 +232,23 @@ def format_markdown(data: dict) -> str:
         caption += f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}"
     if meta.get("load_average_before"):
         caption += f"; 1-min load {meta['load_average_before'][0]:.1f}"
+    bare = all("bare_time_us" in r for r in rows)  # a run with --floor: the transport floor's columns too
+    bare_head, bare_rule = (" bare send/recv µs | bare ÷ torch |", "---|---|") if bare else ("", "")
     lines = [
         caption,
         "",
-        "| op | ws | size | nanoddp µs | torch µs | ratio (busbw) | nanoddp path |",
-        "|---|---|---|---|---|---|---|",
+        f"| op | ws | size | nanoddp µs | torch µs | ratio (busbw) |{bare_head} nanoddp path |",
+        f"|---|---|---|---|---|---|{bare_rule}---|",
     ]
     for r in sorted(rows, key=lambda r: (r["op"], r["world_size"], r["size_bytes"])):
         path = r.get("path") or comm_path(r["op"], r["size_bytes"], r["world_size"])
+        bare_cells = f" {r['bare_time_us']:,.0f} | {r['bare_ratio']:.2f} |" if bare else ""
         lines.append(
             f"| {r['op']} | {r['world_size']} | {_human(r['size_bytes'])} | {r['nanoddp_time_us']:,.0f} | "
-            f"{r['torch_time_us']:,.0f} | {r['busbw_ratio']:.2f} | {path} |"
+            f"{r['torch_time_us']:,.0f} | {r['busbw_ratio']:.2f} |{bare_cells} {path} |"
         )
+    if bare:
+        lines += ["", BARE_LEGEND]
     return "\n".join(lines)
 
 
@@ -273,6 +310,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the same bytes over bare send/recv (no checks, no reductions): the transport floor",
+    )
     add_output_args(parser, plot_help="write a busbw-vs-size PNG")
     parser.set_defaults(run=_run)
 
@@ -288,12 +330,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     load_before = list(os.getloadavg())  # what else kept the cores busy, read before we add to it
-    rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup)
+    rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup, floor=args.floor)
     print(format_table(rows))
     meta = {
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
-        "threads_per_rank": 1, "inline_send_bytes": comm.INLINE_SEND_BYTES, "gather_bulk_bytes": ring.GATHER_BULK_BYTES,
+        "threads_per_rank": 1, "floor": args.floor,
+        "inline_send_bytes": comm.INLINE_SEND_BYTES, "gather_bulk_bytes": ring.GATHER_BULK_BYTES,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
         "load_average_before": load_before, "load_average_after": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip
