@@ -44,11 +44,13 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     assert f"first {bench._human(early)} early" in path
     # all_gather / reduce_scatter: `size` is the whole buffer; in the star, rank 0's frames hold n-1
     # ranks' shares (all_gather results) or n (reduce_scatter inputs); all_gather also leaves the
-    # frames from GATHER_BULK_BYTES per rank
-    per_rank = min(described // (1 if world_size == 2 else world_size - 1), ring.GATHER_BULK_BYTES - 4)
+    # frames from BULK_FROM_BYTES per rank, as does broadcast
+    per_rank = min(described // (1 if world_size == 2 else world_size - 1), ring.BULK_FROM_BYTES - 4)
     assert bench.comm_path("all_gather", per_rank * world_size, world_size).startswith("one round")
     assert bench.comm_path("all_gather", (per_rank + 4) * world_size, world_size).startswith("header round")
     assert bench.comm_path("reduce_scatter", (above + 4) * world_size, world_size).startswith("header round")
+    assert bench.comm_path("broadcast", ring.BULK_FROM_BYTES - 4, world_size).startswith("one round")
+    assert bench.comm_path("broadcast", ring.BULK_FROM_BYTES, world_size).endswith(": pipelined chain")
 
 
 @pytest.mark.timeout(300)

@@ -336,7 +336,7 @@ def _run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
         "threads_per_rank": 1, "floor": args.floor,
-        "inline_send_bytes": comm.INLINE_SEND_BYTES, "gather_bulk_bytes": ring.GATHER_BULK_BYTES,
+        "inline_send_bytes": comm.INLINE_SEND_BYTES, "bulk_from_bytes": ring.BULK_FROM_BYTES,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
         "load_average_before": load_before, "load_average_after": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip

@@ -22,8 +22,9 @@ gets bitwise the same result). Larger ones then run a pipelined ring (all_reduce
 (scatter, gather).
 
 The switch point (`frames.rides_in_frames`): on gloo, a payload rides in the frames while what
-one rank sends in that round stays within `INLINE_SEND_BYTES`, and an all_gather's share stays
-under `GATHER_BULK_BYTES` (its bulk path receives in place, where frames copy in and out). Below it
+one rank sends in that round stays within `INLINE_SEND_BYTES`, and an all_gather's or a
+broadcast's share stays under `BULK_FROM_BYTES` (their bulk paths receive in place, where frames
+copy in and out). Below it
 the single round wins because on a CPU host a round trip costs far more than its bytes, and the
 ring needs 2(ws-1) of them plus the header round; above it the ring's smaller per-rank volume,
 2(ws-1)/ws x payload, and its pipelining win. The limit was chosen by measuring both side by side

@@ -125,7 +125,7 @@ def largest_frame_bytes(kind: str, share_bytes: int, size: int) -> int:
 def rides_in_frames(kind: str, share_bytes: int, size: int, gloo: bool) -> bool:
     """Whether a one-round `kind` with `share_bytes` per rank carries its data in the frames on a
     group of `size` ranks (else its bulk path runs after the header round)."""
-    if gloo and kind == "all_gather" and share_bytes >= ring.GATHER_BULK_BYTES:
+    if gloo and kind in ring.IN_PLACE_BULK_KINDS and share_bytes >= ring.BULK_FROM_BYTES:
         return False
     return largest_frame_bytes(kind, share_bytes, size) <= ring.inline_limit_for(size, gloo)
 

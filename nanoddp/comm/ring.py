@@ -42,10 +42,12 @@ EARLY_MAX_BYTES = 4 * 1024 * 1024
 # sends in that round within INLINE_SEND_BYTES (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4).
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_SEND_BYTES = 3 * 1024 * 1024
-# all_gather leaves the frames from 1 MB per rank: its bulk path receives every piece in place
-# and sends straight from the input (at 2 ranks one ring step, all of it early), where the
-# frames copy each share in and out (measured: docs/performance.md, "all_gather's switch").
-GATHER_BULK_BYTES = 1024 * 1024
+# all_gather and broadcast leave the frames from 1 MB per rank: their bulk paths receive every
+# piece in place and send straight from the tensor (at 2 ranks all of it early, with the header
+# round), where the frames copy each share in and out (measured: docs/performance.md, "all_gather's
+# switch" and "broadcast's switch"; at 4 ranks broadcast ties there, at 2 the bulk path wins).
+IN_PLACE_BULK_KINDS = ("all_gather", "broadcast")
+BULK_FROM_BYTES = 1024 * 1024
 # Pipelining granularity: two pieces per chunk (as gloo's own ring), within these bounds. Each
 # piece costs a gloo send and receive, and posting one while gloo's I/O thread holds the pair's
 # lock to move another blocks, so small pieces cost more than the overlap they buy and large
