@@ -196,7 +196,7 @@ def _human(size: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    bare = any("bare_time_us" in r for r in rows)
+    bare = bool(rows) and all("bare_time_us" in r for r in rows)  # a run with --floor
     head = (
         f"{'op':<15}{'ws':>3}{'size':>8}{'nanoddp us':>12}{'torch us':>11}"
         f"{'nanoddp busbw':>15}{'torch busbw':>13}{'ratio':>7}" + (f"{'bare us':>10}{'bare ratio':>12}" if bare else "")
@@ -232,7 +232,7 @@ def format_markdown(data: dict) -> str:
         caption += f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}"
     if meta.get("load_average_before"):
         caption += f"; 1-min load {meta['load_average_before'][0]:.1f}"
-    bare = all("bare_time_us" in r for r in rows)  # a run with --floor: the transport floor's columns too
+    bare = bool(rows) and all("bare_time_us" in r for r in rows)  # a run with --floor: the floor's columns too
     bare_head, bare_rule = (" bare send/recv µs | bare ÷ torch |", "---|---|") if bare else ("", "")
     lines = [
         caption,

@@ -24,11 +24,11 @@ gets bitwise the same result). Larger ones then run a pipelined ring (all_reduce
 The switch point (`frames.rides_in_frames`): on gloo, a payload rides in the frames while what
 one rank sends in that round stays within `INLINE_SEND_BYTES`, and an all_gather's or a
 broadcast's share stays under `BULK_FROM_BYTES` (their bulk paths receive in place, where frames
-copy in and out). Below it
-the single round wins because on a CPU host a round trip costs far more than its bytes, and the
-ring needs 2(ws-1) of them plus the header round; above it the ring's smaller per-rank volume,
-2(ws-1)/ws x payload, and its pipelining win. The limit was chosen by measuring both side by side
-(docs/performance.md, "Collectives: where the thresholds come from"). On nccl frames travel whole
+copy in and out). Below it the single round wins because on a CPU host a round trip costs far
+more than its bytes, and the ring needs 2(ws-1) of them plus the header round; above it the
+ring's smaller per-rank volume, 2(ws-1)/ws x payload, and its pipelining win. The limit was chosen
+by measuring both side by side (docs/performance.md, "Collectives: where the thresholds come
+from"). On nccl frames travel whole
 (exact sizes), so there the limit stays at `INLINE_MAX_BYTES`.
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
