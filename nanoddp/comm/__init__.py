@@ -28,8 +28,7 @@ copy in and out). Below it the single round wins because on a CPU host a round t
 more than its bytes, and the ring needs 2(ws-1) of them plus the header round; above it the
 ring's smaller per-rank volume, 2(ws-1)/ws x payload, and its pipelining win. The limit was chosen
 by measuring both side by side (docs/performance.md, "Collectives: where the thresholds come
-from"). On nccl frames travel whole
-(exact sizes), so there the limit stays at `INLINE_MAX_BYTES`.
+from"). On nccl frames travel whole (exact sizes), so there the limit stays at `INLINE_MAX_BYTES`.
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
 ring step, as gloo does; the one-round path accumulates in fp32 and rounds once. AVG is
