@@ -48,14 +48,9 @@ SMALL_BYTES = 1 << 20  # below this, run 5x the iterations: small timings are no
 CONTESTANTS = ("nanoddp", "torch", "bare")  # timing columns in this order; "bare" only with --floor
 
 
-def _torch_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
-    single = getattr(dist, "all_gather_single", None)  # the new name (torch >= 2.13)
-    (single or dist.all_gather_into_tensor)(output, input)
-
-
-def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
-    single = getattr(dist, "reduce_scatter_single", None)  # the new name (torch >= 2.13)
-    (single or dist.reduce_scatter_tensor)(output, input)
+# torch 2.13 renamed these two (the old names warn on every call); older releases have only the old ones
+_TORCH_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_TORCH_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _op_pair(op: str, size: int, n: int, rank: int) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -75,10 +70,10 @@ def _op_pair(op: str, size: int, n: int, rank: int) -> tuple[Callable[[], object
     if op == "all_gather":
         return (
             lambda: comm.all_gather_into_tensor(big, small),
-            lambda: _torch_all_gather(big, small),
+            lambda: _TORCH_ALL_GATHER(big, small),
         )
     big.normal_()
-    return lambda: comm.reduce_scatter_tensor(small, big), lambda: _torch_reduce_scatter(small, big)
+    return lambda: comm.reduce_scatter_tensor(small, big), lambda: _TORCH_REDUCE_SCATTER(small, big)
 
 
 def _time_once(fn: Callable[[], object]) -> float:
@@ -195,8 +190,13 @@ def _human(size: int) -> str:
     return f"{size} B"
 
 
+def _has_floor(rows: list[dict]) -> bool:
+    """Whether these rows come from a `--floor` run (every row then has the bare send/recv timing)."""
+    return bool(rows) and all("bare_time_us" in r for r in rows)
+
+
 def format_table(rows: list[dict]) -> str:
-    bare = bool(rows) and all("bare_time_us" in r for r in rows)  # a run with --floor
+    bare = _has_floor(rows)
     head = (
         f"{'op':<15}{'ws':>3}{'size':>8}{'nanoddp us':>12}{'torch us':>11}"
         f"{'nanoddp busbw':>15}{'torch busbw':>13}{'ratio':>7}" + (f"{'bare us':>10}{'bare ratio':>12}" if bare else "")
@@ -232,7 +232,7 @@ def format_markdown(data: dict) -> str:
         caption += f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}"
     if meta.get("load_average_before"):
         caption += f"; 1-min load {meta['load_average_before'][0]:.1f}"
-    bare = bool(rows) and all("bare_time_us" in r for r in rows)  # a run with --floor: the floor's columns too
+    bare = _has_floor(rows)
     bare_head, bare_rule = (" bare send/recv µs | bare ÷ torch |", "---|---|") if bare else ("", "")
     lines = [
         caption,
