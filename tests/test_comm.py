@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, ring
+from nanoddp.comm import ReduceOp, frames, ring
+from nanoddp.comm.runner import runner_for
 from nanoddp.env import new_group, subgroups_by
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
@@ -373,6 +374,55 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
     for field in ("numel", "dtype", "op", "root", "collective"):
         assert f"disagree on {field}" in text
     assert "rank 2: 5" in per_rank[0][0]
+
+
+def _pair_mismatches(env) -> list[str]:
+    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.pair), and
+    where one does and the other takes the general or bulk path; after each, the same prepared
+    calls still give torch's results."""
+    r, messages = env.rank, []
+
+    def still_right() -> None:  # the signatures prepared above, on fresh tensors
+        mine, ref = torch.arange(4.0) + r, torch.arange(4.0) + r
+        comm.all_reduce(mine)
+        dist.all_reduce(ref)
+        assert torch.equal(mine, ref)
+        mine, ref = torch.full((4,), float(r)), torch.full((4,), float(r))
+        comm.broadcast(mine, src=1)
+        dist.broadcast(ref, src=1)
+        assert torch.equal(mine, ref)
+
+    def expect_error(call, error=ValueError) -> None:
+        still_right()  # prepares the rounds first, so the mismatch meets prepared rounds
+        with pytest.raises(error) as caught:
+            call()
+        messages.append(str(caught.value))
+        still_right()
+
+    still_right()
+    prepared = frames.buffers(runner_for(None).peers, torch.device("cpu")).rounds
+    assert len(prepared) == 2, "the calls above must run as prepared rounds"
+    expect_error(lambda: comm.all_reduce(torch.ones(5 if r == 1 else 4)))  # numel, both prepared
+    expect_error(lambda: comm.broadcast(torch.ones(4), src=r))  # root
+    expect_error(lambda: comm.all_reduce(torch.ones(4)) if r == 0 else comm.broadcast(torch.ones(4), src=1))
+    expect_error(lambda: comm.all_reduce(torch.ones(4, dtype=torch.float64 if r else torch.float32)))
+    expect_error(lambda: comm.all_reduce(torch.ones(2**20 if r == 0 else 4)))  # bulk path vs prepared
+    expect_error(  # invalid on rank 1 only: it takes the general path carrying its error
+        lambda: comm.all_reduce(
+            torch.ones(4, dtype=torch.int64) if r else torch.ones(4, dtype=torch.int64),
+            op=ReduceOp.AVG if r else ReduceOp.SUM,
+        )
+    )
+    return messages
+
+
+def test_mismatched_calls_on_two_ranks_raise_the_same_error_on_both():
+    per_rank = run_on_ranks(_pair_mismatches, 2, timeout=180)
+    assert per_rank[0] == per_rank[1]
+    text = "\n".join(per_rank[0])
+    for field in ("numel", "root", "collective", "dtype"):
+        assert f"disagree on {field}" in text
+    assert "invalid call on group rank 1" in per_rank[0][-1]
 
 
 def _bulk_after_failed_bulk(env) -> None:

@@ -59,6 +59,7 @@ class FrameBuffers:
 
     def __init__(self, size: int, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
+        self.limits: tuple[int, int] | None = None  # (INLINE_SEND_BYTES, INLINE_MAX_BYTES) it was sized for
         self.inbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)  # (n, capacity)
         self.outbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)
         self.in_rows, self.out_rows = self.inbox.unbind(0), self.outbox.unbind(0)
@@ -71,6 +72,7 @@ class FrameBuffers:
         # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
         # training loop sends the same few sizes over and over. Cleared when it grows large.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.pair's prepared rounds on these frames
 
     def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
@@ -98,6 +100,10 @@ class FrameBuffers:
 
     def slots(self, peer: int) -> list[int]:
         return self._in[peer].tolist()
+
+    def slot_arrays(self):
+        """(outbox, inbox) header slots, (n, 8) int64 each: numpy arrays on CPU, tensors elsewhere."""
+        return self._out, self._in
 
     def payload(self, peer: int, nbytes: int) -> torch.Tensor:
         return self._views_for(peer, nbytes)[2]
@@ -137,13 +143,18 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def buffers(peers: Peers, device: torch.device) -> FrameBuffers:
-    """This group's frames on `device`, re-made when the inline limit changed (tests shrink it)."""
-    payload = -(-max(ring.inline_limit(peers), ERROR_ROOM) // 64) * 64  # rows stay 64-byte aligned
-    capacity = HEADER_BYTES + payload
-    key = ("frames", device)
-    bufs = peers.cache.get(key)
-    if bufs is None or bufs.capacity != capacity:
-        bufs = peers.cache[key] = FrameBuffers(peers.size, capacity, device)
+    """This group's frames on `device`, re-made when the inline limit changed (tests shrink it).
+
+    Runs on every collective: the limits are compared as the two constants they derive from, and
+    the capacity worked out only when those changed."""
+    limits = (ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES)
+    bufs = peers.cache.get(device)
+    if bufs is None or bufs.limits != limits:
+        payload = -(-max(ring.inline_limit(peers), ERROR_ROOM) // 64) * 64  # rows stay 64-byte aligned
+        capacity = HEADER_BYTES + payload
+        if bufs is None or bufs.capacity != capacity:
+            bufs = peers.cache[device] = FrameBuffers(peers.size, capacity, device)
+        bufs.limits = limits
     return bufs
 
 

@@ -93,10 +93,6 @@ class GroupRunner:
         self._pending = 0
         self._thread: threading.Thread | None = None
 
-    # Never traced by torch.compile (a compiled DDP forward reaches collectives): a collective is
-    # I/O on shared buffers (its header slots are written through numpy views, which dynamo would
-    # turn into writes on copies), so it runs eagerly and dynamo breaks the graph around it.
-    @torch.compiler.disable
     def submit(
         self, name: str, numel: int, body: Callable[[], None], result: list[torch.Tensor], async_op: bool
     ) -> Work | None:
@@ -104,6 +100,8 @@ class GroupRunner:
 
         The hang watchdog sees the collective from submission (the moment this rank entered
         it, as far as its peers can tell) until its body finishes."""
+        if torch.compiler.is_compiling():
+            return _submit_eagerly(self, name, numel, body, result, async_op)
         token = watchdog.begin(name, numel, self.peers.global_ranks)
         with self._mutex:
             inline = not async_op and self._pending == 0
@@ -160,6 +158,13 @@ class GroupRunner:
             self._pending -= 1
         watchdog.end(token)
 
+
+# Never traced by torch.compile (a compiled DDP forward reaches collectives): a collective is I/O on
+# shared buffers (its header slots are written through numpy views, which dynamo would turn into
+# writes on copies), so under a trace `submit` hands itself to this wrapper and dynamo breaks the
+# graph around it. Only then: the wrapper costs ~10 us per call on this VM, paid by every eager call
+# when `submit` itself was decorated.
+_submit_eagerly = torch.compiler.disable(GroupRunner.submit)
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
 _RUNNERS_LOCK = threading.Lock()
