@@ -350,6 +350,9 @@ def _mismatches(env) -> list[str]:
     expect_error(
         lambda: comm.broadcast(torch.ones(4), src=0) if r == 0 else comm.all_reduce(torch.ones(4))
     )  # different collectives
+    expect_error(  # the hub (group rank 0) on the general path, the others on a prepared star broadcast
+        lambda: comm.all_reduce(torch.ones(4)) if r == 0 else comm.broadcast(torch.ones(4), src=1)
+    )
     expect_error(lambda: comm.all_reduce(torch.ones(3 + r), async_op=True).wait())
     for bad in (
         lambda: comm.broadcast(torch.ones(4), src=3),
@@ -377,7 +380,7 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 
 def _pair_mismatches(env) -> list[str]:
-    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.pair), and
+    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.prepared), and
     where one does and the other takes the general or bulk path; after each, the same prepared
     calls still give torch's results."""
     r, messages = env.rank, []

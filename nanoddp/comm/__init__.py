@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames, pair, ring
+from nanoddp.comm import frames, prepared, ring
 from nanoddp.comm.checks import Prepared, check, check_list, fits, flat, header, land, nbytes, op_name
 from nanoddp.comm.checks import submit as _submit
 from nanoddp.comm.checks import write_back as _write_back
@@ -116,9 +116,9 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
         _write_back(tensor, flat)
         return
 
-    if prepared := pair.prepared(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
-        prepared.outgoing.copy_(flat)
-        received = prepared.run()
+    if pair := prepared.pair_round(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
+        pair.outgoing.copy_(flat)
+        received = pair.run()
         ring.reduce_in_rank_order(op, [flat, received] if peers.rank == 0 else [received, flat], flat)
         _write_back(tensor, flat)
         return
@@ -195,9 +195,9 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor)
         frames.one_round(peers, header, tensor.device)
         run()
         return
-    if prepared := pair.prepared(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
-        prepared.outgoing.copy_(flat)
-        outputs[1 - me].copy_(prepared.run())
+    if pair := prepared.pair_round(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
+        pair.outgoing.copy_(flat)
+        outputs[1 - me].copy_(pair.run())
         return
     result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=others_for(n))
     unpack(result, [outputs[q] for q in range(n) if q != me])

@@ -260,13 +260,7 @@ def _star(
     wait_all(peers.exchange([], [(bufs.in_rows[p], p) for p in range(1, n)], TAG_FRAME))
     table = [mine] + [bufs.slots(p) for p in range(1, n)]
     wholes = [whole] + [bufs.payload(p, table[p][SLOT_NBYTES]) for p in range(1, n)]
-    try:
-        check_table(table, wholes.__getitem__)
-    except (ValueError, TypeError) as exc:
-        message = torch.frombuffer(bytearray(str(exc).encode()[:ERROR_ROOM]), dtype=torch.uint8).to(device)
-        code = 2 if isinstance(exc, TypeError) else 1
-        _send_down(peers, bufs, [message] * n, code, exact)
-        raise
+    check_at_hub(peers, bufs, lambda: check_table(table, wholes.__getitem__), device)
     if combine is None:
         _send_down(peers, bufs, [None] * n, 0, exact)
         return None
@@ -278,6 +272,18 @@ def _star(
         results.append(combine(lambda q, p=p: select(wholes[q], p), p))
     _send_down(peers, bufs, results, 0, exact)
     return results[0]
+
+
+def check_at_hub(peers: Peers, bufs: FrameBuffers, check: Callable[[], None], device: torch.device) -> None:
+    """The star's rank 0, every up frame in: if `check()` raises, send every rank the error as its
+    down frame and raise it here too (so all raise the same words)."""
+    try:
+        check()
+    except (ValueError, TypeError) as exc:
+        message = torch.frombuffer(bytearray(str(exc).encode()[:ERROR_ROOM]), dtype=torch.uint8).to(device)
+        code = 2 if isinstance(exc, TypeError) else 1
+        _send_down(peers, bufs, [message] * peers.size, code, not peers.gloo)
+        raise
 
 
 def _send_down(peers: Peers, bufs: FrameBuffers, payloads: list[torch.Tensor | None], code: int, exact: bool) -> None:

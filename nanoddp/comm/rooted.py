@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames, pair, ring
+from nanoddp.comm import frames, prepared, ring
 from nanoddp.comm.checks import Prepared, check, fits, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
 from nanoddp.comm.checks import write_back as _write_back
@@ -93,12 +93,14 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
         frames.one_round(peers, header, tensor.device)
         if run:
             run()
-    elif prepared := pair.prepared(
+    elif star := prepared.star_broadcast(peers, header, flat, root):
+        star.run(flat)
+    elif pair := prepared.pair_round(
         peers, header, flat.dtype, flat.device, *((flat.numel(), 0) if me == root else (0, flat.numel()))
     ):
         if me == root:
-            prepared.outgoing.copy_(flat)
-        received = prepared.run()
+            pair.outgoing.copy_(flat)
+        received = pair.run()
         if me != root:
             flat.copy_(received)
     else:

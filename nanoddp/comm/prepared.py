@@ -1,0 +1,199 @@
+"""Header rounds prepared once per call signature: `PairRound` (2 gloo ranks) and `StarBroadcast`.
+
+Why a second way to run the same rounds: small collectives are what a training loop repeats every
+step (a loss all_reduce, a metric all_gather, DDP's buffer broadcast), and on a CPU host each step
+of a call costs far more than it does in a warm loop: the ranks' processes and gloo's I/O threads
+share the cores and evict each other's caches between calls, so every tensor op, slice and helper
+call on the way costs microseconds (measured: docs/performance.md, "Per-call cost").
+`frames.one_round` serves every collective, size and group through callbacks and builds its
+views, header rows and checks per call; a prepared round makes them once for one signature
+(collective, numel, dtype, op, root and the payload sizes each way), so a call writes the header,
+copies the payload in, sends and receives, compares the header rows with the ones it expects and
+copies out what arrived.
+
+The wire format is the frames' own (same tag, same header slots, same buffers), so a peer that
+took the general path, or made a mismatched or invalid call, is checked exactly as there and every
+rank raises the same error (`frames.check_table`). Prepared rounds live with the frames they use
+(`FrameBuffers.rounds`), so they are dropped when the frames are re-made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoddp.comm import frames
+from nanoddp.comm.frames import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
+from nanoddp.comm.ring import Peers
+
+MAX_ROUNDS = 256  # prepared signatures kept per group (a training loop uses a handful)
+
+
+class PairRound:
+    """One prepared round: fill `outgoing`, call `run()`, read what it returns."""
+
+    __slots__ = ("_expected", "_frame", "_group", "_in_row", "_in_slots", "_mine", "_other", "_out_slots", "_peers",
+                 "incoming", "outgoing")  # fmt: skip
+
+    def __init__(self, peers: Peers, bufs: FrameBuffers, header: tuple[int, ...], dtype: torch.dtype,
+                 out_numel: int, in_numel: int) -> None:  # fmt: skip
+        other = 1 - peers.rank
+        out_bytes, in_bytes = out_numel * dtype.itemsize, in_numel * dtype.itemsize
+        self._peers, self._group, self._other = peers, peers.group, other
+        self._mine = [*header, out_bytes, 0, 0]  # this rank's header slots (frames.HEADER_BYTES)
+        self._expected = [*header, in_bytes, 0, 0]  # the peer's, if it made the same call
+        self._out_slots, self._in_slots = bufs.slot_arrays()
+        out_row, self._in_row = bufs.out_rows[other], bufs.in_rows[other]
+        self._frame = out_row[: HEADER_BYTES + out_bytes]
+        self.outgoing = out_row[HEADER_BYTES : HEADER_BYTES + out_bytes].view(dtype)  # (out_numel,)
+        self.incoming = self._in_row[HEADER_BYTES : HEADER_BYTES + in_bytes].view(dtype)  # (in_numel,)
+
+    def run(self) -> torch.Tensor:
+        """Send this rank's frame (header + `outgoing`), receive the peer's, check them; return
+        `incoming`, the peer's payload (valid until the group's next collective)."""
+        peers, other = self._peers, self._other
+        self._out_slots[other] = self._mine
+        try:
+            received = self._group.recv(
+                [self._in_row], other, TAG_FRAME
+            )  # receive first: gloo sends once it is announced
+            sent = self._group.send([self._frame], other, TAG_FRAME)
+            received.wait()
+            sent.wait()
+        finally:
+            peers.calls += 1  # every round counts, passed or raised (ring.Peers.call_tags)
+        theirs = self._in_slots[other].tolist()
+        if theirs != self._expected:
+            self._disagree(theirs)
+        return self.incoming
+
+    def _disagree(self, theirs: list[int]) -> None:
+        """The peer's header row is not the expected one: raise what the general path raises."""
+        table = [self._mine, theirs] if self._peers.rank == 0 else [theirs, self._mine]
+        peer_payload = self._in_row[HEADER_BYTES : HEADER_BYTES + theirs[SLOT_NBYTES]]
+        frames.check_table(table, lambda q: peer_payload if table[q] is theirs else None)
+        raise ValueError(  # same header, other payload size: the ranks' frame limits differ
+            f"nanoddp.comm: ranks agree on the call but not on its payload size (group rank "
+            f"{self._peers.rank} expected {self._expected[SLOT_NBYTES]} bytes, got {theirs[SLOT_NBYTES]}); "
+            "every rank must run the same nanoddp version with the same limits"
+        )
+
+
+def _cached(bufs: FrameBuffers, key: tuple, make):
+    prepared_round = bufs.rounds.get(key)
+    if prepared_round is None:
+        if len(bufs.rounds) >= MAX_ROUNDS:
+            bufs.rounds.clear()
+        prepared_round = bufs.rounds[key] = make()
+    return prepared_round
+
+
+def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torch.device, out_numel: int,
+             in_numel: int) -> PairRound | None:  # fmt: skip
+    """The prepared round for this signature, or None where `frames.one_round` must run it
+    (not 2 gloo ranks, or frames not on CPU, whose header slots are written through numpy)."""
+    if peers.size != 2 or not peers.gloo or device.type != "cpu":
+        return None
+    bufs = frames.buffers(peers, device)
+    key = (*header, out_numel, in_numel)
+    return _cached(bufs, key, lambda: PairRound(peers, bufs, tuple(header), dtype, out_numel, in_numel))
+
+
+class StarBroadcast:
+    """broadcast on 3+ gloo ranks with the data in the frames: `frames._star`'s round (up frames to
+    group rank 0, the hub; a down frame back to each rank with the verdict and the data), its
+    header rows, views and expected tables made once. `run(flat)` does the whole call."""
+
+    def __init__(self, peers: Peers, bufs: FrameBuffers, header: tuple[int, ...], dtype: torch.dtype, numel: int,
+                 root: int) -> None:  # fmt: skip
+        n, me, nbytes = peers.size, peers.rank, numel * dtype.itemsize
+        self._peers, self._group, self._bufs, self._root = peers, peers.group, bufs, root
+        self._out_slots, self._in_slots = bufs.slot_arrays()
+        self._mine = [*header, nbytes if me == root else 0, 0, 0]
+        if me == 0:
+            self._expected = [[*header, nbytes if p == root else 0, 0, 0] for p in range(1, n)]  # rows 1..n-1
+            # One down frame for every rank but the root (group rank 0 never sends to itself, so its
+            # outbox row 0 is free); the root, if not the hub, gets its verdict without data.
+            self._down_slots, self._root_slots = [0, 0, 0, 0, 0, nbytes, 0, 0], [0] * 8
+            self._down = bufs.out_rows[0][: HEADER_BYTES + nbytes]
+            self._down_data = bufs.out_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]
+            self._root_down = bufs.out_rows[root][:HEADER_BYTES]
+            self._from_root = bufs.in_rows[root][HEADER_BYTES : HEADER_BYTES + nbytes]  # the root's up payload
+        else:
+            self._expected_verdict = [0, 0, 0, 0, 0, 0 if me == root else nbytes, 0, 0]
+            self._up = bufs.out_rows[0][: HEADER_BYTES + (nbytes if me == root else 0)]
+            self._up_data = bufs.out_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]
+            self._from_hub = bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]  # the data in the down frame
+        self._data_dtype = dtype
+
+    def run(self, flat: torch.Tensor) -> None:
+        """The broadcast of `flat` (1-D, contiguous; the root's is read, the others' written)."""
+        try:
+            if self._peers.rank == 0:
+                self._hub(flat)
+            else:
+                self._spoke(flat)
+        finally:
+            self._peers.calls += 1  # every round counts, passed or raised (ring.Peers.call_tags)
+
+    def _spoke(self, flat: torch.Tensor) -> None:
+        me, bufs = self._peers.rank, self._bufs
+        if me == self._root:
+            self._up_data.copy_(flat.view(torch.uint8))
+        self._out_slots[0] = self._mine
+        received = self._group.recv([bufs.in_rows[0]], 0, TAG_FRAME)
+        sent = self._group.send([self._up], 0, TAG_FRAME)
+        received.wait()
+        sent.wait()
+        verdict = self._in_slots[0].tolist()
+        if verdict != self._expected_verdict:
+            if not verdict[0]:  # passed, but with another payload size: the ranks' frame limits differ
+                raise ValueError(
+                    f"nanoddp.comm.broadcast: group rank 0 sent {verdict[SLOT_NBYTES]} bytes where "
+                    f"{self._expected_verdict[SLOT_NBYTES]} were expected; every rank must run the same nanoddp "
+                    "version with the same limits"
+                )
+            message = bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + verdict[SLOT_NBYTES]]
+            raise ERRORS[verdict[0]](bytes(message.tolist()).decode(errors="replace"))
+        if me != self._root:
+            flat.view(torch.uint8).copy_(self._from_hub)
+
+    def _hub(self, flat: torch.Tensor) -> None:
+        peers, bufs, root, n = self._peers, self._bufs, self._root, self._peers.size
+        received = [self._group.recv([bufs.in_rows[p]], p, TAG_FRAME) for p in range(1, n)]
+        for work in received:
+            work.wait()
+        rows = self._in_slots[1:].tolist()  # (n-1) x 8
+        if rows != self._expected:
+            table = [self._mine, *rows]
+            payload_of = lambda q: bufs.in_rows[q][HEADER_BYTES : HEADER_BYTES + table[q][SLOT_NBYTES]]  # noqa: E731
+            frames.check_at_hub(peers, bufs, lambda: _check_star(table, payload_of, self._expected), flat.device)
+        self._down_data.copy_(flat.view(torch.uint8) if root == 0 else self._from_root)
+        self._out_slots[0] = self._down_slots
+        if root != 0:
+            self._out_slots[root] = self._root_slots
+        sent = [self._group.send([self._root_down if p == root else self._down], p, TAG_FRAME) for p in range(1, n)]
+        for work in sent:
+            work.wait()
+        if root != 0:
+            flat.view(torch.uint8).copy_(self._from_root)
+
+
+def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -> None:
+    """Raise what the general path raises for this table; if it passes (same calls, other payload
+    sizes: the ranks' frame limits differ), raise that."""
+    frames.check_table(table, payload_of)
+    raise ValueError(
+        "nanoddp.comm.broadcast: ranks agree on the call but not on its payload sizes (group ranks 1.."
+        f"{len(table) - 1} sent {[row[SLOT_NBYTES] for row in table[1:]]} bytes, expected "
+        f"{[row[SLOT_NBYTES] for row in expected]}); every rank must run the same nanoddp version with the same limits"
+    )
+
+
+def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: int) -> StarBroadcast | None:
+    """The prepared broadcast for this signature, or None where `frames.one_round` must run it
+    (not 3+ gloo ranks, or frames not on CPU)."""
+    if peers.size < 3 or not peers.gloo or flat.device.type != "cpu":
+        return None
+    bufs = frames.buffers(peers, flat.device)
+    key = (*header, "star")
+    return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
