@@ -50,7 +50,10 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     assert bench.comm_path("all_gather", (per_rank + 4) * world_size, world_size).startswith("header round")
     assert bench.comm_path("reduce_scatter", (above + 4) * world_size, world_size).startswith("header round")
     assert bench.comm_path("broadcast", ring.BULK_FROM_BYTES - 4, world_size).startswith("one round")
-    assert bench.comm_path("broadcast", ring.BULK_FROM_BYTES, world_size).endswith(": pipelined chain")
+    bulk = bench.comm_path("broadcast", ring.BULK_FROM_BYTES, world_size)
+    past_direct = bench.comm_path("broadcast", ring.DIRECT_BROADCAST_MAX_BYTES + 4, world_size)
+    assert past_direct.endswith(": pipelined chain")  # 3+ ranks: straight from the root up to its limit
+    assert bulk.endswith(": pipelined chain" if world_size == 2 else ": straight from the root to every rank")
 
 
 @pytest.mark.timeout(300)

@@ -151,6 +151,8 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
     first_piece = share // n if op == "all_reduce" else share  # the ring's chunk, the chain's message
     if op == "all_reduce" and ring.reduces_by_exchange(share, n, gloo):
         algorithm, first_piece = "one exchange of whole tensors, each piece reduced as it lands", share
+    if op == "broadcast" and ring.broadcasts_directly(share, n, gloo):
+        algorithm = "straight from the root to every rank"
     early = ring.early_bytes(first_piece, gloo)
     timing = f"with its first {_human(early)} early" if early else "then"
     return f"header round ({round_shape}), {timing}: {algorithm}"

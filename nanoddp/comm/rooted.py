@@ -89,7 +89,12 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("broadcast", tensor, root=root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "broadcast", tensor):
-        run = ring.start_chain_broadcast(peers, flat, root) if tensor.numel() and n > 1 else None
+        if not tensor.numel() or n == 1:
+            run = None
+        elif ring.broadcasts_directly(_nbytes(flat), n, peers.gloo):
+            run = ring.start_direct_broadcast(peers, flat, root)
+        else:
+            run = ring.start_chain_broadcast(peers, flat, root)
         frames.one_round(peers, header, tensor.device)
         if run:
             run()
