@@ -5,6 +5,7 @@ the docs' table rendered from the JSON."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -65,6 +66,9 @@ def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
         assert r["nanoddp_time_us"] > 0 and r["torch_time_us"] > 0
         expected = r["nanoddp_busbw_gbps"] / r["torch_busbw_gbps"]
         torch.testing.assert_close(r["busbw_ratio"], expected)
+        ours, theirs = r["samples_us"]["nanoddp"], r["samples_us"]["torch"]
+        assert len(ours) == len(theirs) == r["iters"]
+        assert r["paired_ratio"] == statistics.median(t / o for t, o in zip(theirs, ours, strict=True))
         assert r["path"].startswith("one round" if r["size_bytes"] == 4096 else "header round")
     data = {"meta": {"torch": torch.__version__, "iters": 2, "cpus": 2}, "results": rows}
     (tmp_path / "docs").mkdir()
@@ -74,7 +78,7 @@ def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
     assert "stale" not in rendered
     lines = [line for line in rendered.splitlines() if line.startswith("| all_reduce | 2 | 8 MB |")]
     assert len(lines) == 1 and "header round (exchange), with its first 4 MB early: pipelined ring" in lines[0]
-    ratio = next(r["busbw_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
+    ratio = next(r["paired_ratio"] for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 8 << 20)
     assert f"| {ratio:.2f} |" in lines[0]
 
 
@@ -120,6 +124,8 @@ def test_a_run_with_the_floor_adds_the_bare_columns(tmp_path):
     table = bench.format_markdown({"meta": {"iters": 2}, "results": rows})
     assert "| bare send/recv µs | bare ÷ torch |" in table and bench.BARE_LEGEND in table
     line = next(line for line in table.splitlines() if line.startswith("| all_gather | 2 | 1 MB |"))
-    assert f"| {r['bare_time_us']:,.0f} | {r['bare_ratio']:.2f} |" in line
+    assert f"| {r['bare_time_us']:,.0f} | {r['bare_paired_ratio']:.2f} |" in line
+    bare, theirs = r["samples_us"]["bare"], r["samples_us"]["torch"]
+    assert r["bare_paired_ratio"] == statistics.median(t / b for t, b in zip(theirs, bare, strict=True))
     with pytest.raises(ValueError, match="no bare send/recv pattern for op 'gather'"):
         floor.bare_pattern("gather", 4096, 0, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,9 @@ def test_committed_collectives_json_is_consistent(path):
         ours, theirs = (row["size_bytes"] / (row[f"{impl}_time_us"] * 1e-6) / 1e9 for impl in ("nanoddp", "torch"))
         factor = BUSBW_FACTOR[row["op"]](row["world_size"])
         assert row["busbw_ratio"] == pytest.approx((ours * factor) / (theirs * factor), rel=1e-9)
+        samples = row["samples_us"]  # the table's ratio: torch ÷ ours, paired per iteration, median
+        pairs = zip(samples["torch"], samples["nanoddp"], strict=True)
+        assert row["paired_ratio"] == pytest.approx(statistics.median(t / o for t, o in pairs), rel=1e-9)
         assert row["path"] == comm_path(row["op"], row["size_bytes"], row["world_size"])
 
 

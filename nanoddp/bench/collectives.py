@@ -164,16 +164,28 @@ def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
     gets to torch's built-in) and ours ÷ bare (what our algorithm and checks cost on top of it)."""
     factor = BUSBW_FACTOR[op](n)
     row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0], "path": comm_path(op, size, n)}
-    for impl, column in zip(CONTESTANTS[: times.shape[1]], times.unbind(1), strict=True):
+    columns = list(zip(CONTESTANTS[: times.shape[1]], times.unbind(1), strict=True))
+    samples = {impl: [round(t * 1e6, 1) for t in column.tolist()] for impl, column in columns}
+    for impl, column in columns:
         t = statistics.median(column.tolist())
         row[f"{impl}_time_us"] = t * 1e6
         row[f"{impl}_algbw_gbps"] = size / t / 1e9
         row[f"{impl}_busbw_gbps"] = size / t / 1e9 * factor
     row["busbw_ratio"] = row["nanoddp_busbw_gbps"] / row["torch_busbw_gbps"]
+    row["paired_ratio"] = paired_ratio(samples["torch"], samples["nanoddp"])
     if "bare_time_us" in row:
         row["bare_ratio"] = row["bare_busbw_gbps"] / row["torch_busbw_gbps"]
+        row["bare_paired_ratio"] = paired_ratio(samples["torch"], samples["bare"])
         row["nanoddp_vs_bare"] = row["nanoddp_busbw_gbps"] / row["bare_busbw_gbps"]
+    row["samples_us"] = samples  # every iteration's time per contestant (slowest rank), for re-analysis
     return row
+
+
+def paired_ratio(reference_us: list[float], contestant_us: list[float]) -> float:
+    """Median over iterations of reference time ÷ contestant time in the same iteration (> 1: the
+    contestant is faster). Paired per iteration, so a slow spell of the machine, which hits both
+    in that iteration, cancels out instead of shifting one median."""
+    return statistics.median(r / c for r, c in zip(reference_us, contestant_us, strict=True))
 
 
 def run_benchmark(
@@ -208,18 +220,24 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['op']:<15}{r['world_size']:>3}{_human(r['size_bytes']):>8}{r['nanoddp_time_us']:>12.0f}"
             f"{r['torch_time_us']:>11.0f}{r['nanoddp_busbw_gbps']:>15.3f}{r['torch_busbw_gbps']:>13.3f}"
-            f"{r['busbw_ratio']:>7.2f}" + (f"{r['bare_time_us']:>10.0f}{r['bare_ratio']:>12.2f}" if bare else "")
+            f"{r['paired_ratio']:>7.2f}"
+            + (f"{r['bare_time_us']:>10.0f}{r['bare_paired_ratio']:>12.2f}" if bare else "")
         )
-    lines.append("busbw in GB/s (nccl-tests convention); ratio = nanoddp busbw / torch busbw")
+    lines.append(
+        "busbw in GB/s (nccl-tests convention); ratio = median over iterations of torch's time / ours in the "
+        "same iteration (> 1: ours is faster)"
+    )
     if bare:
-        lines.append("bare = the same bytes over bare send/recv (transport floor); bare ratio = its busbw / torch's")
+        lines.append(
+            "bare = the same bytes over bare send/recv (transport floor); bare ratio = torch's time / its, paired"
+        )
     return "\n".join(lines)
 
 
 BARE_LEGEND = (
     "bare send/recv: the same bytes moved by the group's own send/recv with nothing else (no header "
     "round, checks or reductions; `nanoddp/bench/floor.py`), timed in the same rotation; bare ÷ torch "
-    "below 1 means the transport alone is slower than torch's built-in at that size."
+    "(paired, as the ratio) below 1 means the transport alone is slower than torch's built-in at that size."
 )
 
 
@@ -228,7 +246,8 @@ def format_markdown(data: dict) -> str:
     meta, rows = data["meta"], data["results"]
     caption = (
         f"gloo, {meta.get('dtype', 'float32')}, {meta.get('cpus', '?')} cores, torch {meta.get('torch', '?')}; "
-        f"median of {meta.get('iters', '?')} paired iterations (x5 below 1 MB), slowest rank per iteration"
+        f"median of {meta.get('iters', '?')} paired iterations (x5 below 1 MB), slowest rank per iteration; "
+        "ratio = median over iterations of torch's time ÷ ours in the same iteration (> 1: ours is faster)"
     )
     if meta.get("date"):
         caption += f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}"
@@ -239,15 +258,15 @@ def format_markdown(data: dict) -> str:
     lines = [
         caption,
         "",
-        f"| op | ws | size | nanoddp µs | torch µs | ratio (busbw) |{bare_head} nanoddp path |",
+        f"| op | ws | size | nanoddp µs | torch µs | ratio |{bare_head} nanoddp path |",
         f"|---|---|---|---|---|---|{bare_rule}---|",
     ]
     for r in sorted(rows, key=lambda r: (r["op"], r["world_size"], r["size_bytes"])):
         path = r.get("path") or comm_path(r["op"], r["size_bytes"], r["world_size"])
-        bare_cells = f" {r['bare_time_us']:,.0f} | {r['bare_ratio']:.2f} |" if bare else ""
+        bare_cells = f" {r['bare_time_us']:,.0f} | {r['bare_paired_ratio']:.2f} |" if bare else ""
         lines.append(
             f"| {r['op']} | {r['world_size']} | {_human(r['size_bytes'])} | {r['nanoddp_time_us']:,.0f} | "
-            f"{r['torch_time_us']:,.0f} | {r['busbw_ratio']:.2f} |{bare_cells} {path} |"
+            f"{r['torch_time_us']:,.0f} | {r['paired_ratio']:.2f} |{bare_cells} {path} |"
         )
     if bare:
         lines += ["", BARE_LEGEND]
