@@ -165,7 +165,7 @@ def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
     factor = BUSBW_FACTOR[op](n)
     row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0], "path": comm_path(op, size, n)}
     columns = list(zip(CONTESTANTS[: times.shape[1]], times.unbind(1), strict=True))
-    samples = {impl: [round(t * 1e6, 1) for t in column.tolist()] for impl, column in columns}
+    samples = {impl: [round(t * 1e6) for t in column.tolist()] for impl, column in columns}  # whole µs
     for impl, column in columns:
         t = statistics.median(column.tolist())
         row[f"{impl}_time_us"] = t * 1e6
