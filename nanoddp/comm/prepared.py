@@ -123,7 +123,6 @@ class StarBroadcast:
             self._up = bufs.out_rows[0][: HEADER_BYTES + (nbytes if me == root else 0)]
             self._up_data = bufs.out_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]
             self._from_hub = bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]  # the data in the down frame
-        self._data_dtype = dtype
 
     def run(self, flat: torch.Tensor) -> None:
         """The broadcast of `flat` (1-D, contiguous; the root's is read, the others' written)."""
