@@ -17,9 +17,11 @@ too, carrying its error message, so every rank raises that rank's error word for
 (`nanoddp.comm.checks`); with `async_op=True` it is raised by `wait()`. Small messages ride inside
 the round's frames, so they cost that one round and nothing more (all_reduce: the contributions
 are reduced in rank order in one place — each rank at 2 ranks, rank 0 in the star — so every rank
-gets bitwise the same result). Larger ones then run a pipelined ring (all_reduce = reduce-scatter
-+ all-gather; all_gather; reduce_scatter), a pipelined chain (broadcast, reduce) or direct sends
-(scatter, gather).
+gets bitwise the same result); the rounds a loop repeats (2 gloo ranks; broadcast on 3+) run from
+views and header rows prepared once per call signature (`nanoddp.comm.prepared`). Larger ones then
+run a pipelined ring (all_reduce = reduce-scatter + all-gather; all_gather; reduce_scatter), a
+pipelined chain (broadcast, reduce; broadcast on 3+ ranks up to 8 MB goes straight from the root)
+or direct sends (scatter, gather).
 
 The switch point (`frames.rides_in_frames`): on gloo, a payload rides in the frames while what
 one rank sends in that round stays within `INLINE_SEND_BYTES`, and an all_gather's or a
