@@ -381,8 +381,9 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 def _pair_mismatches(env) -> list[str]:
     """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.prepared), and
-    where one does and the other takes the general or bulk path; after each, the same prepared
-    calls still give torch's results."""
+    where one does and the other takes the general or bulk path; one side of each is a repeated
+    call (`prepared.repeat_of`, straight from the public function to the round). After each, the
+    same prepared calls still give torch's results."""
     r, messages = env.rank, []
 
     def still_right() -> None:  # the signatures prepared above, on fresh tensors
@@ -403,8 +404,9 @@ def _pair_mismatches(env) -> list[str]:
         still_right()
 
     still_right()
-    prepared = frames.buffers(runner_for(None).peers, torch.device("cpu")).rounds
-    assert len(prepared) == 2, "the calls above must run as prepared rounds"
+    bufs = frames.buffers(runner_for(None).peers, torch.device("cpu"))
+    assert len(bufs.rounds) == 2, "the calls above must run as prepared rounds"
+    assert len(bufs.repeats) == 2, "and be remembered: from here on, one rank's side is a repeat"
     expect_error(lambda: comm.all_reduce(torch.ones(5 if r == 1 else 4)))  # numel, both prepared
     expect_error(lambda: comm.broadcast(torch.ones(4), src=r))  # root
     expect_error(lambda: comm.all_reduce(torch.ones(4)) if r == 0 else comm.broadcast(torch.ones(4), src=1))
@@ -426,6 +428,75 @@ def test_mismatched_calls_on_two_ranks_raise_the_same_error_on_both():
     for field in ("numel", "root", "collective", "dtype"):
         assert f"disagree on {field}" in text
     assert "invalid call on group rank 1" in per_rank[0][-1]
+
+
+def _repeated_calls(env) -> None:
+    """A call repeated with the same signature runs its remembered prepared round (no checks, no
+    path choice): still torch's results, bitwise, for every shape, op, root and async_op; a call
+    that cannot be a repeat (non-contiguous) or whose limits changed takes the general path."""
+    r, n = env.rank, env.world_size
+    peers = runner_for(None).peers
+    seed = iter(range(10_000))
+
+    def fresh(*shape, dtype=torch.float32) -> torch.Tensor:
+        return _ints(torch.Size(shape).numel(), dtype, seed=100 * r + next(seed)).view(shape)
+
+    def calls(async_op: bool) -> None:
+        def done(work) -> None:
+            assert (work is not None) == async_op
+            if work is not None:
+                work.wait()
+
+        for shape in ((5,), (2, 3)):
+            for src in range(n):
+                mine = fresh(*shape)
+                ref = mine.clone()
+                done(comm.broadcast(mine, src=src, async_op=async_op))
+                dist.broadcast(ref, src=src)
+                _same(mine, ref, f"repeated broadcast {shape} from {src}")
+        if n != 2:
+            return
+        for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.float32, ReduceOp.AVG), (torch.int64, ReduceOp.MAX)):
+            mine = fresh(3, 2, dtype=dtype)
+            ref = mine.clone()
+            done(comm.all_reduce(mine, op=op, async_op=async_op))
+            dist.all_reduce(ref, op=op)
+            _same(mine, ref, f"repeated all_reduce {dtype} {op}")
+        for out_shape in ((n * 6,), (n, 6)):
+            x = fresh(6)
+            mine, ref = torch.zeros(out_shape), torch.zeros(out_shape)
+            done(comm.all_gather_into_tensor(mine, x, async_op=async_op))
+            dist.all_gather_into_tensor(ref.view(-1), x)  # gloo takes the concatenated form only
+            _same(mine, ref, f"repeated all_gather_into_tensor {out_shape}")
+
+    calls(async_op=False)
+    repeats = frames.buffers(peers, torch.device("cpu")).repeats
+    remembered = len(repeats)
+    # broadcast: 2 numels x n roots; at 2 ranks also 3 all_reduces and 1 all_gather (both output
+    # shapes hold 2 x 6 elements: one signature, as the key holds dtype and numel, not the shape)
+    assert remembered == 2 * n + (3 + 1 if n == 2 else 0), sorted(map(str, repeats))
+    for async_op in (False, True, False):  # every one a repeat now
+        calls(async_op)
+    assert len(repeats) == remembered
+    odd = fresh(8)[::2]  # not contiguous: never looked up, never remembered
+    ref = odd.clone()
+    comm.broadcast(odd, src=0)
+    dist.broadcast(ref, src=0)
+    _same(odd, ref, "non-contiguous broadcast")
+    assert len(repeats) == remembered
+    saved = ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES
+    ring.INLINE_SEND_BYTES = ring.INLINE_MAX_BYTES = 0  # nothing rides in the frames: all take the bulk path
+    try:
+        calls(async_op=False)
+        assert not frames.buffers(peers, torch.device("cpu")).repeats
+    finally:
+        ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES = saved
+    calls(async_op=False)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_repeated_calls_match_torch(world_size):
+    run_on_ranks(_repeated_calls, world_size, timeout=180)
 
 
 def _bulk_after_failed_bulk(env) -> None:

@@ -1,6 +1,7 @@
 """The rest of torch.distributed's surface in nanoddp.comm, against torch's built-ins on gloo.
 
-all_to_all_single/all_to_all (uneven split sizes), reduce_scatter (list form), barrier,
+all_to_all_single/all_to_all (uneven split sizes), reduce_scatter (list form), torch 2.13's
+all_gather_single/reduce_scatter_single, barrier,
 monitored_barrier, the object collectives and batch_isend_irecv, at world sizes 2-4 and in a
 subgroup. One launch per world size runs every case (a launch costs seconds); a call that is
 invalid on one rank only must raise the same error on every rank.
@@ -78,6 +79,24 @@ def _reduce_scatter_cases(r: int, n: int, group) -> None:
                 else:
                     assert torch.equal(ours, ref), f"reduce_scatter {numel} {dtype} {op}"
             assert all(torch.equal(a, b) for a, b in zip(inputs, kept, strict=True)), "inputs must not change"
+
+
+def _single_name_cases(r: int, n: int, group) -> None:
+    """torch 2.13's names for all_gather_into_tensor and reduce_scatter_tensor, against torch's own
+    (under the old names on a torch that has not got the new ones)."""
+    torch_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    for numel in (3, 300_000):
+        x = _ints((numel,), torch.float32, seed=r)
+        ours, ref = torch.empty(n * numel), torch.empty(n * numel)
+        comm.all_gather_single(ours, x, group=group)
+        torch_gather(ref, x, group=group)
+        assert torch.equal(ours, ref), f"all_gather_single {numel}"
+        whole = _ints((n * numel,), torch.int64, seed=r)
+        ours, ref = torch.empty(numel, dtype=torch.int64), torch.empty(numel, dtype=torch.int64)
+        comm.reduce_scatter_single(ours, whole, op=ReduceOp.MAX, group=group)
+        torch_reduce_scatter(ref, whole, op=ReduceOp.MAX, group=group)
+        assert torch.equal(ours, ref), f"reduce_scatter_single {numel}"
 
 
 def _object_cases(r: int, n: int, group, members: list[int]) -> None:
@@ -200,6 +219,7 @@ def _surface(env, shared: str) -> dict:
     r, n, shared = env.rank, env.world_size, Path(shared)
     _all_to_all_cases(r, n, None)
     _reduce_scatter_cases(r, n, None)
+    _single_name_cases(r, n, None)
     _object_cases(r, n, None, list(range(n)))
     _batch_p2p_cases(r, n)
     _barrier_cases(r, n, shared)
@@ -207,6 +227,7 @@ def _surface(env, shared: str) -> dict:
     members = [q for q in range(n) if q % 2 == r % 2]
     _all_to_all_cases(members.index(r), len(members), parity)
     _reduce_scatter_cases(members.index(r), len(members), parity)
+    _single_name_cases(members.index(r), len(members), parity)
     _object_cases(r, len(members), parity, members)
     comm.barrier(group=parity)
     messages = _invalid_on_one_rank(r, n)

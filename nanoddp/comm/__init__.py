@@ -1,7 +1,8 @@
 """Collectives built from scratch on point-to-point send/recv, with torch.distributed's API.
 
 `all_reduce`, `reduce`, `broadcast`, `all_gather`, `all_gather_into_tensor`,
-`reduce_scatter_tensor`, `scatter` and `gather` take the same arguments as their
+`reduce_scatter_tensor` (also under torch 2.13's names `all_gather_single`, `reduce_scatter_single`),
+`scatter` and `gather` take the same arguments as their
 `torch.distributed` namesakes (src/dst are *global* ranks, `group` may be a subgroup) and give
 the same results, but every byte moves through `isend`/`irecv` (see `nanoddp.comm.ring`).
 So do `reduce_scatter` (list form, here), `all_to_all_single`, `all_to_all`, `barrier`,
@@ -18,7 +19,9 @@ too, carrying its error message, so every rank raises that rank's error word for
 the round's frames, so they cost that one round and nothing more (all_reduce: the contributions
 are reduced in rank order in one place — each rank at 2 ranks, rank 0 in the star — so every rank
 gets bitwise the same result); the rounds a loop repeats (2 gloo ranks; broadcast on 3+) run from
-views and header rows prepared once per call signature (`nanoddp.comm.prepared`). Larger ones then
+views and header rows prepared once per call signature (`nanoddp.comm.prepared`), and a repeat of
+such a call (same arguments but the tensors' values) goes from the public function straight to
+its round, past the argument checks and path choice it passed before. Larger ones then
 run a pipelined ring (all_reduce = reduce-scatter + all-gather; all_gather; reduce_scatter), a
 pipelined chain (broadcast, reduce; broadcast on 3+ ranks up to 8 MB goes straight from the root)
 or direct sends (scatter, gather).
@@ -67,6 +70,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "INLINE_MAX_BYTES", "INLINE_SEND_BYTES", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_reduce",
     "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "all_gather_single", "reduce_scatter_single",
     "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "monitored_barrier",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
 ]  # fmt: skip
@@ -91,16 +95,31 @@ def all_reduce(
     runner = runner_for(group)
     if runner is None:
         return None
+    key = prepared.call_key("all_reduce", op, tensor)
+    if again := prepared.repeat_of(runner.peers, key):
+        return runner.submit("all_reduce", tensor.numel(), lambda: again(_flat(tensor)), [tensor], async_op)
 
     def prepare() -> Prepared:
         check(tensor, "tensor")
         name = op_name(op, tensor)
-        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name), [tensor]
+        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name, key), [tensor]
 
     return _submit(runner, "all_reduce", "all_reduce", prepare, async_op)
 
 
-def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
+def _pair_all_reduce(pair: prepared.PairRound, op: str, rank: int):
+    """all_reduce of a 1-D tensor at 2 ranks through `pair`: swap, then reduce in rank order (so
+    both ranks compute bitwise the same result)."""
+
+    def run(flat: torch.Tensor) -> None:
+        pair.outgoing.copy_(flat)
+        received = pair.run()
+        ring.reduce_in_rank_order(op, [flat, received] if rank == 0 else [received, flat], flat)
+
+    return run
+
+
+def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) -> None:
     n = peers.size
     if n == 1:
         return
@@ -119,9 +138,9 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
         return
 
     if pair := prepared.pair_round(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
-        pair.outgoing.copy_(flat)
-        received = pair.run()
-        ring.reduce_in_rank_order(op, [flat, received] if peers.rank == 0 else [received, flat], flat)
+        run = _pair_all_reduce(pair, op, peers.rank)
+        prepared.remember(peers, key, run)
+        run(flat)
         _write_back(tensor, flat)
         return
 
@@ -152,7 +171,7 @@ def all_gather(
 
         def body() -> None:
             flats = [_flat(t) for t in outputs]
-            _all_gather(runner.peers, flats, tensor)
+            _all_gather(runner.peers, flats, tensor, None)
             for out, f in zip(outputs, flats, strict=True):
                 _write_back(out, f)
 
@@ -171,6 +190,15 @@ def all_gather_into_tensor(
     runner = runner_for(group)
     if runner is None:
         return None
+    key = prepared.call_key("all_gather_into_tensor", None, output_tensor, input_tensor)
+    if again := prepared.repeat_of(runner.peers, key):
+        m = input_tensor.numel()
+
+        def repeat() -> None:
+            out = _flat(output_tensor)  # (2m,): a view, the key holds contiguous tensors only
+            again([out[:m], out[m:]], _flat(input_tensor))
+
+        return runner.submit("all_gather_into_tensor", m, repeat, [output_tensor], async_op)
 
     def prepare() -> Prepared:
         check(input_tensor, "input_tensor")
@@ -179,7 +207,7 @@ def all_gather_into_tensor(
 
         def body() -> None:
             out = _flat(output_tensor)
-            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor)
+            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, key)
             _write_back(output_tensor, out)
 
         return m, body, [output_tensor]
@@ -187,20 +215,33 @@ def all_gather_into_tensor(
     return _submit(runner, "all_gather", "all_gather_into_tensor", prepare, async_op)
 
 
-def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-    """outputs: one 1-D contiguous tensor per group rank."""
+def _pair_all_gather(pair: prepared.PairRound, rank: int):
+    """all_gather at 2 ranks through `pair`: `outputs` (two 1-D views) get `flat` and the peer's."""
+
+    def run(outputs: list[torch.Tensor], flat: torch.Tensor) -> None:
+        outputs[rank].copy_(flat)
+        pair.outgoing.copy_(flat)
+        outputs[1 - rank].copy_(pair.run())
+
+    return run
+
+
+def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, key: tuple | None) -> None:
+    """outputs: one 1-D contiguous tensor per group rank; `key`: the call to remember (None: none)."""
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("all_gather", tensor)
-    outputs[me].copy_(flat)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "all_gather", tensor):
+        outputs[me].copy_(flat)
         run = ring.start_ring(peers, outputs, None, 0, n - 1, shift=0) if tensor.numel() else _nothing
         frames.one_round(peers, header, tensor.device)
         run()
         return
     if pair := prepared.pair_round(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
-        pair.outgoing.copy_(flat)
-        outputs[1 - me].copy_(pair.run())
+        run = _pair_all_gather(pair, me)
+        prepared.remember(peers, key, run)
+        run(outputs, flat)
         return
+    outputs[me].copy_(flat)
     result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=others_for(n))
     unpack(result, [outputs[q] for q in range(n) if q != me])
 
@@ -290,6 +331,11 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
     run()
     out_flat.copy_(work[me])
     _write_back(output, out_flat)
+
+
+# torch 2.13's names for the same two calls (it deprecates the `*_tensor` ones in their favour).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 # The rooted collectives and the rest of torch.distributed's surface, built the same way or on

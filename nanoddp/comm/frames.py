@@ -72,7 +72,8 @@ class FrameBuffers:
         # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
         # training loop sends the same few sizes over and over. Cleared when it grows large.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.pair's prepared rounds on these frames
+        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.prepared's rounds on these frames
+        self.repeats: dict[tuple, object] = {}  # nanoddp.comm.prepared's remembered calls (valid for `limits`)
 
     def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
@@ -155,6 +156,7 @@ def buffers(peers: Peers, device: torch.device) -> FrameBuffers:
         if bufs is None or bufs.capacity != capacity:
             bufs = peers.cache[device] = FrameBuffers(peers.size, capacity, device)
         bufs.limits = limits
+        bufs.repeats.clear()  # each skips the size check that put it in the frames
     return bufs
 
 

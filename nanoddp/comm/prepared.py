@@ -20,8 +20,9 @@ rank raises the same error (`frames.check_table`). Prepared rounds live with the
 from __future__ import annotations
 
 import torch
+from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames
+from nanoddp.comm import frames, ring
 from nanoddp.comm.frames import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
 from nanoddp.comm.ring import Peers
 
@@ -196,3 +197,49 @@ def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: in
     bufs = frames.buffers(peers, flat.device)
     key = (*header, "star")
     return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
+
+
+# --- repeated calls -----------------------------------------------------------------------------
+# A call that ran through a prepared round is remembered under its public arguments, so the same
+# call again (a loss all_reduce, a buffer broadcast, every step) goes from the public function
+# straight to the round: the argument checks and the path choice it passed last time are not made
+# again (measured: docs/performance.md, "Per-call cost"). What the call must still agree on with its
+# peers is checked by the round itself, every time.
+
+_CPU = torch.device("cpu")
+
+
+def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple | None:
+    """What identifies a repeat of a call: the collective, its root or op (`arg`) and each tensor's
+    dtype and numel; None where no repeat is looked up (a tensor that is not a contiguous CPU one,
+    an op object other than a plain ReduceOp, or under torch.compile, whose trace the runner breaks)."""
+    if type(arg) not in _PLAIN_ARGS or torch.compiler.is_compiling():
+        return None
+    key = [name, arg]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
+            return None
+        key += (t.dtype, t.numel())
+    return tuple(key)
+
+
+_PLAIN_ARGS = (int, type(ReduceOp.SUM), type(None))
+
+
+def repeat_of(peers: Peers, key: tuple | None):
+    """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
+    if key is None or not peers.gloo:
+        return None
+    bufs = peers.cache.get(_CPU)
+    if bufs is None or bufs.limits != (ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES):
+        return None  # the next general call re-makes or re-sizes the frames (frames.buffers)
+    return bufs.repeats.get(key)
+
+
+def remember(peers: Peers, key: tuple | None, body) -> None:
+    """Keep `body` (what the general path just chose for this call) for the call's repeats."""
+    if key is not None:
+        repeats = frames.buffers(peers, _CPU).repeats
+        if len(repeats) >= MAX_ROUNDS:
+            repeats.clear()
+        repeats[key] = body

@@ -76,16 +76,32 @@ def broadcast(
     runner = runner_for(group)
     if runner is None:
         return None
+    key = prepared.call_key("broadcast", src, tensor)
+    if again := prepared.repeat_of(runner.peers, key):
+        return runner.submit("broadcast", tensor.numel(), lambda: again(_flat(tensor)), [tensor], async_op)
 
     def prepare() -> Prepared:
         check(tensor, "tensor")
         root = group_root(runner.peers, src, "src")
-        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor]
+        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root, key), [tensor]
 
     return _submit(runner, "broadcast", "broadcast", prepare, async_op)
 
 
-def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
+def _pair_broadcast(pair: prepared.PairRound, is_root: bool):
+    """broadcast of a 1-D tensor at 2 ranks through `pair`: the root sends, the other receives."""
+
+    def send(flat: torch.Tensor) -> None:
+        pair.outgoing.copy_(flat)
+        pair.run()
+
+    def receive(flat: torch.Tensor) -> None:
+        flat.copy_(pair.run())
+
+    return send if is_root else receive
+
+
+def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None) -> None:
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("broadcast", tensor, root=root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "broadcast", tensor):
@@ -99,15 +115,14 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
         if run:
             run()
     elif star := prepared.star_broadcast(peers, header, flat, root):
+        prepared.remember(peers, key, star.run)
         star.run(flat)
     elif pair := prepared.pair_round(
         peers, header, flat.dtype, flat.device, *((flat.numel(), 0) if me == root else (0, flat.numel()))
     ):
-        if me == root:
-            pair.outgoing.copy_(flat)
-        received = pair.run()
-        if me != root:
-            flat.copy_(received)
+        run = _pair_broadcast(pair, me == root)
+        prepared.remember(peers, key, run)
+        run(flat)
     else:
         result = frames.one_round(
             peers,
