@@ -132,7 +132,7 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) 
         else:
             chunks = [flat[a:b] for a, b in ring.balanced_bounds(flat.numel(), n)]
             run = ring.start_ring(peers, chunks, op, n - 1, n - 1, shift=0)
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         run()
         _write_back(tensor, flat)
         return
@@ -233,7 +233,7 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor,
     if tensor.numel() == 0 or n == 1 or not fits(peers, "all_gather", tensor):
         outputs[me].copy_(flat)
         run = ring.start_ring(peers, outputs, None, 0, n - 1, shift=0) if tensor.numel() else _nothing
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         run()
         return
     if pair := prepared.pair_round(peers, header, flat.dtype, flat.device, flat.numel(), flat.numel()):
@@ -322,12 +322,12 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
         _write_back(output, out_flat)
         return
     if m == 0:
-        frames.one_round(peers, header, output.device)
+        prepared.header_round(peers, header, output.device)
         return
     work = peers.scratch("reduce_scatter", n * m, output.dtype, output.device).view(n, m)
     work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
     run = ring.start_ring(peers, list(work), op, n - 1, 0, shift=-1)  # sends its first piece now
-    frames.one_round(peers, header, output.device)
+    prepared.header_round(peers, header, output.device)
     run()
     out_flat.copy_(work[me])
     _write_back(output, out_flat)

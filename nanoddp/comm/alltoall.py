@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import frames, ring, watchdog
+from nanoddp.comm import frames, prepared, ring, watchdog
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
 from nanoddp.comm.ring import Peers
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
@@ -182,7 +182,7 @@ def barrier(
 
 
 def _header_round(peers: Peers, kind: str) -> None:
-    frames.one_round(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
+    prepared.header_round(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
 
 
 def agree(runner: GroupRunner, kind: str, check_call) -> object:

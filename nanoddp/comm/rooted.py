@@ -50,7 +50,7 @@ def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
     flat, header = _flat(tensor), _header("reduce", tensor, op, root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "reduce", tensor):
         run = ring.start_chain_reduce(peers, flat, op, root) if tensor.numel() and n > 1 else None
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         if run:
             run()
     else:
@@ -111,7 +111,7 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None)
             run = ring.start_direct_broadcast(peers, flat, root)
         else:
             run = ring.start_chain_broadcast(peers, flat, root)
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         if run:
             run()
     elif star := prepared.star_broadcast(peers, header, flat, root):
@@ -174,7 +174,7 @@ def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | N
         )
         land(flat, flats[me] if me == root else result)
     else:
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         if tensor.numel() == 0:
             return
         if me == root:
@@ -218,7 +218,7 @@ def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | No
         if me == root:
             unpack(result, [flats[q] for q in range(n) if q != me])
     else:
-        frames.one_round(peers, header, tensor.device)
+        prepared.header_round(peers, header, tensor.device)
         if tensor.numel() and me != root:
             peers.isend(flat, root).wait()
         elif tensor.numel() and n > 1:
