@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,35 @@ def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
         output, _ = proc.communicate()
         pytest.fail(f"nanoddp train did not finish in {timeout}s:\n{output[-3000:]}")
     return output
+
+
+def _finish_together(procs: list[subprocess.Popen], timeout: float = RUN_TIMEOUT_S) -> list[str]:
+    """Wait for launchers that make one job: the moment one fails, or time runs out, kill every
+    one's session and fail with all their outputs (waiting on them one by one would spend the whole
+    timeout on a node left waiting for a peer that already exited, and hide that peer's output)."""
+    outputs: list[str] = [""] * len(procs)
+
+    def read(i: int) -> None:
+        outputs[i] = procs[i].communicate()[0]
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in stuck:
+        os.killpg(procs[i].pid, signal.SIGKILL)
+    for reader in readers:
+        reader.join(timeout=30)
+    if stuck or any(p.returncode != 0 for p in procs):
+        states = ["killed, still running" if i in stuck else f"exit {p.returncode}" for i, p in enumerate(procs)]
+        report = "\n".join(f"--- launcher {i}: {state}\n{outputs[i][-3000:]}" for i, state in enumerate(states))
+        pytest.fail(f"a launcher of the job failed or did not finish in {timeout}s:\n{report}")
+    return outputs
 
 
 def _workers(launcher: subprocess.Popen) -> list[psutil.Process]:
@@ -152,8 +182,7 @@ def test_two_agents_with_nnodes_2_train_like_one(reference_run, tmp_path):
                        "--rdzv-id", "two-node-test", "--out", str(tmp_path))
         for node in (0, 1)
     ]  # fmt: skip
-    outputs = [_finish(node) for node in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    _finish_together(nodes)
     # one process per node, two nodes: the same math as one node with two processes, bit for bit
     # (the per-rank thread count depends on the world size only, not on the launch layout)
     expected, got = _params(reference_run), _params(tmp_path)
