@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames, ring
+from nanoddp.comm import frames
 from nanoddp.comm.frames import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
 from nanoddp.comm.ring import Peers
 
@@ -217,6 +217,7 @@ def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: in
 # peers is checked by the round itself, every time.
 
 _CPU = torch.device("cpu")
+_PLAIN_ARGS = (int, type(ReduceOp.SUM), type(None))  # root, ReduceOp member, no argument
 
 
 def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple | None:
@@ -233,17 +234,11 @@ def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple | None:
     return tuple(key)
 
 
-_PLAIN_ARGS = (int, type(ReduceOp.SUM), type(None))
-
-
 def repeat_of(peers: Peers, key: tuple | None):
     """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
     if key is None or not peers.gloo:
         return None
-    bufs = peers.cache.get(_CPU)
-    if bufs is None or bufs.limits != (ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES):
-        return None  # the next general call re-makes or re-sizes the frames (frames.buffers)
-    return bufs.repeats.get(key)
+    return frames.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
 
 
 def remember(peers: Peers, key: tuple | None, body) -> None:
