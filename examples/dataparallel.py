@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from nanoddp import DataParallel
 from nanoddp.models import GPT, gpt_config
-from nanoddp.parallel.dp import mean_over_replicas, parallel_apply, replicate
-from nanoddp.parallel.scatter_gather import batch_size_of, gather, scatter
+from nanoddp.parallel.dp.data_parallel import mean_over_replicas, parallel_apply, replicate
+from nanoddp.parallel.dp.scatter_gather import batch_size_of, gather, scatter
 
 
 class LossInForward(nn.Module):

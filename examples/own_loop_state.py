@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nanoddp
 from nanoddp.env import inside_torchrun
-from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 
 def make_datasets() -> tuple[TensorDataset, TensorDataset]:

@@ -2,7 +2,7 @@
 
 1. Replica check: a model built after seeding each rank differently is refused (ValueError on
    every rank); seeded identically, it is accepted and `verify_replicas` agrees.
-2. Manual sharding: rank r trains on samples r, r+W, r+2W, ... (`nanoddp.train.data.shard`).
+2. Manual sharding: rank r trains on samples r, r+W, r+2W, ... (`nanoddp.train.data.sampler.shard`).
 3. Gradient accumulation with `no_sync()`: K micro-batches, one all-reduce; the gradient equals
    a single-process backward over all ranks' micro-batches at once.
 4. Timing: the same per-process batch in 1 and in W processes (W x the samples per step).
@@ -25,8 +25,8 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.models import MLPClassifier
 from nanoddp.parallel.replicas import gather_json
-from nanoddp.train.data import shard
-from nanoddp.train.datasets import digits_splits
+from nanoddp.train.data.datasets import digits_splits
+from nanoddp.train.data.sampler import shard
 
 
 def replica_check(env: nanoddp.DistEnv, seed: int) -> None:

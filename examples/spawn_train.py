@@ -29,8 +29,8 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.models import MLPClassifier
 from nanoddp.parallel.replicas import gather_json
-from nanoddp.train.data import ResumableDistributedSampler
-from nanoddp.train.datasets import digits_splits
+from nanoddp.train.data.datasets import digits_splits
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 
 def setup(env: nanoddp.DistEnv, seed: int) -> nanoddp.DistributedDataParallel:
@@ -98,7 +98,7 @@ def save(model: nanoddp.DistributedDataParallel, path: Path, val_set, accuracy: 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(plain, tmp)
-    tmp.replace(path)  # atomic: a reader never sees half a file (see also nanoddp.train.snapshot.save)
+    tmp.replace(path)  # atomic: a reader never sees half a file (see also nanoddp.train.checkpoint.snapshot.save)
     print(f"rank 0 saved {path}")
     fresh = MLPClassifier()
     try:

@@ -2,7 +2,7 @@
 
 A minGPT-style byte-level GPT learns the Python standard library's source. torchrun starts the
 workers and sets RANK, WORLD_SIZE, MASTER_ADDR, ... (read once into `nanoddp.DistEnv`). Every
-`--snapshot-every` steps rank 0 writes a snapshot with `nanoddp.train.snapshot` (atomic, checksummed):
+`--snapshot-every` steps rank 0 writes a snapshot with `nanoddp.train.checkpoint.snapshot` (atomic, checksummed):
 model, optimizer, step, the sampler's position and every rank's RNG state. When a worker dies,
 torchrun stops the others and, while `--max-restarts` allows, starts them all again; they find
 the newest valid snapshot and continue from there, mid-epoch, with the exact same batches.
@@ -34,9 +34,9 @@ from torch.utils.data import DataLoader
 
 import nanoddp
 from nanoddp.models import GPT, gpt_config
-from nanoddp.train import snapshot
-from nanoddp.train.data import ResumableDistributedSampler
-from nanoddp.train.datasets import BYTE_VOCAB, byte_text_splits
+from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.data.datasets import BYTE_VOCAB, byte_text_splits
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 
 class Trainer:

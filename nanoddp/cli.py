@@ -18,7 +18,7 @@ import nanoddp
 SUBCOMMAND_REGISTRARS = (
     ("nanoddp.cli", "register_check_cli"),
     ("nanoddp.bench", "register_cli"),
-    ("nanoddp.train.cli", "register_cli"),
+    ("nanoddp.train.launcher.cli", "register_cli"),
     ("nanoddp.run", "register_cli"),
 )
 

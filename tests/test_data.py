@@ -7,8 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from nanoddp.train.data import ResumableDistributedSampler, shard
-from nanoddp.train.datasets import (
+from nanoddp.train.data.datasets import (
     BYTE_VOCAB,
     TokenWindows,
     build_datasets,
@@ -16,6 +15,7 @@ from nanoddp.train.datasets import (
     read_text_source,
     stdlib_source_files,
 )
+from nanoddp.train.data.sampler import ResumableDistributedSampler, shard
 
 SIZES = (1, 7, 10, 33, 64)
 

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from nanoddp import DistributedDataParallel, verify_replicas
 from nanoddp.models import MLPClassifier
-from nanoddp.parallel.hooks import allreduce_hook
+from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
 
 BACKENDS = ("torch", "nanoddp")
 B = 4

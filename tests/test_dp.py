@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from nanoddp.models import GPT, MLPClassifier, gpt_config
-from nanoddp.parallel.dp import DataParallel, mean_over_replicas, parallel_apply, replicate
-from nanoddp.parallel.scatter_gather import gather, scatter, scatter_kwargs
+from nanoddp.parallel.dp.data_parallel import DataParallel, mean_over_replicas, parallel_apply, replicate
+from nanoddp.parallel.dp.scatter_gather import gather, scatter, scatter_kwargs
 
 CPU2 = ["cpu", "cpu"]
 CPU3 = ["cpu", "cpu", "cpu"]

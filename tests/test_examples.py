@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanoddp.models import MLPClassifier
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

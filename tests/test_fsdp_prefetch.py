@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from conftest import run_on_ranks
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.fsdp import fully_shard
+from nanoddp.parallel.sharded.fsdp import fully_shard
 
 STEPS = 3
 N_BLOCKS = 3

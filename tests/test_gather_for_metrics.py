@@ -9,7 +9,7 @@ from conftest import run_on_ranks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nanoddp
-from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 DATASET_LEN = 23  # neither 2 nor 3 divides it: 1 (ws 2) or 1 (ws 3) padded duplicate
 
@@ -63,7 +63,7 @@ def _eval_worker(env) -> dict:
             "names": names,
             "naive": torch.cat(local_preds).numel() * env.world_size,
         }
-    # An unpadded shard (nanoddp.train.data.shard(drop_last=False)): rank r holds dataset[r::W], so the
+    # An unpadded shard (nanoddp.train.data.sampler.shard(drop_last=False)): rank r holds dataset[r::W], so the
     # first len % W ranks hold one more sample; the gathered order must still be the dataset's.
     unpadded = torch.arange(DATASET_LEN)[env.rank :: env.world_size]
     results["unpadded"] = nanoddp.gather_for_metrics(unpadded.float().unsqueeze(1))  # (n_r, 1) -> (N, 1)

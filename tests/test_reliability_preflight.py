@@ -11,7 +11,7 @@ from test_reliability_rundir import FLAGS, SMALL
 
 from nanoddp import cli
 from nanoddp.env import DistEnv
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.trainer import Trainer
 
 

@@ -17,9 +17,10 @@ import torch
 
 from nanoddp import cli
 from nanoddp.env import DistEnv
-from nanoddp.train import preflight, rundir, snapshot
+from nanoddp.train.checkpoint import rundir, snapshot
 from nanoddp.train.config import TrainConfig
-from nanoddp.train.datasets import build_datasets
+from nanoddp.train.data.datasets import build_datasets
+from nanoddp.train.launcher import preflight
 from nanoddp.train.trainer import Trainer
 
 SMALL = TrainConfig(

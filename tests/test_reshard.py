@@ -24,8 +24,8 @@ from conftest import run_on_ranks
 from test_trainer import TINY
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.flat import FlatLayout
-from nanoddp.train import optim_state, snapshot
+from nanoddp.parallel.sharded.flat import FlatLayout
+from nanoddp.train.checkpoint import optim_state, snapshot
 from nanoddp.train.trainer import Trainer
 
 STOP, END = 5, 12  # batch 12 is 9 steps an epoch: stop mid-epoch 0, finish in epoch 1

@@ -69,7 +69,7 @@ def test_loads_the_pretrained_checkpoint():
 
 @needs_smollm2
 def test_packed_tokens_decode_back_to_the_text(monkeypatch):
-    from nanoddp.train import hf_data
+    from nanoddp.train.data import hf_text as hf_data
 
     tokenizer = load_smollm2_tokenizer()
     text = SNIPPET * 20
@@ -90,7 +90,7 @@ def _fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ddp_step_worker(env: DistEnv) -> float:
     """Each rank: our DDP on its half of the batch vs the bare model on the whole batch."""
-    from nanoddp.parallel.ddp import DistributedDataParallel
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
     x, y = _fixed_batch()
     reference = load_smollm2()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 
 
 def _state(step: int) -> dict:
@@ -100,7 +100,7 @@ def test_rng_state_survives_a_snapshot(tmp_path):
 
 _WRITER = """
 import sys, torch
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 state = {"step": 2, "blob": torch.randn(6_000_000)}  # 24 MB: a write takes a while
 while True:
     snapshot.save(sys.argv[1], state)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanoddp
-from nanoddp.train import snapshot
-from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 STEPS, SAVE_AT, BATCH = 9, 4, 4
 DATASET_LEN = 27  # 27 / (2 ranks x 4) is not whole: the resume lands mid-epoch, the run crosses epochs

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nanoddp.env import free_port
-from nanoddp.train import rundir, snapshot
+from nanoddp.train.checkpoint import rundir, snapshot
 
 # GPT tiny on 32-byte windows: ~0.1 s a step on 2 busy cores, so a kill lands mid-run.
 TRAIN_ARGS = [

@@ -16,7 +16,7 @@ from conftest import run_on_ranks
 
 from nanoddp import cli
 from nanoddp.env import DistEnv
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.metrics import REQUIRED_KEYS
 from nanoddp.train.trainer import TrainConfig, Trainer
 

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import nanoddp
 from nanoddp.env import DistEnv
-from nanoddp.train import snapshot
-from nanoddp.train.data import ResumableDistributedSampler
+from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SEED = 7

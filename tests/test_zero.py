@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
 from nanoddp.models import GPT, gpt_config
-from nanoddp.parallel.zero import ZeroRedundancyOptimizer, assign_owners, optimizer_state_bytes
+from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, assign_owners, optimizer_state_bytes
 
 STEPS = 4  # before the snapshot
 MORE_STEPS = 3  # after it

@@ -21,9 +21,9 @@ import torch.utils.checkpoint
 from suite_runner import run_cases, suites_by_world_size
 
 import nanoddp
-from nanoddp.parallel.fsdp import fully_shard
-from nanoddp.parallel.zero import ZeroRedundancyOptimizer, optimizer_state_bytes
-from nanoddp.parallel.zero2 import zero2
+from nanoddp.parallel.sharded.fsdp import fully_shard
+from nanoddp.parallel.sharded.zero2 import zero2
+from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 STEPS = 5
 BATCH = 4  # per rank

@@ -54,35 +54,35 @@ MUTATIONS = (
     ),
     Mutation(
         "bucket averaging: DDP sums instead of averaging",
-        "nanoddp/parallel/ddp.py",
+        "nanoddp/parallel/ddp/wrapper.py",
         "bucket.buffer.mul_(1.0 / self._divisor)",  # the default path (gradients copied into buckets)
         "pass",
         ("tests/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
         "no_sync: DDP reduces inside no_sync too",
-        "nanoddp/parallel/ddp.py",
+        "nanoddp/parallel/ddp/wrapper.py",
         "self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync",
         "self._sync_this_backward = torch.is_grad_enabled()",
         ("tests/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
         "sampler resume: position not restored",
-        "nanoddp/train/data.py",
+        "nanoddp/train/data/sampler.py",
         'self.position = int(state["position"])',
         "self.position = 0",
         ("tests/test_data.py", "-k", "resume"),
     ),
     Mutation(
         "checksum: snapshot digest never compared",
-        "nanoddp/train/snapshot.py",
+        "nanoddp/train/checkpoint/snapshot.py",
         "if hashlib.sha256(payload).hexdigest() != digest:",
         "if False:",
         ("tests/test_snapshot.py", "-k", "corrupted"),
     ),
     Mutation(
         "ZeRO broadcast: owners' updated parameters not sent",
-        "nanoddp/parallel/zero_partition.py",
+        "nanoddp/parallel/zero/partition.py",
         "self.comm.broadcast(flat, src=self.global_ranks[owner], group=self.group)",
         "pass",
         # the whole-parameter partition is the one that broadcasts; its suite case checks values
@@ -90,7 +90,7 @@ MUTATIONS = (
     ),
     Mutation(
         "ZeRO all-gather: updated shards not gathered",
-        "nanoddp/parallel/zero_partition.py",
+        "nanoddp/parallel/zero/partition.py",
         "self.comm.all_gather_into_tensor(full, shard, group=self.group)",
         "pass",
         ("tests/test_zero.py", "-k", "matches_plain_optimizer and 2"),

@@ -13,7 +13,7 @@ import io
 import json
 from typing import Any
 
-from nanoddp.train.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
 
 BENCHMARK_MODULES = (
     "nanoddp.bench.collectives",

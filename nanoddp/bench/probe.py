@@ -66,7 +66,7 @@ def bucket_layout(model: nn.Module, clock: GradClock) -> list[list[int]] | None:
     """
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from nanoddp.parallel.ddp import DistributedDataParallel
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         index = {name: i for i, name in enumerate(clock.names)}

@@ -28,8 +28,8 @@ import sys
 import tempfile
 
 from nanoddp import env as nd
-from nanoddp.train.agent import failure_reason, private_rendezvous
-from nanoddp.train.cli import add_launch_args, default_nproc
+from nanoddp.train.launcher.agent import failure_reason, private_rendezvous
+from nanoddp.train.launcher.cli import add_launch_args, default_nproc
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
 RANK_PREFIX_TEMPLATE = "[rank ${rank}] "  # torchrun's template macros: ${rank}, ${local_rank}, ${role_name}

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch.nn as nn
 
-from nanoddp.train.datasets import BUILTIN_DATA, DataSpec
+from nanoddp.train.data.datasets import BUILTIN_DATA, DataSpec
 from nanoddp.train.engines import ENGINES, SHARDED_ENGINES, EngineName
 
 

@@ -7,7 +7,7 @@
 | `allreduce` | nothing                             | one all-reduce per parameter after backward |
 | `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
 | `single`    | nothing (one process)               | none                                   |
-| `zero2`     | ZeRO-2 hooks on the module (`nanoddp.parallel.zero2`) | bucketed reduce-scatter into gradient shards |
+| `zero2`     | ZeRO-2 hooks on the module (`parallel.sharded.zero2`) | bucketed reduce-scatter into gradient shards |
 | `fsdp`      | `fully_shard` on each block, then the root | all-gather params per block, reduce-scatter grads |
 
 Gradient accumulation differs by kind: the DDP engines run the non-final micro-steps inside
@@ -114,7 +114,7 @@ class Engine:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (summed over shards when sharded)."""
         if self.sharded:
-            from nanoddp.parallel.fsdp import clip_grad_norm_
+            from nanoddp.parallel.sharded.fsdp import clip_grad_norm_
 
             return clip_grad_norm_(self.module, max_norm)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
@@ -172,7 +172,7 @@ def _torch_ddp(module: nn.Module, env: DistEnv) -> Engine:
 
 
 def _nanoddp_ddp(module: nn.Module, env: DistEnv) -> Engine:
-    from nanoddp.parallel.ddp import DistributedDataParallel
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
     model = DistributedDataParallel(module, device_ids=device_ids_for(env))
     model.record_timeline = True  # a few timestamps per step: the comm window for the log line
@@ -198,7 +198,7 @@ def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]
 # The trainer builds its optimizer before the engine: both keep the parameter objects (their
 # data becomes this rank's 1-D shard piece), so that optimizer steps on shards only.
 # What the trainer still needs for them (not here: train/trainer.py): gradient clipping over
-# ranks (`nanoddp.parallel.fsdp.clip_grad_norm_`), snapshots and model.pt from every rank
+# ranks (`nanoddp.parallel.sharded.fsdp.clip_grad_norm_`), snapshots and model.pt from every rank
 # (`module.full_state_dict()` is collective, or per-rank sharded state), and the same number
 # of eval forwards on every rank (fsdp all-gathers in every forward).
 
@@ -206,7 +206,7 @@ def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]
 def _zero2(module: nn.Module, env: DistEnv) -> Engine:
     from nanoddp.comm.backend import collectives_for
     from nanoddp.parallel.replicas import broadcast_coalesced
-    from nanoddp.parallel.zero2 import zero2
+    from nanoddp.parallel.sharded.zero2 import zero2
 
     broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
     return Engine("zero2", zero2(module), module)
@@ -215,8 +215,8 @@ def _zero2(module: nn.Module, env: DistEnv) -> Engine:
 def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
     """`fully_shard` each transformer block (a module's `blocks`, if it has them), then the root."""
     from nanoddp.comm.backend import collectives_for
-    from nanoddp.parallel.fsdp import fully_shard
     from nanoddp.parallel.replicas import broadcast_coalesced
+    from nanoddp.parallel.sharded.fsdp import fully_shard
 
     broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
     for block in getattr(module, "blocks", []):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.train.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from nanoddp import env as nd
 from nanoddp.env import DistEnv
-from nanoddp.train import preflight, rundir
+from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, validate_loop
+from nanoddp.train.launcher import preflight
 from nanoddp.train.ranks import broadcast_from_master
 
 # Fields that describe nanoddp train's built-in model, data, optimizer and schedule: a user
@@ -50,7 +51,7 @@ PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives give up this long after our 
 
 def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: Any, dataset: Any) -> TrainConfig:
     """`TrainConfig` from the Trainer's keyword options; unknown or built-in-only names refused."""
-    from nanoddp.parallel.zero import ZeroRedundancyOptimizer
+    from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(options) - fields)

@@ -34,7 +34,7 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     groups = [g for g in groups if g["params"]]
     kwargs = {"lr": config.lr, "betas": (0.9, 0.95)}
     if config.zero:
-        from nanoddp.parallel.zero import ZeroRedundancyOptimizer
+        from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

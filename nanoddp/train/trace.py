@@ -42,8 +42,8 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, record_function
 
 from nanoddp.env import DistEnv
+from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
 from nanoddp.train.engines import CommTimer, Engine, build_engine, device_ids_for, timed_comm_hook
-from nanoddp.train.snapshot import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     directly, since a torch DDP takes one hook and `build_engine` already gives it a timing
     one); manual engines get a "gradient sync" span around their after-backward sync.
     """
-    from nanoddp.parallel.hooks import allreduce_hook
+    from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
 
     if name == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP

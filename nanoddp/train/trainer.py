@@ -32,12 +32,13 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.parallel.scatter_gather import move_to
-from nanoddp.train import optim_state, rundir, signals, snapshot
-from nanoddp.train.batches import batch_len, batch_loss_for
+from nanoddp.parallel.dp.scatter_gather import move_to
+from nanoddp.train import signals
+from nanoddp.train.checkpoint import optim_state, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
-from nanoddp.train.data import ResumableDistributedSampler
-from nanoddp.train.datasets import build_datasets
+from nanoddp.train.data.batches import batch_len, batch_loss_for
+from nanoddp.train.data.datasets import build_datasets
+from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import build_engine
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
@@ -53,7 +54,7 @@ class Trainer:
 
     Any `nn.Module` with its optimizer and dataset; `options` are `TrainConfig`'s fields
     (`steps`, `batch_size` (global), `grad_accum`, `engine`, `out`, `snapshot_every`, `seed`,
-    `amp`, `grad_clip`, ...). Batches become losses by the rules in `nanoddp.train.batches`.
+    `amp`, `grad_clip`, ...). Batches become losses by the rules in `nanoddp.train.data.batches`.
     The process group comes from torchrun's environment (`nanoddp run`, torchrun) unless the
     script made one. `nanoddp train` builds its own model and data, then runs this very loop
     (`Trainer.from_config`).

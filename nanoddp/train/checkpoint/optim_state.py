@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.flat import FlatLayout, Piece
+from nanoddp.parallel.sharded.flat import FlatLayout, Piece
 from nanoddp.train.engines import SHARDED_ENGINES
 from nanoddp.train.ranks import distributed
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.parallel.buckets import GradBucket
+from nanoddp.parallel.ddp.buckets import GradBucket
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -37,7 +37,7 @@ class DDPUserAPI:
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the default all-reduce with `hook(state, bucket) -> Future[Tensor]` (torch's
-        contract; see nanoddp.parallel.hooks). Register once, before the first backward."""
+        contract; see nanoddp.parallel.ddp.comm_hooks). Register once, before the first backward."""
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
         if self._comm_hook is not None:

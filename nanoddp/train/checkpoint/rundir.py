@@ -152,7 +152,7 @@ def remove_if_empty(out: str | Path) -> None:
 
 
 def has_snapshots(out: str | Path) -> bool:
-    from nanoddp.train import snapshot
+    from nanoddp.train.checkpoint import snapshot
 
     return bool(snapshot.list_snapshots(Path(out) / "snapshots"))
 
@@ -164,7 +164,7 @@ def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, An
     snapshots folder, or a run directory) must yield a valid snapshot: a PATH that yields none is
     an error, never a silent start from step 0. `never` returns None.
     """
-    from nanoddp.train import snapshot
+    from nanoddp.train.checkpoint import snapshot
 
     if mode == "never":
         return None

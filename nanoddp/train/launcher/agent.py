@@ -20,7 +20,8 @@ from pathlib import Path
 from nanoddp import env as nd
 from nanoddp.comm.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
-from nanoddp.train import signals, snapshot
+from nanoddp.train import signals
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import TrainConfig
 
 AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main)

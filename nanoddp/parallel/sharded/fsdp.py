@@ -1,7 +1,7 @@
 """FSDP / ZeRO-3: `fully_shard(module)` keeps only this rank's 1/ws of the parameters.
 
 Why: ZeRO-2 still holds every parameter on every rank. Here a module's parameters live as
-flat shards (`nanoddp.parallel.flat.FlatParamUnit`) and exist whole only while that module
+flat shards (`nanoddp.parallel.sharded.flat.FlatParamUnit`) and exist whole only while that module
 runs. Applied FSDP2-style, to each block and then to the root, at most one block (plus the
 root's own parameters) is whole at a time.
 
@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel import flat
-from nanoddp.parallel.flat import FlatParamUnit, GradReduceScatter, tensors_in
+from nanoddp.parallel.sharded import flat
+from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter, tensors_in
 
 logger = logging.getLogger(__name__)
 

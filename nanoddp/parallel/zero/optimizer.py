@@ -13,7 +13,7 @@ One `step()` (gradients already averaged by DDP, torch's or ours):
   3. the updated shards go to every rank (all-gather of the flat chunks, or one broadcast
      per owner for the whole-parameter partition), and the replicas are identical again.
 
-Partition (`nanoddp.parallel.zero_partition`): by default *by element*, the parameters laid
+Partition (`nanoddp.parallel.zero.partition`): by default *by element*, the parameters laid
 end to end and cut into ceil(N/ws) elements per rank, so state per rank is 1/ws within
 padding for any model, parameters split across rank boundaries; an elementwise optimizer
 (AdamW, SGD) gives the same values as on whole tensors. `partition="parameter"` keeps
@@ -42,8 +42,8 @@ from torch.distributed.algorithms import Join, Joinable
 from torch.optim import Optimizer
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.zero_join import JoinableZero
-from nanoddp.parallel.zero_partition import PARTITIONS, assemble_state, assign_owners, cut_state
+from nanoddp.parallel.zero.join import JoinableZero
+from nanoddp.parallel.zero.partition import PARTITIONS, assemble_state, assign_owners, cut_state
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ZeroRedundancyOptimizer(Optimizer, JoinableZero):
     (whole parameters, torch's). `comm_backend` picks the collectives of the per-step sync:
     `"nanoddp"` (ours, the default) or `"torch"` (torch.distributed's). Without an initialised process group it
     runs as a single rank, so the same script works in a notebook. A `Joinable`: uneven inputs
-    work under `Join([ddp_model, optimizer])` (nanoddp.parallel.zero_join).
+    work under `Join([ddp_model, optimizer])` (nanoddp.parallel.zero.join).
     """
 
     def __init__(

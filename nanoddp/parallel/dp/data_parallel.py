@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.scatter_gather import (
+from nanoddp.parallel.dp.scatter_gather import (
     DeviceLike,
     as_device,
     batch_size_of,

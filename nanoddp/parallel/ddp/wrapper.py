@@ -34,16 +34,16 @@ import torch.nn as nn
 from torch.distributed.algorithms import Join, Joinable
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel import buckets as bucketing
-from nanoddp.parallel.autograd_hooks import grad_ready_trampoline, output_grad_trampoline, tensors_in
-from nanoddp.parallel.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
-from nanoddp.parallel.ddp_api import CommHook, DDPUserAPI
-from nanoddp.parallel.ddp_args import resolve_args
-from nanoddp.parallel.delayed_params import DelayedAllReduce
-from nanoddp.parallel.join import JoinableDDP, common_rank, global_requires_sync
-from nanoddp.parallel.mixed_precision import MixedPrecision
+from nanoddp.parallel.ddp import buckets as bucketing
+from nanoddp.parallel.ddp.api import CommHook, DDPUserAPI
+from nanoddp.parallel.ddp.args import resolve_args
+from nanoddp.parallel.ddp.autograd import grad_ready_trampoline, output_grad_trampoline, tensors_in
+from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
+from nanoddp.parallel.ddp.delayed_params import DelayedAllReduce
+from nanoddp.parallel.ddp.join import JoinableDDP, common_rank, global_requires_sync
+from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
+from nanoddp.parallel.dp.scatter_gather import move_to
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
-from nanoddp.parallel.scatter_gather import move_to
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,11 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
     launches), `skip_all_reduce_unused_params` (torch then sends no bytes for parameters unused
     on every rank; nanoddp reduces their zeros, and their `.grad` is left alone either way),
     `check_reduction` (deprecated in torch). `delay_all_reduce_named_params` /
-    `param_to_hook_all_reduce`: torch's semantics (nanoddp.parallel.delayed_params), except that
+    `param_to_hook_all_reduce`: torch's semantics (nanoddp.parallel.ddp.delayed_params), except that
     the delayed all-reduce is waited for before backward() returns. `bucket_cap_mb_list`:
-    torch's per-bucket limits and its initial layout (nanoddp.parallel.buckets).
+    torch's per-bucket limits and its initial layout (nanoddp.parallel.ddp.buckets).
     `mixed_precision`: torch's documented semantics on any device (torch's own path needs an
-    accelerator: it fails on CPU), see nanoddp.parallel.mixed_precision.
+    accelerator: it fails on CPU), see nanoddp.parallel.ddp.mixed_precision.
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class DistributedDataParallel(DDPUserAPI, JoinableDDP, nn.Module, Joinable):
         self._static_counts: list[int] | None = None
         self._locally_unused: list[int] = []
         self._global_unused: set[int] = set()
-        self._divide_by_initial_world_size = True  # set by join(); see nanoddp.parallel.join
+        self._divide_by_initial_world_size = True  # set by join(); see nanoddp.parallel.ddp.join
         self._reset_sync_state()
         if not dist.is_initialized():
             self._world_size, self._rank, self._src = 1, 0, 0

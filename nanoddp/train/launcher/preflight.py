@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from nanoddp.dataclass_cli import to_dict
-from nanoddp.train import rundir
+from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, build_model
-from nanoddp.train.datasets import DataSpec
+from nanoddp.train.data.datasets import DataSpec
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from nanoddp.train.datasets import TokenWindows, read_text_source
+from nanoddp.train.data.datasets import TokenWindows, read_text_source
 
 logger = logging.getLogger(__name__)
 

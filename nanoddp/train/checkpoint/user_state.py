@@ -24,7 +24,7 @@ One thing the loop must do itself: give its `DataLoader` a `generator=` of its o
 every `iter(loader)` draws a seed from the global torch RNG, and a resumed run starts its
 iterator at another point of that stream than the uninterrupted run did.
 
-The file is a `nanoddp.train.snapshot` file: written atomically with a checksum, so a job
+The file is a `nanoddp.train.checkpoint.snapshot` file: written atomically with a checksum, so a job
 killed mid-write leaves the previous file intact, and `load_state(directory)` skips a damaged
 newest file for the newest one that verifies. Both functions are collective when a process
 group is initialised: call them on every rank with the same names.
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from nanoddp.parallel.ddp import DistributedDataParallel
-from nanoddp.parallel.dp import DataParallel
+from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
+from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
-from nanoddp.train import snapshot
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 `scatter` cuts every tensor in an argument structure (tuples, lists, dicts, dataclasses) into
 one chunk per device; `gather` concatenates per-replica outputs of the same structure on one
 device. Both are plain differentiable tensor ops (`chunk`, `.to`, `cat`), so gradients of the
-gathered output flow back to each replica. Used by `nanoddp.parallel.dp`; named `dp_scatter_gather`
+gathered output flow back to each replica. Used by `nanoddp.parallel.dp.data_parallel`; named `dp_scatter_gather`
 to keep it apart from the scatter/gather *collectives* in `nanoddp.comm`.
 """
 

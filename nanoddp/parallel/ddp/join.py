@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.algorithms import Join, JoinHook
 
-from nanoddp.parallel.buckets import Bucket
+from nanoddp.parallel.ddp.buckets import Bucket
 from nanoddp.parallel.replicas import broadcast_coalesced
 
 if TYPE_CHECKING:
-    from nanoddp.parallel.ddp import DistributedDataParallel
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
 
 class DDPJoinHook(JoinHook):
