@@ -669,11 +669,11 @@ def pytest_row(ctx: Ctx, *args: str) -> tuple[bool, str]:
 
 @probe(
     "3.2",
-    "notebook stop button (tests/test_notebook_interrupt.py)",
+    "notebook stop button (tests/multiproc/test_notebook_interrupt.py)",
     "pytest passes",
 )
 def notebook_interrupt_tests(ctx: Ctx) -> tuple[bool, str]:
-    return pytest_row(ctx, "tests/test_notebook_interrupt.py", "-x")
+    return pytest_row(ctx, "tests/multiproc/test_notebook_interrupt.py", "-x")
 
 
 # 4. Fail before workers start
@@ -894,11 +894,11 @@ def train_leaves_nothing(ctx: Ctx) -> tuple[bool, str]:
 
 @probe(
     "6.3",
-    "notebook socket dir of a SIGKILLed kernel (tests/test_reliability_leftovers.py)",
+    "notebook socket dir of a SIGKILLed kernel (tests/reliability/test_reliability_leftovers.py)",
     "pytest -k socket_dir_of_a_killed_kernel passes",
 )
 def notebook_dir_of_a_killed_kernel(ctx: Ctx) -> tuple[bool, str]:
-    return pytest_row(ctx, "tests/test_reliability_leftovers.py", "-k", "socket_dir_of_a_killed_kernel")
+    return pytest_row(ctx, "tests/reliability/test_reliability_leftovers.py", "-k", "socket_dir_of_a_killed_kernel")
 
 
 # --- driver ----------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ class Peers:
 
         Posted on the calling thread, never by the background sender: a gloo send posted from
         another thread while this one posts the header round's frames on the same pair hung the
-        round in 4 of 51 runs (2 of 6 under a CPU burner; tests/test_comm.py,
+        round in 4 of 51 runs (2 of 6 under a CPU burner; tests/multiproc/test_comm.py,
         test_bulk_traffic_after_a_failed_header_round[3]), and in none of 55 from this thread."""
         return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
 

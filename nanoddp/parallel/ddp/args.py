@@ -2,7 +2,7 @@
 
 torch's `DistributedDataParallel.__init__` keeps growing (2.13: `init_sync`, `device_mesh`,
 `forward_sync_buffers` replacing `broadcast_buffers`, ...). nanoddp's wrapper takes the same
-signature (tests/test_ddp_args.py compares it with torch's, so a new torch argument is noticed)
+signature (tests/multiproc/test_ddp_args.py compares it with torch's, so a new torch argument is noticed)
 and resolves each argument here into what the engine does, or refuses it clearly when the
 engine cannot do what torch would do: silently ignoring an argument would train differently.
 """

@@ -2,7 +2,7 @@
 
 torch 2.13's own implementation runs on accelerators only: its root pre-forward hook records a
 `torch.Event` after the low-precision copies, and on CPU that raises "cpu backend doesn't
-support events" on the first forward (tests/test_ddp_mixed_precision.py checks this, so a torch
+support events" on the first forward (tests/multiproc/test_ddp_mixed_precision.py checks this, so a torch
 that lifts the limit gets noticed). nanoddp implements the semantics torch documents, on any
 device, with the same mechanism (the parameters' `.data` is swapped for low-precision copies):
 

@@ -1,0 +1,356 @@
+"""Helpers the tests share: run a function on N gloo ranks, batch many checks into one launch,
+and the references several test files compare against (DDP models and data, a tiny trainer run,
+notebook kernels). Tests import these by name; no test file imports another test file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import nbformat
+import torch
+import torch.nn as nn
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+from nbclient import NotebookClient
+from torch.testing import assert_close
+
+import nanoddp
+from nanoddp import LaunchError
+from nanoddp.env import DistEnv
+from nanoddp.models import GPT, MLPClassifier, gpt_config
+from nanoddp.train.config import TrainConfig
+from nanoddp.train.trainer import Trainer
+
+# ---- processes: run a function on N gloo ranks ------------------------------------------------
+
+
+def _single_threaded(fn, env, *args):
+    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks: oversubscription is the enemy
+    return fn(env, *args)
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run `fn(env, *args)` on `world_size` gloo processes; return every rank's result.
+
+    Any rank's exception is re-raised here as `nanoddp.LaunchError` carrying its traceback, and
+    every child is stopped before this returns, pass or fail.
+    """
+    return nanoddp.launch(
+        functools.partial(_single_threaded, fn), world_size, args=args, backend="gloo", timeout=timeout
+    )
+
+
+# ---- many named checks in one launch, each reported on its own -------------------------------
+#
+# Process start-up costs seconds, so DDP/strategy tests batch their cases per world size. Each
+# rank appends one JSON line per finished case to a file; the parent reads the files even when
+# the launch failed or timed out, so a hang in one backend's cases (run last) does not hide the
+# results of the cases that ran before it.
+
+Case = tuple[str, Callable[..., None]]
+
+
+def run_cases(env, cases: Sequence[Case], out_dir: str) -> None:
+    """Worker side: run every case (fn(env)), recording 'ok' or the traceback, in order."""
+    path = Path(out_dir, f"rank{env.rank}.jsonl")
+    with path.open("a") as out:
+        for name, fn in cases:
+            try:
+                fn(env)
+                error = None
+            except Exception:
+                error = traceback.format_exc()
+            out.write(json.dumps({"case": name, "error": error}) + "\n")
+            out.flush()
+
+
+class SuiteResults:
+    """Parent side: per-case outcomes of every rank, plus the launch error if there was one."""
+
+    def __init__(self, world_size: int, out_dir: Path, launch_error: BaseException | None):
+        self.world_size = world_size
+        self.launch_error = launch_error
+        self.by_case: dict[str, dict[int, str | None]] = {}
+        for rank in range(world_size):
+            path = out_dir / f"rank{rank}.jsonl"
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    record = json.loads(line)
+                    self.by_case.setdefault(record["case"], {})[rank] = record["error"]
+
+    def check(self, case: str) -> None:
+        """Fail the calling test unless `case` passed on every rank."""
+        outcomes = self.by_case.get(case, {})
+        missing = [r for r in range(self.world_size) if r not in outcomes]
+        if missing:
+            raise AssertionError(f"case {case!r} never finished on ranks {missing}; launch: {self.launch_error}")
+        failures = {r: e for r, e in outcomes.items() if e is not None}
+        if failures:
+            rank, error = next(iter(failures.items()))
+            raise AssertionError(f"case {case!r} failed on ranks {sorted(failures)}; rank {rank}:\n{error}")
+
+
+def suites_by_world_size(
+    worker: Callable, tmp_path_factory, name: str, timeout: float
+) -> Callable[[int], SuiteResults]:
+    """For a module-scoped fixture: `get(world_size)` launches `worker` once per world size and
+    caches its results, so every parametrized case of that world size reads the same run."""
+    results: dict[int, SuiteResults] = {}
+
+    def get(world_size: int) -> SuiteResults:
+        if world_size not in results:
+            out_dir = tmp_path_factory.mktemp(f"{name}-ws{world_size}")
+            results[world_size] = run_suite(worker, world_size, out_dir, timeout=timeout)
+        return results[world_size]
+
+    return get
+
+
+def run_suite(worker: Callable, world_size: int, out_dir: Path, *args, timeout: float = 240.0) -> SuiteResults:
+    """Launch `worker(env, *args, out_dir)` on `world_size` ranks and collect per-case results."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    error = None
+    try:
+        run_on_ranks(worker, world_size, *args, str(out_dir), timeout=timeout)
+    except (LaunchError, TimeoutError) as exc:
+        error = exc
+    return SuiteResults(world_size, out_dir, error)
+
+
+# ---- DDP references: models, data, a one-process run -----------------------------------------
+BACKENDS = ("torch", "nanoddp")
+
+
+B, T = 2, 16  # per-rank batch; GPT sequence length (the tiny preset allows up to 64)
+
+
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+
+
+STEPS, CHECKED_STEPS = 3, (1, 3)
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        return GPT(gpt_config("tiny"))  # the DDP tutorials' TinyTransformerLM, 3.4 M parameters
+    return MLPClassifier(in_features=32, hidden=64, num_classes=10, depth=3)
+
+
+def global_batch(kind: str, rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "gpt":
+        return torch.randint(0, 512, (rows, T), generator=g), torch.randint(0, 512, (rows, T), generator=g)
+    return torch.randn(rows, 32, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def shard(t: torch.Tensor, rank: int, size: int = B) -> torch.Tensor:
+    return t[rank * size : (rank + 1) * size]
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@functools.lru_cache(maxsize=4)
+def single_process_params(kind: str, world_size: int) -> dict[int, list[torch.Tensor]]:
+    """Parameters of a one-process run on the concatenated N*B batch, after CHECKED_STEPS."""
+    model = build(kind)
+    opt = sgd(model.parameters())
+    snapshots = {}
+    for step in range(1, STEPS + 1):
+        x, y = global_batch(kind, B * world_size, step)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        if step in CHECKED_STEPS:
+            snapshots[step] = [p.detach().clone() for p in model.parameters()]
+    return snapshots
+
+
+def assert_same_params(model: nn.Module, expected: list[torch.Tensor], what: str) -> None:
+    for (name, p), ref in zip(model.named_parameters(), expected, strict=True):
+        assert_close(p.detach(), ref, **TIGHT, msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module, what: str, **tol) -> None:
+    tol = tol or TIGHT
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}: grad None on one side only"
+        if p.grad is not None:
+            assert_close(p.grad, q.grad, **tol, msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+class Branchy(nn.Module):
+    """`branch` is used only when asked (rank 0 asks), `never` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.trunk(x))  # (B, 8)
+        if use_branch:
+            h = self.branch(h)
+        return self.head(h).pow(2).mean()
+
+
+def branchy_reference(world_size: int, step: int) -> Branchy:
+    """Average over ranks of each rank's own gradient, a locally unused parameter counting 0."""
+    torch.manual_seed(0)
+    reference = Branchy()
+    x = torch.randn(world_size * B, 8, generator=torch.Generator().manual_seed(step))
+    for rank in range(world_size):
+        (reference(shard(x, rank), rank == 0) / world_size).backward()
+    return reference
+
+
+# ---- a tiny trainer run ------------------------------------------------------------------------
+# A model and data small enough that a step costs milliseconds. 1900 bytes of stdlib text give
+# 112 training windows (an epoch is 14 steps at batch 8) and 5 validation windows (odd, so the
+# ranks' validation shards are uneven).
+TINY = TrainConfig(
+    engine="torch",
+    data="text",
+    text_max_bytes=1900,
+    seq_len=16,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    d_ff=64,
+    batch_size=8,
+    steps=4,
+    lr=3e-3,
+    warmup_steps=2,
+    grad_clip=0.05,
+    log_every=1,
+    eval_every=0,
+    eval_samples=0,
+    snapshot_every=0,
+    resume="never",
+    progress=False,
+)
+
+
+def train_tiny(config: TrainConfig, env: DistEnv, stop_after: int | None = None) -> Trainer:
+    trainer = Trainer.from_config(config, env)
+    trainer.train(stop_after=stop_after)
+    return trainer
+
+
+def trainer_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+
+
+# ---- a small one-process run, as a config and as flags -----------------------------------------
+SMALL = TrainConfig(
+    engine="single", data="text", text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+    batch_size=8, steps=3, warmup_steps=1, log_every=1, eval_every=0, eval_samples=0, snapshot_every=1,
+    progress=False,
+)  # fmt: skip
+
+
+# The same run on the command line (`--engine single` runs one process).
+FLAGS = [
+    "--engine", "single", "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2",
+    "--n-heads", "2", "--d-ff", "64", "--batch-size", "8", "--steps", "3", "--warmup-steps", "1",
+    "--snapshot-every", "1", "--eval-every", "0", "--no-progress",
+]  # fmt: skip
+
+
+# ---- notebook kernels ---------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+
+
+KERNEL_NAME = "nanoddp-test"
+
+
+WORLD_SIZE = 2
+
+
+def kernel_kwargs(tmp_path: Path) -> dict:
+    """Keyword arguments for a KernelManager whose kernel is this venv's python."""
+    spec_dir = tmp_path / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "nanoddp tests",
+        "language": "python",
+        "env": {"IPYTHONDIR": str(tmp_path / "ipython")},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return {
+        "kernel_name": KERNEL_NAME,
+        "kernel_spec_manager": KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]),
+        "connection_file": str(tmp_path / "connection.json"),
+    }
+
+
+def execute_notebook(nb: nbformat.NotebookNode, tmp_path: Path, cwd: Path, timeout: int = 300) -> None:
+    """Run every cell with nbclient on our kernel; raises CellExecutionError on a failed cell
+    (cells tagged "raises-exception" may fail)."""
+
+    class Client(NotebookClient):
+        def create_kernel_manager(self):
+            self.km = AsyncKernelManager(**kernel_kwargs(tmp_path))
+            return self.km
+
+    Client(nb, timeout=timeout, resources={"metadata": {"path": str(cwd)}}).execute()
+
+
+def cell_text(cell) -> str:
+    """Everything a cell showed as text: streams, results, and error tracebacks."""
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("display_data", "execute_result"):
+            parts.append(out.data.get("text/plain", ""))
+        elif out.output_type == "error":
+            parts.append("\n".join(out.traceback))
+    return "".join(parts)
+
+
+def cell_error(cell):
+    errors = [out for out in cell.outputs if out.output_type == "error"]
+    return errors[0] if errors else None
+
+
+# ----------------------------------------------------------------------------- interrupt & kernel death
+def run_cell(kc, code: str, timeout: float = 120, until=None):
+    """Execute `code`; return (reply content, stdout+stderr text). `until(text)` -> True triggers
+    an early return after that output appears (the cell keeps running)."""
+    msg_id = kc.execute(code)
+    text = ""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            text += content["text"]
+            if until is not None and until(text):
+                return msg_id, text
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    return kc.get_shell_msg(timeout=timeout)["content"], text
+
+
+def finish_cell(kc, msg_id: str, timeout: float = 60):
+    """Wait for the reply of an already-started execution."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]

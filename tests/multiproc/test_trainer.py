@@ -1,0 +1,205 @@
+"""Trainer: engines agree with a single process, resume is bit-identical, the CLI checks input,
+and `nanoddp train` runs end to end through torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, run_on_ranks, train_tiny, trainer_params
+
+from nanoddp import cli
+from nanoddp.env import DistEnv
+from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.metrics import REQUIRED_KEYS
+from nanoddp.train.trainer import Trainer
+
+ENGINES = ["torch", "nanoddp", "allreduce", "rs_ag"]  # "single" is the reference itself
+RESUME_STOP, RESUME_END = 9, 20  # stop mid-epoch 0, finish in epoch 1
+
+
+def _ws2_worker(env: DistEnv, tmp: str) -> dict:
+    """Everything that needs two ranks, in one launch (process start-up dominates the cost)."""
+    out = {}
+    for engine in ENGINES:
+        for accum in (1, 2):
+            config = replace(TINY, engine=engine, grad_accum=accum, out=f"{tmp}/{engine}-{accum}")
+            trainer = train_tiny(config, env)
+            out[f"{engine}-accum{accum}"] = trainer_params(trainer)
+            out[f"{engine}-accum{accum}-val"] = trainer.evaluate()
+    for zero in (False, True):
+        for engine in ("torch", "nanoddp"):
+            base = replace(TINY, engine=engine, zero=zero, steps=RESUME_END, snapshot_every=5)
+            whole = train_tiny(replace(base, out=f"{tmp}/whole-{engine}-{zero}"), env)
+            train_tiny(replace(base, out=f"{tmp}/split-{engine}-{zero}"), env, stop_after=RESUME_STOP)
+            resumed = Trainer.from_config(replace(base, out=f"{tmp}/split-{engine}-{zero}", resume="auto"), env)
+            assert resumed.step == RESUME_STOP and resumed.sampler.epoch == 0 and resumed.sampler.position > 0
+            resumed.train()
+            assert resumed.sampler.epoch == 1
+            for key, value in trainer_params(whole).items():  # bitwise, on every rank
+                assert torch.equal(value, resumed.module.state_dict()[key]), (engine, zero, key)
+            out[f"zero-{zero}-{engine}"] = trainer_params(whole)
+    bf16 = train_tiny(replace(TINY, amp="bf16", steps=2, out=f"{tmp}/bf16"), env)
+    out["bf16-loss"] = bf16.evaluate()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ws2_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ws2")
+    return run_on_ranks(_ws2_worker, 2, str(tmp), timeout=300)[0], tmp
+
+
+def test_engines_match_a_single_process_full_batch(ws2_results, tmp_path):
+    results, _ = ws2_results
+    reference = train_tiny(replace(TINY, engine="single", out=str(tmp_path)), DistEnv.single_process("gloo"))
+    expected, expected_val = trainer_params(reference), reference.evaluate()
+    assert expected_val > 0
+    for engine in ENGINES:
+        for accum in (1, 2):  # accumulation over 2 micro-batches changes nothing but memory
+            torch.testing.assert_close(results[f"{engine}-accum{accum}"], expected, rtol=1e-4, atol=1e-5)
+            # the validation loss covers both ranks' uneven shards, weighted by sample count
+            assert results[f"{engine}-accum{accum}-val"] == pytest.approx(expected_val, rel=1e-4)
+    assert torch.isfinite(torch.tensor(results["bf16-loss"]))
+
+
+def test_resume_is_bit_identical_and_zero_matches(ws2_results):
+    results, tmp = ws2_results  # the bitwise checks ran on the ranks; here: ZeRO vs plain AdamW
+    torch.testing.assert_close(results["zero-True-torch"], results["zero-False-torch"], rtol=1e-5, atol=1e-6)
+    metrics_file = tmp / "split-torch-False" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, RESUME_END + 1))  # no step logged twice
+    assert all(set(REQUIRED_KEYS) <= set(r) for r in records) and records[0]["world_size"] == 2
+    # stock torch DDP has no comm hook, so nothing in the trainer times it; nanoddp DDP is timed
+    assert all(r["comm_time_s"] is None for r in records)
+    ours = (tmp / "split-nanoddp-False" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["comm_time_s"] is not None for line in ours)
+
+
+def test_resume_skips_corrupt_snapshot_and_changes_world_size(ws2_results, tmp_path):
+    _, tmp = ws2_results
+    run_dir = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(tmp / "split-torch-False", run_dir)
+    newest = snapshot.snapshot_path(run_dir / "snapshots", RESUME_END)
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated: must be skipped with a warning
+    config = replace(TINY, engine="single", steps=RESUME_END, snapshot_every=5, out=str(run_dir), resume="auto")
+    trainer = Trainer.from_config(config, DistEnv.single_process("gloo"))  # ws 2 -> 1
+    assert trainer.step == 15
+    assert trainer.sampler.epoch == 1 and trainer.sampler.position == 8 * (15 - 14)
+    trainer.train()
+    exported = torch.load(run_dir / "model.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in exported)
+    assert json.loads((run_dir / "config.json").read_text())["engine"] == "single"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "steps must be > 0"),
+        (["--batch-size", "15", "--nproc", "2"], "must be divisible by world_size x grad_accum"),
+        (["--data", "/no/such/file.txt"], "does not exist"),
+        (["--engine", "single", "--nproc", "2"], "engine 'single' runs one process"),
+        (["--model", "mlp"], "does not fit data"),
+    ],
+)
+def test_bad_input_fails_in_the_launcher(argv, message, capsys):
+    assert cli.main(["train", *argv]) == 2  # before torchrun starts anything
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_flag_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_bad_config_file_and_tiny_dataset(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text("steps = 5\nlearning_rate = 0.1\n")
+    assert cli.main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert "unknown key(s) ['learning_rate']" in capsys.readouterr().err
+    (tmp_path / "tiny.txt").write_text("x" * 200)
+    assert (
+        cli.main(
+            ["train", "--data", str(tmp_path / "tiny.txt"), "--seq-len", "64", "--nproc", "4", "--batch-size", "4"]
+        )
+        == 2
+    )
+    assert "training set has 2 samples but the world size is 4" in capsys.readouterr().err
+
+
+def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
+    """`nanoddp train --steps 20` on 2 processes via torchrun; the copy task's loss falls."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoddp",
+        "train",
+        "--steps",
+        "20",
+        "--data",
+        "copy",
+        "--seq-len",
+        "32",
+        "--d-model",
+        "64",
+        "--n-layers",
+        "2",
+        "--n-heads",
+        "4",
+        "--d-ff",
+        "128",
+        "--batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--log-every",
+        "5",
+        "--eval-samples",
+        "64",
+        "--engine",
+        "torch",
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 20 | loss" in proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 20 and records[-1]["world_size"] == 2
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
+    assert (out / "model.pt").is_file()
+    assert snapshot.find_latest_valid(out / "snapshots")[0].name.endswith("20.pt")
+    assert json.loads((out / "config.json").read_text())["steps"] == 20
+
+
+def test_sample_generates_text_from_a_run(tmp_path, capsys):
+    config = replace(TINY, engine="single", steps=2, out=str(tmp_path))
+    train_tiny(config, DistEnv.single_process("gloo"))
+    assert cli.main(["sample", "--run", str(tmp_path), "--prompt", "import ", "--tokens", "20"]) == 0
+    assert capsys.readouterr().out.startswith("import ")
+    assert cli.main(["sample", "--run", str(tmp_path / "nope")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+
+
+def test_worker_module_is_runnable():
+    """`torchrun -m nanoddp.train` needs the module to have a usable --help."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoddp.train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0 and "--grad-accum" in proc.stdout and "--nproc" not in proc.stdout

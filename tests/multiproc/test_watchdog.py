@@ -1,0 +1,80 @@
+"""The hang watchdog names the stuck collective and the missing ranks, then exits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_on_ranks
+
+from nanoddp import LaunchError
+from nanoddp.comm import watchdog
+
+TIMEOUT_S = 3.0
+
+
+def _one_rank_skips_second_all_reduce(env, log_dir):
+    logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
+    Path(log_dir, f"pid{env.rank}").write_text(str(__import__("os").getpid()))
+    watchdog.enable(TIMEOUT_S, poll_s=0.2)
+    t = torch.ones(10)
+    with watchdog.track("all_reduce", t.numel()):
+        dist.all_reduce(t)  # everyone joins: no report
+    assert t[0].item() == env.world_size
+    time.sleep(1.0)  # let progress #1 be published by every rank
+    if env.rank == 1:
+        time.sleep(120)  # the bug: rank 1 never joins the second all_reduce
+    with watchdog.track("all_reduce", 1000):
+        dist.all_reduce(torch.ones(1000))
+    return "not reached"
+
+
+def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        run_on_ranks(_one_rank_skips_second_all_reduce, 3, str(tmp_path), timeout=90)
+    # The watchdog's exit code proves it ended the run: rank 1 sleeps 120 s, past the launch's
+    # 90 s bound, so a missed hang would surface as a timeout instead. No wall-clock assertion:
+    # on a loaded 2-core machine start-up alone can take tens of seconds.
+    assert info.value.rank in (0, 2) and info.value.exitcode == watchdog.HANG_EXIT_CODE
+    report = Path(tmp_path, f"rank{info.value.rank}.log").read_text()
+    assert "all_reduce #2 (1000 elements, group [0, 1, 2])" in report
+    assert "arrived: ranks [0, 2]; not arrived: ranks [1] (rank 1 at #1)" in report
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 3
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def _rank_1_skips_a_collective(env, log_dir, backend):
+    """No explicit `track`: nanoddp.comm and the watched torch collectives register themselves."""
+    from nanoddp.comm.backend import collectives_for
+
+    collectives = collectives_for(backend)
+    logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
+    watchdog.enable(TIMEOUT_S, poll_s=0.2)
+    collectives.all_reduce(torch.ones(10))
+    collectives.all_reduce(torch.ones(10), async_op=True).wait()  # async ones end at wait()
+    time.sleep(1.0)
+    if env.rank == 1:
+        time.sleep(120)
+    collectives.broadcast(torch.ones(70_000), src=0)
+    return "not reached"
+
+
+@pytest.mark.parametrize("backend", ["nanoddp", "torch"])
+def test_engine_collectives_are_watched_without_explicit_tracking(tmp_path, backend):
+    with pytest.raises(LaunchError) as info:
+        run_on_ranks(_rank_1_skips_a_collective, 2, str(tmp_path), backend, timeout=90)
+    assert info.value.rank == 0 and info.value.exitcode == watchdog.HANG_EXIT_CODE
+    report = Path(tmp_path, "rank0.log").read_text()
+    assert "broadcast #3 (70000 elements, group [0, 1])" in report, report
+    assert "not arrived: ranks [1] (rank 1 at #2)" in report, report
+
+
+def test_watchdog_rejects_bad_timeout():
+    with pytest.raises(ValueError, match="collective timeout must be > 0 seconds, got 0"):
+        watchdog.CollectiveWatchdog(0, store=dist.HashStore())
