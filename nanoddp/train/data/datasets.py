@@ -3,48 +3,28 @@
 Every dataset returns `(input, target)` pairs so that the trainer can call `model(x, y)` the
 same way for all of them, and exposes `tokens_per_sample` for throughput figures.
 
-The default text is the Python standard library's own `.py` source, read from the running
-interpreter: it is always there, needs no download, and is real text with structure a small
-model can learn (indentation, keywords, identifiers). Files are read in sorted order and the
-byte stream is split into train/val by position, so every rank and every run sees the same
+Text (the Python stdlib's source by default, see `text_windows`) is read in a fixed order and
+its byte stream is split into train/val by position, so every rank and every run sees the same
 data.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
+from nanoddp.train.data.hf_text import tokenized_text_splits
+from nanoddp.train.data.text_windows import BUILTIN_DATA as BUILTIN_DATA
+from nanoddp.train.data.text_windows import TokenWindows as TokenWindows
+from nanoddp.train.data.text_windows import read_text_source as read_text_source
+from nanoddp.train.data.text_windows import stdlib_source_files as stdlib_source_files
+
 logger = logging.getLogger(__name__)
 
 BYTE_VOCAB = 256
-STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"})
-BUILTIN_DATA = ("text", "synthetic", "copy", "digits")
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of a 1-D token stream: sample i is (x, y) with y = x shifted by 1."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.tokens = tokens.to(torch.int64)
-        self.seq_len = seq_len
-        self.tokens_per_sample = seq_len
-
-    def __len__(self) -> int:
-        return max(len(self.tokens) - 1, 0) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.seq_len
-        window = self.tokens[start : start + self.seq_len + 1]  # (T + 1,)
-        return window[:-1], window[1:]
 
 
 class TokenRows(Dataset):
@@ -78,48 +58,6 @@ class TensorPairs(Dataset):
 
 
 # --- text ---------------------------------------------------------------------------------
-
-
-def stdlib_source_files(root: Path | None = None) -> list[Path]:
-    """The standard library's `.py` files in a fixed order (tests and third-party code skipped)."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in STDLIB_SKIP_DIRS and not d.startswith(".")]
-        files += [Path(directory, name) for name in names if name.endswith(".py")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _read_files(files: list[Path], max_bytes: int) -> bytes:
-    """Concatenate files until `max_bytes` (0 = no limit); skip binary ones (a NUL byte)."""
-    chunks, total = [], 0
-    for path in files:
-        data = path.read_bytes()
-        if b"\0" in data[:4096]:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if max_bytes and total >= max_bytes:
-            break
-    blob = b"\n".join(chunks)
-    return blob[:max_bytes] if max_bytes else blob
-
-
-def read_text_source(source: str, max_bytes: int = 0) -> bytes:
-    """Bytes of the default stdlib text (`source == "text"`) or of a file or directory path."""
-    if source == "text":
-        return _read_files(stdlib_source_files(), max_bytes)
-    path = Path(source)
-    if path.is_file():
-        data = path.read_bytes()
-        return data[:max_bytes] if max_bytes else data
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        return _read_files(files, max_bytes)
-    raise FileNotFoundError(
-        f"data path {source!r} does not exist; give a text file, a directory of text files, "
-        f"or one of {list(BUILTIN_DATA)}"
-    )
 
 
 def byte_text_splits(source: str, seq_len: int, val_fraction: float, max_bytes: int = 0):
@@ -207,7 +145,6 @@ def build_datasets(
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if model == "smollm2":
         from nanoddp.models import load_smollm2_tokenizer
-        from nanoddp.train.data.hf_text import tokenized_text_splits
 
         tokenizer = load_smollm2_tokenizer()
         train, val = tokenized_text_splits(data, seq_len, val_fraction, max_bytes, tokenizer)

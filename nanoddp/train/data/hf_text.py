@@ -1,7 +1,7 @@
 """Text for a pretrained LLM: tokenized with its own tokenizer and *packed* into windows.
 
 The same text sources as the byte-level GPT (the Python stdlib's source by default, or a
-`--data PATH`), read as one UTF-8 stream (files joined as `datasets.read_text_source` joins
+`--data PATH`), read as one UTF-8 stream (files joined as `text_windows.read_text_source` joins
 them), tokenized with the model's Hugging Face tokenizer, and split into non-overlapping
 windows of `seq_len + 1` tokens (`TokenWindows`: input = window[:-1], target = window[1:]).
 The last `val_fraction` of the stream is the validation set.
@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from nanoddp.train.data.datasets import TokenWindows, read_text_source
+from nanoddp.train.data.text_windows import TokenWindows, read_text_source
 
 logger = logging.getLogger(__name__)
 
