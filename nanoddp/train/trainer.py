@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.parallel.dp.scatter_gather import move_to
+from nanoddp.parallel.tensors import move_to
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import optim_state, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.ddp.autograd import tensors_in
+from nanoddp.parallel.tensors import tensors_in
 
 FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
 

@@ -37,13 +37,13 @@ from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.ddp import buckets as bucketing
 from nanoddp.parallel.ddp.api import CommHook, DDPUserAPI
 from nanoddp.parallel.ddp.args import resolve_args
-from nanoddp.parallel.ddp.autograd import grad_ready_trampoline, output_grad_trampoline, tensors_in
+from nanoddp.parallel.ddp.autograd import grad_ready_trampoline, output_grad_trampoline
 from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
 from nanoddp.parallel.ddp.delayed_params import DelayedAllReduce
 from nanoddp.parallel.ddp.join import JoinableDDP, common_rank, global_requires_sync
 from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
-from nanoddp.parallel.dp.scatter_gather import move_to
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+from nanoddp.parallel.tensors import move_to, tensors_in
 
 logger = logging.getLogger(__name__)
 

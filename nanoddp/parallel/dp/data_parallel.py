@@ -34,11 +34,11 @@ from nanoddp.parallel.dp.scatter_gather import (
     batch_size_of,
     check_device_available,
     gather,
-    move_to,
     normalize_device_ids,
     scatter,
     scatter_kwargs,
 )
+from nanoddp.parallel.tensors import move_to
 
 logger = logging.getLogger(__name__)
 

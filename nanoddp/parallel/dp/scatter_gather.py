@@ -3,8 +3,8 @@
 `scatter` cuts every tensor in an argument structure (tuples, lists, dicts, dataclasses) into
 one chunk per device; `gather` concatenates per-replica outputs of the same structure on one
 device. Both are plain differentiable tensor ops (`chunk`, `.to`, `cat`), so gradients of the
-gathered output flow back to each replica. Used by `nanoddp.parallel.dp.data_parallel`; named `dp_scatter_gather`
-to keep it apart from the scatter/gather *collectives* in `nanoddp.comm`.
+gathered output flow back to each replica. Used by `nanoddp.parallel.dp.data_parallel`; it lives
+in `dp/` to keep it apart from the scatter/gather *collectives* in `nanoddp.comm`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from nanoddp.parallel.tensors import contains_tensor, is_dataclass_instance, is_namedtuple
 
 DeviceLike = int | str | torch.device
 
@@ -67,14 +69,6 @@ def normalize_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.
 # ----------------------------------------------------------------------------- scatter
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
 def _per_device(items: Any, devices: Sequence[torch.device], dim: int) -> list[tuple]:
     """Scatter each item; zip the results per device, as many as the shortest split."""
     return list(zip(*(_scatter_one(x, devices, dim) for x in items), strict=False))
@@ -89,14 +83,14 @@ def _scatter_one(obj: Any, devices: Sequence[torch.device], dim: int) -> list:
         return [chunk.to(device, non_blocking=True) for chunk, device in zip(chunks, devices, strict=False)]
     if isinstance(obj, (tuple, list, Mapping)) and len(obj) == 0:
         return [obj for _ in devices]
-    if _is_namedtuple(obj):
+    if is_namedtuple(obj):
         return [type(obj)(*parts) for parts in _per_device(obj, devices, dim)]
     if isinstance(obj, (tuple, list)):
         return [type(obj)(parts) for parts in _per_device(obj, devices, dim)]
     if isinstance(obj, Mapping):
         keys = list(obj)
         return [type(obj)(zip(keys, parts, strict=True)) for parts in _per_device(obj.values(), devices, dim)]
-    if _is_dataclass_instance(obj):
+    if is_dataclass_instance(obj):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         fields = [getattr(obj, n) for n in names]
         return [
@@ -134,40 +128,12 @@ def scatter_kwargs(
     return scattered_inputs, scattered_kwargs
 
 
-def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """`obj` with every tensor moved to `device` (the very same objects when already there)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if not _contains_tensor(obj):
-        return obj
-    if _is_namedtuple(obj):
-        return type(obj)(*(move_to(x, device, non_blocking) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(move_to(x, device, non_blocking) for x in obj)
-    if isinstance(obj, Mapping):
-        return type(obj)((k, move_to(v, device, non_blocking)) for k, v in obj.items())
-    names = [f.name for f in dataclasses.fields(obj) if f.init]  # a dataclass (_contains_tensor)
-    return dataclasses.replace(obj, **{n: move_to(getattr(obj, n), device, non_blocking) for n in names})
-
-
-def _contains_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, Mapping):
-        return any(_contains_tensor(v) for v in obj.values())
-    if isinstance(obj, (tuple, list)):
-        return any(_contains_tensor(v) for v in obj)
-    if _is_dataclass_instance(obj):
-        return any(_contains_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    return False
-
-
 def batch_size_of(obj: Any, dim: int = 0) -> int | None:
     """Size along `dim` of the first batched tensor in `obj` (None when there is none)."""
     if isinstance(obj, torch.Tensor):
         return obj.size(dim) if obj.dim() > 0 else None
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
-    if _is_dataclass_instance(obj):
+    if is_dataclass_instance(obj):
         values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     for value in values:
         size = batch_size_of(value, dim)
@@ -191,7 +157,7 @@ def _gather_one(outputs: list, target: torch.device, dim: int) -> Any:
         if not all(isinstance(o, torch.Tensor) for o in outputs):
             raise ValueError(f"gather: replicas returned mixed types {[type(o).__name__ for o in outputs]}")
         return _gather_tensors(outputs, target, dim)
-    if first is None or not _contains_tensor(first):
+    if first is None or not contains_tensor(first):
         # Non-tensor leaves (None, ints, strings): one value if every replica agrees, else a list.
         return first if all(o == first for o in outputs) else list(outputs)
     if isinstance(first, Mapping):
@@ -203,8 +169,8 @@ def _gather_one(outputs: list, target: torch.device, dim: int) -> Any:
         if any(len(o) != len(first) for o in outputs):
             raise ValueError(f"gather: replicas returned sequences of lengths {[len(o) for o in outputs]}")
         parts = [_gather_one(list(column), target, dim) for column in zip(*outputs, strict=True)]
-        return type(first)(*parts) if _is_namedtuple(first) else type(first)(parts)
-    if _is_dataclass_instance(first):
+        return type(first)(*parts) if is_namedtuple(first) else type(first)(parts)
+    if is_dataclass_instance(first):
         names = [f.name for f in dataclasses.fields(first) if f.init]
         return dataclasses.replace(
             first, **{n: _gather_one([getattr(o, n) for o in outputs], target, dim) for n in names}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,17 +82,6 @@ class FlatLayout:
             if t is not None:
                 flat[offset : offset + n].copy_(t.reshape(-1))
         return flat
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module output (nested tuples, lists, dicts)."""
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensors_in(v)]
-    return []
 
 
 def _locations(module: nn.Module, params: list[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:

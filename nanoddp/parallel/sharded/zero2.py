@@ -37,7 +37,8 @@ import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.sharded import flat
-from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter, tensors_in
+from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter
+from nanoddp.parallel.tensors import tensors_in
 
 logger = logging.getLogger(__name__)
 
