@@ -1,0 +1,86 @@
+"""The architecture the docs describe is the one the code has.
+
+docs/architecture.md is what `tools/architecture.py` generates from the code; it names every
+public name and every engine; imports run down the layers and form no cycle; files stay small
+(one concept per file). Nothing is launched: the import graph comes from the AST.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INIT_MAX_LINES = 60
+MODULE_MAX_LINES = 450
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("nanoddp_tools_architecture", ROOT / "tools" / "architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+arch = _load_generator()
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return arch.import_graph()
+
+
+def test_architecture_page_is_what_the_generator_writes():
+    assert arch.DOC.read_text() == arch.render(), (
+        "docs/architecture.md is out of date: run `python tools/architecture.py`"
+    )
+
+
+def test_architecture_page_names_every_public_name_and_every_engine():
+    import nanoddp
+    from nanoddp.train.engines import ENGINES
+
+    text = arch.DOC.read_text()
+    missing = [name for name in nanoddp.__all__ if f"| `{name}` |" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"
+    missing = [name for name in ENGINES if f"| `{name}` |" not in text]
+    assert not missing, f"docs/architecture.md does not name the engines {missing}"
+
+
+def test_import_graph_resolves_from_package_import_module(edges):
+    """`from nanoddp.train import signals` is an edge to the module, not to the package."""
+    targets = {e.target for e in edges if e.source == "nanoddp.train.trainer"}
+    assert "nanoddp.train.signals" in targets and "nanoddp.env" in targets
+
+
+def test_no_import_cycle_among_modules(edges):
+    cycles = arch.import_cycles(edges)
+    assert not cycles, "module-level import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_imports_run_from_higher_layers_to_lower_ones(edges):
+    upward = [e for e in arch.upward_imports(edges) if (e.source, e.target) not in arch.UPWARD_EXCEPTIONS]
+    assert not upward, "imports from a lower layer to a higher one: " + "; ".join(
+        f"{e.source} -> {e.target} (line {e.line}, {e.where}-level)" for e in upward
+    )
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted(m for m in arch.module_files() if arch.top_of(m) not in arch.LAYER_OF_TOP)
+    assert not unknown, f"add these to tools/architecture.py's LAYERS: {unknown}"
+
+
+def test_package_inits_only_re_export():
+    inits = sorted((ROOT / "nanoddp").rglob("__init__.py"))
+    long = {str(p.relative_to(ROOT)): n for p in inits if (n := len(p.read_text().splitlines())) > INIT_MAX_LINES}
+    assert not long, f"__init__.py files over {INIT_MAX_LINES} lines (move the code into a module): {long}"
+
+
+def test_no_module_over_the_line_limit():
+    files = sorted([*(ROOT / "nanoddp").rglob("*.py"), *(ROOT / "tools").rglob("*.py")])
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
+    assert not long, f"modules over {MODULE_MAX_LINES} lines (one concept per file: split them): {long}"
