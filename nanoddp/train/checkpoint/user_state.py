@@ -17,6 +17,14 @@ guarantees without adopting the Trainer. You name the objects, we sort them by k
   `ResumableDistributedSampler`) is saved from rank 0; torch's `DistributedSampler` keeps its
   epoch; any other value (ints, floats, strings, tensors, lists and dicts of them) is stored
   as is and handed back by `load_state`;
+- what is saved must load back under `torch.load(weights_only=True)` (the only safe way to read
+  a file), which refuses numpy and most Python classes. So numpy scalars are saved as Python
+  numbers (`np.mean(losses)` comes back a `float`, `np.int64` an `int`) and numpy arrays as
+  tensors (`torch.from_numpy(a)` would give the same values), in plain values and in the
+  state_dicts alike; anything else that would not load (a `datetime`, a dataclass, an object
+  array) is refused before anything is written, with a TypeError naming where it sits: store
+  its parts instead (`.isoformat()`, `dataclasses.asdict`), or allow its class with
+  `torch.serialization.add_safe_globals`;
 - every rank's RNG streams (python, numpy, torch CPU and CUDA) are gathered and restored per
   rank, which is what makes dropout and augmentation continue bitwise after a resume.
 
@@ -25,13 +33,17 @@ every `iter(loader)` draws a seed from the global torch RNG, and a resumed run s
 iterator at another point of that stream than the uninterrupted run did.
 
 The file is a `nanoddp.train.checkpoint.snapshot` file: written atomically with a checksum, so a job
-killed mid-write leaves the previous file intact, and `load_state(directory)` skips a damaged
-newest file for the newest one that verifies. Both functions are collective when a process
-group is initialised: call them on every rank with the same names.
+killed mid-write leaves the previous file intact, and `load_state(directory)` skips a newest
+file that does not load (damaged, truncated, or holding what weights_only refuses: files older
+versions wrote), logging one line each, for the newest one that does. Both functions are
+collective when a process group is initialised: call them on every rank with the same names;
+a refusal or a failed write on rank 0 is the same error on every rank.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -99,6 +111,71 @@ def _capture(obj: Any, kind: str, is_master: bool) -> Any:
     return obj
 
 
+# Types `torch.load(weights_only=True)` rebuilds (torch._weights_only_unpickler's allowlist).
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.device, torch.dtype)
+_CONTAINERS = (dict, collections.OrderedDict, collections.Counter, list, tuple, set)
+# Rank 0's save_state error, raised as the same class on the other ranks (else RuntimeError).
+_SAME_ON_EVERY_RANK = {kind.__name__: kind for kind in (TypeError, ValueError, OSError, snapshot.SnapshotError)}
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _from_numpy(value: Any, where: str) -> Any:
+    """A numpy scalar as a Python number, an array as a tensor; other values unchanged."""
+    try:
+        import numpy as np
+    except ImportError:
+        return value
+    if isinstance(value, np.generic):
+        item = value.item()
+        if type(item) in _ATOMS:
+            return item
+        raise TypeError(
+            f"save_state: {where} is a {_type_name(value)}, which torch.load(weights_only=True) cannot "
+            "read back; store it as a number, a string or a tensor"
+        )
+    if isinstance(value, np.ndarray) and not isinstance(value, np.ma.MaskedArray):
+        try:
+            return torch.from_numpy(np.ascontiguousarray(value)).clone()
+        except TypeError:
+            raise TypeError(
+                f"save_state: {where} is a numpy array of dtype {value.dtype}, which has no tensor form and "
+                "torch.load(weights_only=True) cannot read back; store it as a list or a numeric array"
+            ) from None
+    return value
+
+
+def _loadable(value: Any, where: str) -> Any:
+    """`value` in a form `torch.load(weights_only=True)` reads back; TypeError naming `where` if
+    there is none. Returns `value` itself when nothing changed (keeps a state_dict's _metadata)."""
+    value = _from_numpy(value, where)
+    kind = type(value)
+    if kind in _ATOMS or kind in (torch.Tensor, torch.nn.Parameter):
+        return value
+    if kind in _CONTAINERS:
+        if isinstance(value, dict):
+            items = [(_loadable(k, f"{where} (a key)"), _loadable(v, f"{where}[{k!r}]")) for k, v in value.items()]
+            if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+                return value
+            converted = copy.copy(value)  # same class and attributes (a state_dict's _metadata)
+            converted.clear()
+            converted.update(items)
+            return converted
+        where_item = (lambda i: f"{where} (an element)") if kind is set else (lambda i: f"{where}[{i}]")
+        items = [_loadable(v, where_item(i)) for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
+    if kind in torch.serialization.get_safe_globals():  # allowed by the user: their responsibility
+        return value
+    raise TypeError(
+        f"save_state: {where} is a {_type_name(value)}, which torch.load(weights_only=True) cannot read "
+        "back; store plain values (numbers, strings, tensors, lists and dicts of them) instead, or allow "
+        "the class with torch.serialization.add_safe_globals"
+    )
+
+
 def _names_directory(path: str | Path) -> bool:
     """A directory: one that exists, a path written with a trailing slash, or a new name with no suffix."""
     as_path = Path(path)
@@ -140,26 +217,71 @@ def save_state(path: str | Path, **objects: Any) -> Path:
     for name, obj in objects.items():
         kind = _kind(obj)
         saved[name] = {"kind": kind, "state": _capture(obj, kind, rank == 0)}
+    outcome, error = [None], None
     if rank == 0:
-        state = {"format": FORMAT, "objects": saved, "rng": rng_per_rank, "world_size": world_size}
-        snapshot.save(target, state)
-        logger.info("saved state %s (%s)", target, ", ".join(objects))
-    if distributed():
-        dist.barrier()  # nobody returns (and maybe loads) before the file exists
+        try:
+            for name, entry in saved.items():
+                where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
+                entry["state"] = _loadable(entry["state"], where)
+            state = {"format": FORMAT, "objects": saved, "rng": rng_per_rank, "world_size": world_size}
+            snapshot.save(target, state)
+            logger.info("saved state %s (%s)", target, ", ".join(objects))
+        except Exception as exc:  # every rank raises it, rather than wait for rank 0
+            outcome, error = [(type(exc).__name__, str(exc))], exc
+    if distributed():  # nobody returns (and maybe loads) before the file exists
+        dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[0] is not None:
+        name, message = outcome[0]
+        raise _SAME_ON_EVERY_RANK.get(name, RuntimeError)(message)
     return target
 
 
-def _resolve(path: str | Path) -> Path | None:
-    """The file to load: `path` itself, or the newest valid snapshot in directory `path`."""
+def _why(exc: BaseException) -> str:
+    """One line saying why a file did not load (weights_only's own message spans a page)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
+    return f"{type(exc).__name__}: {reason.replace('WeightsUnpickler error: ', '')}"
+
+
+def _load(file: Path) -> dict[str, Any]:
+    """`snapshot.load`, with a file weights_only refuses reported as one SnapshotError line."""
+    try:
+        return snapshot.load(file)
+    except snapshot.SnapshotError:
+        raise
+    except Exception as exc:
+        raise snapshot.SnapshotError(
+            f"{file} cannot be loaded with weights_only=True ({_why(exc)}); it was not written by this "
+            "version of save_state, which checks every value"
+        ) from None
+
+
+def _newest_loadable(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest `step-<N>.pt` in `directory` that loads; one warning line per file skipped."""
+    for _, path in snapshot.list_snapshots(directory):
+        try:
+            return path, _load(path)
+        except Exception as exc:  # checksum, truncation, unpickling: any reason, the next one may do
+            logger.warning("load_state: skipping %s: %s", path, _why(exc))
+    return None
+
+
+def _resolve(path: str | Path) -> tuple[Path, dict[str, Any] | None] | None:
+    """The file to load (with its state when already read): `path` itself, or the newest
+    snapshot in directory `path` that loads (rank 0 decides; every rank loads that one)."""
     if not _names_directory(path):
         if not Path(path).exists():
             raise FileNotFoundError(f"no saved state at {path}: pass the file save_state wrote, or its directory")
-        return Path(path)
-    found = snapshot.find_latest_valid(path) if _rank() == 0 else None
+        return Path(path), None
+    found = _newest_loadable(path) if _rank() == 0 else None
     chosen = [str(found[0]) if found else None]
     if distributed():
         dist.broadcast_object_list(chosen, src=0)  # every rank loads the same file
-    return Path(chosen[0]) if chosen[0] else None
+    if chosen[0] is None:
+        return None
+    return Path(chosen[0]), found[1] if found else None
 
 
 def _restore(obj: Any, entry: dict[str, Any]) -> Any:
@@ -183,11 +305,12 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     the newest valid `step-<N>.pt` is used, and None is returned if there is none yet (a first
     run). Each rank gets back its own RNG streams when the world size is the one that saved.
     """
-    file = _resolve(path)
-    if file is None:
+    resolved = _resolve(path)
+    if resolved is None:
         logger.info("no saved state in %s: starting fresh", path)
         return None
-    state = snapshot.load(file)
+    file, state = resolved
+    state = state if state is not None else _load(file)
     if state.get("format") != FORMAT:
         raise ValueError(f"{file} was not written by nanoddp.save_state (format {state.get('format')!r})")
     saved = state["objects"]
