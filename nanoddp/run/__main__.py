@@ -2,6 +2,6 @@
 
 import sys
 
-from nanoddp.run import main
+from nanoddp.run.cli import main
 
 sys.exit(main())

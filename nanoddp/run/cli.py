@@ -1,0 +1,144 @@
+"""`nanoddp run SCRIPT [ARGS...]`: any training script on torchrun's elastic agent, with
+nanoddp's fault tolerance.
+
+    nanoddp run --nproc 2 --max-restarts 1 train.py --lr 3e-4
+    python -m nanoddp.run --nproc 2 train.py --lr 3e-4          # the same
+
+What it adds to plain `torchrun`:
+
+- a fresh rendezvous store per restart (`nanoddp.env.prepare_torchrun_launch`), without which
+  restarted workers can read the previous attempt's addresses and fail to connect;
+- the hang watchdog on the script's torch.distributed collectives (`nanoddp.run.bootstrap`
+  runs the script with them watched), so a rank that skips a collective is named within
+  `--collective-timeout` seconds instead of blocking the job;
+- every worker line prefixed `[rank k] ` (torchrun's tee, with a global-rank prefix);
+- one line at the end saying which rank failed first and why (the exception, the signal, or the
+  watchdog's report) rather than torchrun's multi-line failure table.
+
+The launch itself is torchrun's (`torch.distributed.run`), in this process, as in `nanoddp
+train`: `--nnodes/--node-rank/--rdzv-*` and `--max-restarts` mean what they mean there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+
+from nanoddp import env as nd
+from nanoddp.train.launcher.agent import failure_reason, private_rendezvous
+from nanoddp.train.launcher.cli import add_launch_args, default_nproc
+
+BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
+RANK_PREFIX_TEMPLATE = "[rank ${rank}] "  # torchrun's template macros: ${rank}, ${local_rank}, ${role_name}
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    add_launch_args(parser)
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds a collective may wait for the other ranks (default: {DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr here (default: not kept)")
+    parser.add_argument("-m", dest="as_module", action="store_true", help="SCRIPT is a module, as in python -m")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the script")
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run your own script on N processes (torchrun + restarts + hang watchdog)",
+        description="Run SCRIPT on torchrun's elastic agent with nanoddp's environment: a fresh "
+        "rendezvous store per restart, the hang watchdog on torch.distributed collectives, "
+        "[rank k] output prefixes and a one-line failure summary.",
+    )
+    add_run_args(parser)
+    parser.set_defaults(run=run)
+
+
+def check_args(args: argparse.Namespace) -> int:
+    """Validate in the launcher, before any process starts; return processes per node."""
+    nproc = args.nproc if args.nproc is not None else default_nproc(engine="")  # all GPUs, else 2
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
+    if not args.as_module and not os.path.isfile(args.script):
+        raise FileNotFoundError(f"script {args.script!r} not found (for a module, pass -m {args.script})")
+    return nproc
+
+
+def agent_argv(args: argparse.Namespace, nproc: int, log_dir: str) -> list[str]:
+    """torchrun's command line for this launch (without the program name)."""
+    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+    argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id, "--max-restarts", str(args.max_restarts)]
+    argv += ["--tee", "3", "--log-dir", log_dir]  # tee: torchrun prefixes each line it copies
+    single_node = str(args.nnodes).split(":")[-1] == "1" and not args.rdzv_endpoint
+    if args.standalone or single_node:
+        argv.append("--standalone")
+    elif args.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", args.rdzv_endpoint]
+    worker = ["-m", BOOTSTRAP_MODULE, "--collective-timeout", str(args.collective_timeout)]
+    worker += ["-m"] if args.as_module else []
+    return [*argv, *worker, "--", args.script, *args.script_args]
+
+
+def describe_failure(rank: int, exitcode: int, message: object) -> str:
+    """`rank 1 (exit code 1): ValueError: bad shape`, in words for signals and hangs."""
+    return f"rank {rank} (exit code {exitcode}): {failure_reason(exitcode, message)}"
+
+
+def failure_summary(script: str, failures: dict) -> str:
+    """One line: the rank that failed first and why, then the others (torchrun's ProcessFailures).
+
+    Ranks the agent stopped with SIGTERM, once another had failed, are consequences and go last;
+    among the rest the earliest wins, as in torchrun's own root-cause choice.
+    """
+    ordered = sorted(
+        failures.items(), key=lambda item: (item[1].exitcode == -signal.SIGTERM, item[1].timestamp, item[0])
+    )
+    first_rank, first = ordered[0]
+    line = f"nanoddp run: {script} failed on {describe_failure(first_rank, first.exitcode, first.message)}"
+    if len(ordered) > 1:
+        others = ", ".join(f"rank {rank} (exit code {failure.exitcode})" for rank, failure in ordered[1:])
+        line += f"; then {others}"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    """`nanoddp run`: launch, wait, and return 0 or 1 with the failure summary on stderr."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    nproc = check_args(args)
+    nd.prepare_torchrun_launch()
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
+    with tempfile.TemporaryDirectory(prefix="nanoddp-run-") as scratch:
+        # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
+        argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, args.log_dir or scratch))
+        print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
+        try:
+            torchrun(get_args_parser().parse_args(argv))
+        except ChildFailedError as exc:
+            print(failure_summary(args.script, exc.failures), file=sys.stderr)
+            return 1
+        finally:
+            del rendezvous_store  # referenced until the agent is done with it
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanoddp.run ...`: the same as `nanoddp run ...`."""
+    from nanoddp.cli import main as cli_main
+
+    return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])
