@@ -1,65 +1,11 @@
-"""`nanoddp bench ...`: the benchmark command group.
+"""`nanoddp bench ...`: benchmarks of nanoddp against torch.distributed, side by side.
 
-Each benchmark lives in its own module (`collectives`, `train`, ...) exposing
-`register_cli(bench_subparsers)`; this file groups them under `nanoddp bench` and holds what
-they share: the `--nproc` parser, the `--json/--plot` flags and the one way results are written.
+This package is the face: the command group is in `nanoddp.bench.cli`, what the benchmarks
+share (`--nproc`, `--json/--plot`, atomic writes) in `nanoddp.bench.common`, each benchmark in
+its own module (`collectives`, `zero`, `train`, `restarts`).
 """
 
-from __future__ import annotations
+from nanoddp.bench.cli import BENCHMARK_MODULES, register_cli
+from nanoddp.bench.common import add_output_args, parse_world_sizes, save_figure, write_json
 
-import argparse
-import importlib
-import io
-import json
-from typing import Any
-
-from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
-
-BENCHMARK_MODULES = (
-    "nanoddp.bench.collectives",
-    "nanoddp.bench.zero",
-    "nanoddp.bench.train",
-    "nanoddp.bench.restarts",
-    # more benchmarks are registered here as they land
-)
-
-
-def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:
-    """`--nproc 1,2,4` -> [1, 2, 4], with one clear error for anything else (every benchmark)."""
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--nproc must be comma-separated integers, e.g. 2,4; got {text!r}") from None
-    if not sizes or any(n < minimum for n in sizes):
-        raise ValueError(f"--nproc needs world sizes >= {minimum}, got {text!r}")
-    return sizes
-
-
-def add_output_args(parser: argparse.ArgumentParser, plot_help: str | None = None) -> None:
-    """`--json FILE` (every result, with the run's metadata) and, where a plot exists, `--plot FILE`."""
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
-    if plot_help is not None:
-        parser.add_argument("--plot", default=None, metavar="FILE", help=plot_help)
-
-
-def write_json(path: str, data: dict[str, Any]) -> None:
-    """A benchmark's results ({"meta": ..., "results": [...]}), written atomically."""
-    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-
-
-def save_figure(path: str, fig: Any) -> None:
-    """A matplotlib figure as PNG, written atomically, then closed."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks: nanoddp vs torch.distributed, side by side")
-    bench_subparsers = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
-    for module_name in BENCHMARK_MODULES:
-        importlib.import_module(module_name).register_cli(bench_subparsers)
-    parser.set_defaults(run=lambda args: parser.print_help() or 2)
+__all__ = ["BENCHMARK_MODULES", "add_output_args", "parse_world_sizes", "register_cli", "save_figure", "write_json"]

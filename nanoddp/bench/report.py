@@ -11,7 +11,7 @@ import logging
 import statistics
 import textwrap
 
-from nanoddp.bench import save_figure
+from nanoddp.bench.common import save_figure
 
 logger = logging.getLogger(__name__)
 

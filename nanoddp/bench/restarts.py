@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanoddp.bench import add_output_args, write_json
+from nanoddp.bench.common import add_output_args, write_json
 
 logger = logging.getLogger(__name__)
 

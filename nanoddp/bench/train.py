@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 import nanoddp
-from nanoddp.bench import add_output_args, parse_world_sizes, render, write_json
+from nanoddp.bench import render
+from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
 from nanoddp.bench.machine import Memory, command_line, git_commit, machine_description, tune_malloc
 from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
 from nanoddp.bench.report import format_markdown, summarise, write_memory_plot, write_plot

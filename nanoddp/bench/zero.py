@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
-from nanoddp.bench import add_output_args, parse_world_sizes, write_json
+from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
 from nanoddp.models import GPT, gpt_config
 from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_state_bytes
 
