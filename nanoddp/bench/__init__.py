@@ -1,8 +1,9 @@
-"""`nanoddp bench ...`: benchmarks of nanoddp against torch.distributed, side by side.
+"""`nanoddp bench`'s face: the command group and the shared helpers, re-exported.
 
-This package is the face: the command group is in `nanoddp.bench.cli`, what the benchmarks
-share (`--nproc`, `--json/--plot`, atomic writes) in `nanoddp.bench.common`, each benchmark in
-its own module (`collectives`, `zero`, `train`, `restarts`).
+`nanoddp bench ...` benchmarks nanoddp against torch.distributed, side by side. The command
+group is in `nanoddp.bench.cli`, what the benchmarks share (`--nproc`, `--json/--plot`,
+atomic writes) in `nanoddp.bench.common`, each benchmark in its own module (`collectives`,
+`zero`, `train`, `restarts`).
 """
 
 from nanoddp.bench.cli import BENCHMARK_MODULES, register_cli

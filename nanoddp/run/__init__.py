@@ -1,10 +1,9 @@
-"""`nanoddp run SCRIPT [ARGS...]`: any training script on torchrun's elastic agent, with
-nanoddp's fault tolerance.
+"""`nanoddp run`'s face: `main` and `register_cli`, re-exported from `nanoddp.run.cli`.
 
-This package is the face: the command line is in `nanoddp.run.cli` (what it adds to plain
-torchrun is described there), what each worker runs in `nanoddp.run.bootstrap`.
-`nanoddp.cli` registers the subcommand through `register_cli`; `python -m nanoddp.run` calls
-`main`.
+`nanoddp run SCRIPT [ARGS...]` runs any training script on torchrun's elastic agent, with
+nanoddp's fault tolerance. The command line (and what it adds to plain torchrun) is in
+`nanoddp.run.cli`, what each worker runs in `nanoddp.run.bootstrap`. `nanoddp.cli` registers
+the subcommand through `register_cli`; `python -m nanoddp.run` calls `main`.
 """
 
 from nanoddp.run.cli import main, register_cli
