@@ -72,7 +72,7 @@ def case_bucket_view_grads_live_in_buckets(env, backend):
     for _ in range(2):  # second iteration: after the bucket rebuild
         x, y = global_batch("mlp", B * env.world_size, 0)
         ddp(shard(x, env.rank), shard(y, env.rank))[1].backward()
-        spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in ddp._buckets]
+        spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in ddp.reducer.buckets]
         for name, p in ddp.module.named_parameters():
             inside = [lo for lo, hi in spans if lo <= p.grad.data_ptr() < hi]
             assert len(inside) == 1, f"{name}.grad is not a view into a bucket buffer"
@@ -192,7 +192,7 @@ def case_overlap_is_real(env, backend):
         launches = [t for event, t, _ in ddp.last_timeline if event == "launch"]
         last_grad = max(t for event, t, _ in ddp.last_timeline if event == "grad_ready")
         early = [t for t in launches if t < last_grad]
-        assert len(launches) == len(ddp._buckets) > 1
+        assert len(launches) == len(ddp.reducer.buckets) > 1
         assert early, f"step {step}: all {len(launches)} launches came after the last gradient"
 
 

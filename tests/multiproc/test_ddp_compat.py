@@ -55,9 +55,9 @@ def case_powersgd_keeps_replicas_equal(env, backend, bucket_cap_mb=None):
     exact = DistributedDataParallel(build(), comm_backend=backend)
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-    assert ddp._serialize_hooks, "a hook from outside nanoddp on CPU: the buckets' hooks are serialised"
+    assert ddp.reducer.serialize_hooks, "a hook from outside nanoddp on CPU: the buckets' hooks are serialised"
     exact.register_comm_hook(None, allreduce_hook)
-    assert not exact._serialize_hooks, "nanoddp's own hooks keep the buckets overlapping"
+    assert not exact.reducer.serialize_hooks, "nanoddp's own hooks keep the buckets overlapping"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(4):
         x, y = batch(env.rank, step)

@@ -5,7 +5,7 @@ all-reduce the finished rank never issues: a hang until the collective timeout. 
 `with ddp.join():` (or `with Join([ddp, ...]):`) a finished ("joined") rank instead *shadows*
 every iteration the others still run, issuing the same collectives in the same order:
 
-    others' forward                      joined rank (`_DDPJoinHook.main_hook`)
+    others' forward                      joined rank (`DDPJoinHook.main_hook`)
     Join.notify_join_context (1)         Join's count of non-joined ranks (0)
     bucket rebuild broadcast, once       the same broadcast (rank 0's order)
     buffer broadcast (from the highest   the same (an all-reduce MAX picks
@@ -31,114 +31,90 @@ broadcasts the last joiner's parameters (and buffers) so every replica ends iden
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed import ReduceOp
-from torch.distributed.algorithms import Join, JoinHook
+from torch.distributed.algorithms import JoinHook
 
 from nanoddp.parallel.ddp.buckets import Bucket
+from nanoddp.parallel.ddp.reducer import Reducer
 from nanoddp.parallel.replicas import broadcast_coalesced
-
-if TYPE_CHECKING:
-    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
 
 class DDPJoinHook(JoinHook):
-    """What a joined rank does for one iteration of the others, and once all have joined."""
+    """What a joined rank does for one iteration of the others, and once all have joined.
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+    Built by `DistributedDataParallel.join_hook` from the wrapper's reducer, its module and its
+    `broadcast_buffers` setting: everything a shadowed iteration touches.
+    """
+
+    def __init__(
+        self, reducer: Reducer, module: nn.Module, broadcast_buffers: bool, divide_by_initial_world_size: bool
+    ):
+        self.reducer, self.module, self.broadcast_buffers = reducer, module, broadcast_buffers
+        reducer.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
-        shadow_iteration(self.ddp)
+        shadow_iteration(self.reducer, self.module, self.broadcast_buffers)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        sync_final_model(self.ddp, is_last_joiner)
+        sync_final_model(self.reducer, self.module, self.broadcast_buffers, is_last_joiner)
 
 
-def global_requires_sync(ddp: DistributedDataParallel, wants_sync: bool) -> bool:
+def global_requires_sync(reducer: Reducer, wants_sync: bool) -> bool:
     """All-reduce "this rank will synchronise its coming backward": joined ranks learn whether
     to shadow the bucket all-reduces (not for a no_sync or no-grad forward)."""
     flag = torch.tensor([1 if wants_sync else 0], dtype=torch.int32)  # (1,)
-    ddp._collectives.all_reduce(flag, group=ddp.process_group)
+    reducer.collectives.all_reduce(flag, group=reducer.group)
     return bool(flag.item())
 
 
-def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+def common_rank(reducer: Reducer, candidate: bool) -> int:
     """The highest global rank among candidates: under join, buffers are broadcast from a rank
     still training (rank 0 may have joined with stale buffers); at the end, the last joiner."""
     rank = torch.tensor([dist.get_rank() if candidate else -1], dtype=torch.int64)  # (1,)
-    ddp._collectives.all_reduce(rank, op=ReduceOp.MAX, group=ddp.process_group)
+    reducer.collectives.all_reduce(rank, op=ReduceOp.MAX, group=reducer.group)
     return int(rank.item())
 
 
-def shadow_iteration(ddp: DistributedDataParallel) -> None:
+def broadcast_buffers_from_trainer(reducer: Reducer, module: nn.Module, training: bool) -> None:
+    """The pre-forward buffer broadcast under a Join context, from a rank still training."""
+    buffers = list(module.buffers())
+    if buffers:
+        broadcast_coalesced(buffers, reducer.collectives, reducer.group, common_rank(reducer, training))
+
+
+def shadow_iteration(reducer: Reducer, module: nn.Module, broadcast_buffers: bool) -> None:
     """Issue, with zeros, every collective one forward+backward of a non-joined rank issues."""
-    if ddp._world_size == 1:
+    if reducer.world_size == 1:
         return
-    ddp._prepare_for_forward(joined=True)
-    if not global_requires_sync(ddp, False):
+    reducer.begin_timeline()
+    if reducer.rebuild_due:
+        reducer.rebuild_buckets()
+    if broadcast_buffers:
+        broadcast_buffers_from_trainer(reducer, module, training=False)
+    if not global_requires_sync(reducer, False):
         return
-    ddp._reset_sync_state()
+    reducer.reset()
     works = []
-    for bucket in ddp._buckets:  # zero stand-ins: the real buffers may be the .grad views
+    for bucket in reducer.buckets:  # zero stand-ins: the real buffers may be the .grad views
         stand_in = Bucket(bucket.index, bucket.params, bucket.param_indices, bucket.buffer.dtype)
-        ddp._launch(stand_in)
+        reducer.launch(stand_in)
         works.append(stand_in.handle)
     for work in works:
         work.wait()
-    ddp._global_use_counts(active=False)
-    ddp._after_sync_iteration(use_counts=None, shadowed=True)
+    reducer.global_use_counts(active=False)
+    reducer.after_sync_iteration(use_counts=None, shadowed=True)
 
 
-def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None:
+def sync_final_model(reducer: Reducer, module: nn.Module, broadcast_buffers: bool, is_last_joiner: bool) -> None:
     """Broadcast the model from the last rank to join (ties: the highest rank), as torch does:
     the joined ranks stopped stepping, the last joiner holds the fully trained replica."""
-    if ddp._world_size == 1:
+    if reducer.world_size == 1:
         return
-    src = common_rank(ddp, is_last_joiner)
-    tensors = list(ddp.module.parameters())
-    if ddp.broadcast_buffers:
-        tensors += list(ddp.module.buffers())
-    broadcast_coalesced(tensors, ddp._collectives, ddp.process_group, src)
-
-
-class JoinableDDP:
-    """The Joinable half of DistributedDataParallel: torch's join() API over the hook above."""
-
-    def join(
-        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
-    ) -> Join:
-        """Context manager for uneven inputs, as torch DDP's: ranks that run out of batches
-        shadow the others' collectives with zero gradients until every rank is done.
-
-        divide_by_initial_world_size: average over the initial world size (True, torch's
-        default) or over the ranks still training. throw_on_early_termination: instead, raise on
-        every rank as soon as one has run out of data.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        if self._delayed is not None:
-            raise ValueError(
-                "join() is not supported with delay_all_reduce_named_params: a joined rank cannot know where "
-                "in the others' backward the delayed all-reduce falls (torch's join hook leaves it unmatched "
-                "too); give every rank the same number of batches, or leave the parameters in the buckets"
-            )
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device or (self._params[0].device if self._params else torch.device("cpu"))
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+    src = common_rank(reducer, is_last_joiner)
+    tensors = list(module.parameters())
+    if broadcast_buffers:
+        tensors += list(module.buffers())
+    broadcast_coalesced(tensors, reducer.collectives, reducer.group, src)
