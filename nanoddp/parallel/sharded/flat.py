@@ -328,39 +328,3 @@ class GradReduceScatter:
         self._fired = [set() for _ in self.units]
         if self._after_backward is not None:
             self._after_backward()
-
-
-def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with every sharded parameter whole (CPU copies). Collective."""
-    full = {}
-    for unit in units:
-        for p, value in zip(unit.params, unit.full_tensors(), strict=True):
-            full[id(p)] = value
-    return {
-        name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
-        for name, v in module.state_dict(keep_vars=True).items()
-    }
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, units: list[FlatParamUnit], state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors (from `full_state_dict` or a plain model, at any world size): each
-    rank keeps its pieces. No communication; the next forward gathers the new values."""
-    own = module.state_dict(keep_vars=True)
-    if set(state) != set(own):
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
-    pieces = {
-        id(p): (piece, shape)
-        for unit in units
-        for p, piece, shape in zip(unit.params, unit.pieces, unit.shapes, strict=True)
-    }
-    for name, target in own.items():
-        value = state[name]
-        if id(target) in pieces:
-            piece, shape = pieces[id(target)]
-            if value.shape != shape:
-                raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
-            target.copy_(value.reshape(-1)[piece.start : piece.stop].to(target.device))  # (piece numel,)
-        else:
-            target.copy_(value)

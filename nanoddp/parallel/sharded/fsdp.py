@@ -33,9 +33,7 @@ original tensors. Gradient clipping must reduce the norm over ranks: `clip_grad_
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,8 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.sharded import flat
 from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter
+from nanoddp.parallel.sharded.module import ShardedModule
 from nanoddp.parallel.tensors import tensors_in
 
 logger = logging.getLogger(__name__)
@@ -55,7 +53,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class FSDPModule:
+class FSDPModule(ShardedModule):
     """Mixed into a module's class by `fully_shard`: the methods of a sharded module."""
 
     _fsdp_unit: FlatParamUnit | None
@@ -72,30 +70,8 @@ class FSDPModule:
             if m._fsdp_reduce is not None:
                 m._fsdp_reduce.sync = sync
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: micro-steps inside skip the reduce-scatter (DDP's spelling)."""
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
-
     def _units(self) -> list[FlatParamUnit]:
         return [m._fsdp_unit for m in self._fsdp_tree() if m._fsdp_unit is not None]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded `state_dict` (CPU tensors, original shapes). Collective: all ranks call it."""
-        return flat.full_state_dict(self, self._units())
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load whole tensors (saved at any world size, or by a plain model); each rank keeps its pieces."""
-        flat.load_full_state_dict(self, self._units(), state)
-
-    def sharded_bytes(self) -> dict[str, int]:
-        """Parameter and gradient bytes this rank holds now, over every unit in the tree."""
-        units = [m._fsdp_unit for m in self._fsdp_tree() if m._fsdp_unit is not None]
-        return {"params": sum(u.resident_bytes() for u in units), "grads": sum(u.grad_bytes() for u in units)}
 
 
 class _Schedule:

@@ -26,9 +26,7 @@ difference from `fully_shard`), so there is no all-gather in backward.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.sharded import flat
 from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter
+from nanoddp.parallel.sharded.module import ShardedModule
 from nanoddp.parallel.tensors import tensors_in
 
 logger = logging.getLogger(__name__)
@@ -59,36 +57,18 @@ def bucket_params(params: list[nn.Parameter], cap_numel: int) -> list[list[nn.Pa
     return buckets
 
 
-class Zero2Module:
-    """Mixed into the module's class by `zero2`: accumulation control and accounting."""
+class Zero2Module(ShardedModule):
+    """Mixed into the module's class by `zero2`: one gradient reduction over all its buckets."""
 
     _zero2_units: list[FlatParamUnit]
     _zero2_reduce: GradReduceScatter
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: backward inside keeps full gradients, no reduce-scatter."""
-        self._zero2_reduce.sync = False
-        try:
-            yield
-        finally:
-            self._zero2_reduce.sync = True
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """False: backward keeps full gradients, no reduce-scatter (what `no_sync` sets)."""
+        self._zero2_reduce.sync = sync
 
     def _units(self) -> list[FlatParamUnit]:
         return self._zero2_units
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded `state_dict` (CPU tensors, original shapes). Collective: all ranks call it."""
-        return flat.full_state_dict(self, self._units())
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load whole tensors (saved at any world size, or by a plain model); each rank keeps its pieces."""
-        flat.load_full_state_dict(self, self._units(), state)
-
-    def sharded_bytes(self) -> dict[str, int]:
-        """Parameter (whole) and gradient (sharded) bytes this rank holds now."""
-        units = self._zero2_units
-        return {"params": sum(u.resident_bytes() for u in units), "grads": sum(u.grad_bytes() for u in units)}
 
 
 def _pre_forward(module: nn.Module, args: Any) -> None:
