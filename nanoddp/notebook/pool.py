@@ -29,9 +29,8 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
-from typing import Any, Protocol
+from multiprocessing.connection import Listener, wait
+from typing import Any
 
 import psutil
 
@@ -43,11 +42,12 @@ from nanoddp.notebook.handshake import (
     socket_dir_parent,
     wait_ready,
 )
-from nanoddp.notebook.processes import catch_sigint, spawn_worker, terminate
+from nanoddp.notebook.outcome import DROP, CellOutcome, Sink
+from nanoddp.notebook.processes import WorkerHandle, catch_sigint, spawn_worker, terminate
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 300.0  # N pythons importing torch on a busy 2-core box can take a while
+STARTUP_TIMEOUT_S = 300.0  # N pythons importing torch at once on few, shared cores can take a while
 INTERRUPT_GRACE_S = 5.0  # after forwarding SIGINT, how long to wait for the cell to stop
 # After one rank fails, how long the others get to finish (or raise the same error: bad input
 # raises on every rank) before they are interrupted.
@@ -60,62 +60,6 @@ POLL_S = 0.1
 ABORT_WAIT_S = 10.0
 REBUILD_TIMEOUT_S = 120.0
 STATUS_TIMEOUT_S = 5.0  # a worker whose control thread does not answer in time is "unresponsive"
-
-
-class Sink(Protocol):
-    def stream(self, rank: int, name: str, text: str) -> None: ...
-
-    def display(self, rank: int, bundle: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class WorkerHandle:
-    """The kernel's view of one worker process."""
-
-    rank: int
-    process: subprocess.Popen
-    conn: Connection | None = None
-    device: str = "?"
-    busy: bool = False  # the kernel's protocol view (a request is out); %dist_status asks the worker
-    generation: int = 1  # of its default process group, as confirmed by its last rebuild
-    death: str | None = None  # why it is dead, once it is
-
-    @property
-    def alive(self) -> bool:
-        if self.death is None and self.process.poll() is not None:
-            self.death = f"exited with code {self.process.returncode}"
-        return self.death is None
-
-
-@dataclass
-class CellOutcome:
-    """How one request went on each rank it ran on."""
-
-    reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> the worker's report
-    died: dict[int, str] = field(default_factory=dict)  # rank -> why it died mid-cell
-    interrupted: bool = False  # the user interrupted the kernel
-    timed_out: bool = False
-    rebuilt: int | None = None  # the new process group's generation, when the cell's was rebuilt
-    recovery_error: str | None = None  # why the group could not be rebuilt (the pool is unusable)
-
-    @property
-    def failed_ranks(self) -> list[int]:
-        """Ranks whose code raised or whose process died (not the ones stopped because of them)."""
-        raised = {rank for rank, report in self.reports.items() if report["status"] == "error"}
-        return sorted(raised | set(self.died))
-
-
-class _Drop:
-    """A sink for output nobody asked to see."""
-
-    def stream(self, rank: int, name: str, text: str) -> None:
-        logger.debug("rank %d %s: %s", rank, name, text.rstrip())
-
-    def display(self, rank: int, bundle: dict[str, Any]) -> None:
-        logger.debug("rank %d display: %s", rank, bundle.get("text/plain", ""))
-
-
-_DROP = _Drop()
 
 
 class WorkerPool:
@@ -387,7 +331,7 @@ class WorkerPool:
             if worker.alive:
                 with suppress(OSError):
                     worker.conn.send(("status",))
-        replies = self._await_replies(("status",), STATUS_TIMEOUT_S, sink or _DROP)
+        replies = self._await_replies(("status",), STATUS_TIMEOUT_S, sink or DROP)
         rows = []
         for worker in self.workers:
             rss_mib, generation = None, None

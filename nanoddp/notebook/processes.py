@@ -1,5 +1,5 @@
-"""The notebook pool's process plumbing: start a worker, stop one, and hold SIGINT while the
-kernel waits on its workers."""
+"""The notebook pool's process plumbing: the kernel's handle on a worker, starting and stopping
+one, and holding SIGINT while the kernel waits on its workers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,28 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
+
+
+@dataclass
+class WorkerHandle:
+    """The kernel's view of one worker process."""
+
+    rank: int
+    process: subprocess.Popen
+    conn: Connection | None = None
+    device: str = "?"
+    busy: bool = False  # the kernel's protocol view (a request is out); %dist_status asks the worker
+    generation: int = 1  # of its default process group, as confirmed by its last rebuild
+    death: str | None = None  # why it is dead, once it is
+
+    @property
+    def alive(self) -> bool:
+        if self.death is None and self.process.poll() is not None:
+            self.death = f"exited with code {self.process.returncode}"
+        return self.death is None
 
 
 class SigintFlag:

@@ -10,7 +10,7 @@ Nothing in that group can be trusted again, so the pool abandons it:
    blocked): shut down this worker's TCP connections to the other workers. gloo wakes up on
    both ends with "connection closed", so every pending send, receive or collective fails at
    once, on every rank, whether or not something else still holds the group. (gloo's own
-   `abort()`/`shutdown()` do not wake a blocked wait; measured with torch 2.13.)
+   `abort()`/`shutdown()` do not wake a blocked wait, as of torch 2.13.)
 2. rebuild (`rebuild_group`, on the main thread once the cell has ended): destroy the default
    group, drop nanoddp's per-group state, and join a fresh group through a new rendezvous file,
    so no key or byte of the old generation can be read.

@@ -267,7 +267,7 @@ SMOLLM2_EXAMPLE = ROOT / "examples" / "notebook_smollm2.ipynb"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # about 3 minutes on an idle 2-core machine (more the first time: conversion)
+@pytest.mark.timeout(900)  # minutes: a real fine-tune in two workers (longer the first time: conversion)
 def test_smollm2_notebook_fine_tunes_from_distributed_cells(tmp_path):
     from nanoddp.models import smollm2_missing
 

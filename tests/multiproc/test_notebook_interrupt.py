@@ -6,7 +6,7 @@ through one leave messages posted. Either way the pool must come back usable by 
 rank idle, the process group rebuilt, the next cell's collectives right, the variables kept.
 
 Each scenario gets its own kernel and pool (a stuck pool must not leak into the next check),
-so the test is slow-ish (about 10 s per scenario on an idle 2-core machine).
+so the test is slow-ish.
 """
 
 from __future__ import annotations
