@@ -22,7 +22,7 @@ from helpers import ROOT, cell_error, cell_text, execute_notebook
 
 import nanoddp
 
-SCRIPT_TIMEOUT_S = 180  # torch imports in 3 processes on 2 busy cores: seconds, rarely a minute
+SCRIPT_TIMEOUT_S = 180  # torch imports in 3 processes on shared cores: seconds, rarely a minute
 
 ALL_REDUCE_SCRIPT = textwrap.dedent(
     """
