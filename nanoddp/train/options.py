@@ -5,7 +5,8 @@ directory locked by the agent, process group made by the worker). A user script 
 `nanoddp run` or torchrun has none of that, so the public Trainer does it here, on every rank:
 options become a checked `TrainConfig`, the process group comes from torchrun's environment
 when the script has not made one, and rank 0 takes the run directory's lock (every rank raises
-the same error when it cannot).
+the same error when it cannot). The optimizer must step the model's own parameters; a Trainer
+that fails gives its lock back, and the run directory too while it holds nothing to resume.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ BUILTIN_ONLY = {
     "min_lr_ratio": "pass lr_scheduler",
     "zero": "pass a nanoddp.ZeroRedundancyOptimizer as the optimizer",
 }
+# What a Trainer writes into its run directory before the first snapshot: a failed run that
+# made the directory removes it while it holds only these (see `release_run_dir`).
+SETUP_FILES = frozenset({"config.json", "metrics.jsonl"})
+_CREATED: dict[int, str] = {}  # lock fd -> the run directory claim_run_dir created for it
+logger = logging.getLogger(__name__)
 PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives give up this long after our watchdog would
 
 
@@ -66,12 +72,37 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
             "nanoddp.Trainer: "
             + "; ".join(f"{name} describes nanoddp train's built-in setup: {BUILTIN_ONLY[name]}" for name in builtin)
         )
+    check_optimizer(model, optimizer)
     return TrainConfig(
         **{"eval_samples": 0, **options},  # the whole eval set unless asked
         model=_class_name(model),  # recorded in config.json and the snapshot's fingerprint
         data=_class_name(dataset),
         zero=isinstance(optimizer, ZeroRedundancyOptimizer),
     )
+
+
+def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
+    """The optimizer must step the model's own parameters (a subset is fine: a frozen layer).
+
+    One built from another model (a copy, a model rebuilt in a notebook cell) trains nothing
+    that is synchronised or saved, and the run still ends "successfully" with the untouched
+    model; a foreign parameter among the model's is neither averaged across ranks nor saved.
+    """
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in own for p in params)
+    if foreign == len(params) and params:
+        raise ValueError(
+            f"nanoddp.Trainer: none of the optimizer's {len(params)} parameters are the model's, so "
+            "training would change nothing that is saved; build the optimizer from this model, e.g. "
+            f"{type(optimizer).__name__}(model.parameters(), ...), after any change to the model"
+        )
+    if foreign:
+        raise ValueError(
+            f"nanoddp.Trainer: {foreign} of the optimizer's {len(params)} parameters are not the model's: "
+            "they would be neither averaged across ranks nor saved; make them part of the model, or "
+            "leave them out of the optimizer"
+        )
 
 
 def _class_name(obj: Any) -> str:
@@ -125,8 +156,11 @@ def claim_run_dir(config: TrainConfig, env: DistEnv) -> tuple[TrainConfig, int |
     if env.is_master:
         try:
             out = config.out or _default_out() or rundir.default_run_dir()
+            created = not os.path.lexists(out)
             preflight.check_out_dir(out)
             fd = rundir.lock_run_dir(out)
+            if created:
+                _CREATED[fd] = out
             decision = ("ok", out)
         except (ValueError, rundir.RunDirBusy) as exc:
             decision = ("error", f"{type(exc).__name__}: {exc}")
@@ -136,7 +170,19 @@ def claim_run_dir(config: TrainConfig, env: DistEnv) -> tuple[TrainConfig, int |
     return dataclasses.replace(config, out=value), fd
 
 
-def release_run_dir(fd: int | None) -> None:
-    """Give back the lock `claim_run_dir` took (the kernel does it too if the process dies)."""
-    if fd is not None:
+def release_run_dir(fd: int | None, failed: bool = False) -> None:
+    """Give back the lock `claim_run_dir` took (the kernel does it too if the process dies).
+
+    `failed`: the Trainer's construction or `fit()` raised. A run directory `claim_run_dir` made
+    is then removed while it holds only the files setup writes (nothing to resume), so that the
+    corrected retry in the same process (a notebook) leaves no litter behind. Either way the lock
+    goes: an fd left open would make that retry's lock refuse, naming this very process.
+    """
+    if fd is None:
+        return
+    out = _CREATED.pop(fd, None)
+    try:
+        if failed and out is not None and rundir.remove_if_empty(out, also=SETUP_FILES):
+            logger.info("removed run directory %s: the run failed before saving anything", out)
+    finally:
         os.close(fd)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -80,16 +81,20 @@ class Trainer:
         env = env or joined_env(config)
         configure_logging(env)
         config, self._lock_fd = claim_run_dir(config, env)
-        self._setup(
-            config,
-            env,
-            model.to(env.device),
-            optimizer,
-            lr_scheduler,
-            (train_dataset, eval_dataset),
-            batch_loss_for(loss_fn),
-            collate_fn,
-        )
+        try:
+            self._setup(
+                config,
+                env,
+                model.to(env.device),
+                optimizer,
+                lr_scheduler,
+                (train_dataset, eval_dataset),
+                batch_loss_for(loss_fn),
+                collate_fn,
+            )
+        except BaseException:  # give the run directory back: a corrected retry must not be refused
+            release_run_dir(self._lock_fd, failed=True)
+            raise
 
     @classmethod
     def from_config(cls, config: TrainConfig, env: DistEnv) -> Trainer:
@@ -292,7 +297,7 @@ class Trainer:
         finally:
             if under_agent:
                 signals.uninstall()
-            release_run_dir(self._lock_fd)
+            release_run_dir(self._lock_fd, failed=sys.exc_info()[0] is not None)
             self._lock_fd = None
 
     def train(self, stop_after: int | None = None) -> dict[str, Any]:
@@ -350,8 +355,6 @@ class Trainer:
         raise signals.Interrupted(self.step, signum)
 
     def _progress_bar(self, end: int):
-        import sys
-
         from tqdm import tqdm
 
         enabled = self.env.is_master and self.config.progress and sys.stderr.isatty()

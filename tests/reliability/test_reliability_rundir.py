@@ -39,7 +39,7 @@ def _spec():
 @pytest.mark.timeout(60)
 def test_second_run_on_a_locked_dir_refuses_naming_the_holder(tmp_path, capsys):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from nanoddp.train import rundir;"
+        [sys.executable, "-c", "import sys, time; from nanoddp.train.checkpoint import rundir;"
          "rundir.lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(120)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
