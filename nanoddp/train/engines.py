@@ -7,6 +7,7 @@
 | `allreduce` | nothing                             | one all-reduce per parameter after backward |
 | `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
 | `single`    | nothing (one process)               | none                                   |
+| `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
 | `zero2`     | ZeRO-2 hooks on the module (`parallel.sharded.zero2`) | bucketed reduce-scatter into gradient shards |
 | `fsdp`      | `fully_shard` on each block, then the root | all-gather params per block, reduce-scatter grads |
 
@@ -20,9 +21,11 @@ The nanoddp modules are imported lazily, so this file works on its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,12 +37,22 @@ logger = logging.getLogger(__name__)
 
 
 class CommTimer:
-    """How long gradient communication was in flight during a step (first launch to last done)."""
+    """How long gradient communication was in flight during a step (first launch to last done),
+    and how much of that was *exposed*: the step waiting on it after backward's last gradient
+    was computed (the rest ran hidden under backward's compute).
+
+    Exposed time is known where the engine sees when compute ended: nanoddp's DDP timeline (its
+    last gradient hook) and the manual engines (their sync starts after backward, so all of it
+    is exposed). A timed comm hook alone (traced torch DDP) gives the window only.
+    """
 
     def __init__(self) -> None:
         self.total_s = 0.0
+        self.exposed_s = 0.0
+        self.exposed_known = True  # False once a step's window came without its compute end
         self._first: float | None = None
         self._last: float | None = None
+        self._compute_done: float | None = None
 
     def launched(self) -> None:
         if self._first is None:
@@ -48,22 +61,38 @@ class CommTimer:
     def finished(self) -> None:
         self._last = time.perf_counter()
 
+    def compute_done(self) -> None:
+        """Backward's compute is over: whatever communication remains is waited for."""
+        self._compute_done = time.perf_counter()
+
     def close_step(self) -> None:
-        """Fold the current step's window into the total (called once per optimizer step)."""
+        """Fold the current step's window into the totals (called once per optimizer step)."""
         if self._first is not None and self._last is not None:
-            self.total_s += max(self._last - self._first, 0.0)
-        self._first = self._last = None
+            window = max(self._last - self._first, 0.0)
+            self.total_s += window
+            if self._compute_done is None:
+                self.exposed_known = False
+            else:  # never more than the window: a launch after compute (manual engines) is all exposed
+                self.exposed_s += min(max(self._last - self._compute_done, 0.0), window)
+        self._first = self._last = self._compute_done = None
 
     def add_timeline(self, timeline: list[tuple[str, float, object]]) -> None:
-        """Take the window from a nanoddp DDP `last_timeline`: first bucket launch to all done."""
+        """Take the step from a nanoddp DDP `last_timeline`: first bucket launch to all done, and
+        the last gradient hook (else the finalize callback) as the end of backward's compute."""
         launches = [t for event, t, _ in timeline if event == "launch"]
         done = [t for event, t, _ in timeline if event == "done"]
+        ready = [t for event, t, _ in timeline if event == "grad_ready"] or [
+            t for event, t, _ in timeline if event == "finalize"
+        ]
         if launches and done:
             self._first, self._last = launches[0], done[-1]
+            self._compute_done = ready[-1] if ready else None
 
-    def pop_total(self) -> float:
-        total, self.total_s = self.total_s, 0.0
-        return total
+    def pop(self) -> tuple[float, float | None]:
+        """(comm seconds, exposed seconds or None where not measured) since the last pop."""
+        total, exposed = self.total_s, self.exposed_s if self.exposed_known else None
+        self.total_s, self.exposed_s, self.exposed_known = 0.0, 0.0, True
+        return total, exposed
 
 
 def timed_comm_hook(hook: Callable, timer: CommTimer) -> Callable:
@@ -140,6 +169,7 @@ class Engine:
             self.comm.add_timeline(self.model.last_timeline)
         if sync and self.sync_grads is not None:
             if self.comm is not None:
+                self.comm.compute_done()  # the sync starts after backward: all of it is exposed
                 self.comm.launched()
             self.sync_grads(self.module)
             if self.comm is not None:
@@ -171,12 +201,13 @@ def _torch_ddp(module: nn.Module, env: DistEnv) -> Engine:
     return Engine("torch", TorchDDP(module, device_ids=device_ids_for(env)), module)
 
 
-def _nanoddp_ddp(module: nn.Module, env: DistEnv) -> Engine:
+def _nanoddp_ddp(module: nn.Module, env: DistEnv, name: str = "nanoddp") -> Engine:
+    """Our DDP; also `zero1`'s engine (the trainer gives zero1 a ZeroRedundancyOptimizer)."""
     from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
     model = DistributedDataParallel(module, device_ids=device_ids_for(env))
     model.record_timeline = True  # a few timestamps per step: the comm window for the log line
-    return Engine("nanoddp", model, module, comm=CommTimer())
+    return Engine(name, model, module, comm=CommTimer())
 
 
 def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]:
@@ -226,24 +257,50 @@ def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
 
 # Engines whose ranks hold shards: their optimizer state is saved per rank (see the trainer).
 SHARDED_ENGINES = frozenset({"zero2", "fsdp"})
+# Engines that wrap the model in nanoddp's DDP (its timeline times communication; tracing hooks it).
+NANODDP_DDP_ENGINES = frozenset({"nanoddp", "zero1"})
 
-# The one engine registry: `nanoddp train --engine`, TrainConfig's Literal, `bench train` and the
-# traced engines all read it, so an engine added here is an engine everywhere.
-ENGINE_BUILDERS: dict[str, Callable[[nn.Module, DistEnv], Engine]] = {
-    "nanoddp": _nanoddp_ddp,
-    "torch": _torch_ddp,
-    "allreduce": _manual("allreduce", "allreduce_gradients"),
-    "rs_ag": _manual("rs_ag", "reduce_scatter_all_gather_gradients"),
-    "single": _single,
-    "zero2": _zero2,
-    "fsdp": _fsdp,
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One registry entry: how to build the engine, and its line in `nanoddp train --help`."""
+
+    build: Callable[[nn.Module, DistEnv], Engine]
+    help: str
+    zero_optimizer: bool = False  # the optimizer must be a ZeroRedundancyOptimizer (ZeRO-1)
+
+
+# The one engine registry: `nanoddp train --engine` (choices and help), TrainConfig's Literal,
+# `bench train` and the traced engines all read it, so an engine added here is an engine everywhere.
+ENGINE_REGISTRY: dict[str, EngineKind] = {
+    "nanoddp": EngineKind(_nanoddp_ddp, "our DDP: bucketed all-reduce in backward"),
+    "torch": EngineKind(_torch_ddp, "torch's DDP (its C++ reducer)"),
+    "allreduce": EngineKind(_manual("allreduce", "allreduce_gradients"), "all-reduce per parameter after backward"),
+    "rs_ag": EngineKind(
+        _manual("rs_ag", "reduce_scatter_all_gather_gradients"),
+        "reduce-scatter, all-gather after backward",
+    ),
+    "single": EngineKind(_single, "one process, no communication"),
+    "zero1": EngineKind(
+        functools.partial(_nanoddp_ddp, name="zero1"),
+        "ZeRO-1: nanoddp + optimizer state sharded",
+        zero_optimizer=True,
+    ),
+    "zero2": EngineKind(_zero2, "ZeRO-2: grads, optimizer state sharded"),
+    "fsdp": EngineKind(_fsdp, "FSDP: parameters sharded too, per block"),
 }
-ENGINES = tuple(ENGINE_BUILDERS)
+ENGINES = tuple(ENGINE_REGISTRY)
 EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
+
+
+def engine_help() -> str:
+    """One line per registry engine, `name  explanation`, for `--engine`'s help."""
+    width = max(map(len, ENGINES))
+    return "\n".join(f"  {name:<{width}}  {kind.help}" for name, kind in ENGINE_REGISTRY.items())
 
 
 def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     """Wrap `module` (already on `env.device`) for engine `name`."""
-    if name not in ENGINE_BUILDERS:
+    if name not in ENGINE_REGISTRY:
         raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
-    return ENGINE_BUILDERS[name](module, env)
+    return ENGINE_REGISTRY[name].build(module, env)

@@ -25,6 +25,7 @@ REQUIRED_KEYS = (
     "samples_per_s",
     "tokens_per_s",
     "comm_time_s",
+    "comm_exposed_s",
     "world_size",
 )
 
@@ -37,8 +38,29 @@ def _si(value: float) -> str:
     return f"{value:.0f}" if abs(value) >= 10 else f"{value:.2g}"
 
 
+def _ms(seconds: float) -> str:
+    """0.0243 -> '24 ms', 0.0012 -> '1.2 ms'."""
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
+
+
+def format_comm(comm_s: float | None, exposed_s: float | None) -> str | None:
+    """`comm 24 ms exposed (90 % hidden)`: what the step waited for after backward's compute, and
+    the share of communication that ran under it. `comm 240 ms` where exposure is not measured."""
+    if comm_s is None:
+        return None
+    if exposed_s is None:
+        return f"comm {_ms(comm_s)}"
+    text = f"comm {_ms(exposed_s)} exposed"
+    if comm_s > 0:
+        hidden = min(max(1.0 - exposed_s / comm_s, 0.0), 1.0)
+        text += f" ({100 * hidden:.0f} % hidden)"
+    return text
+
+
 def format_log_line(record: dict[str, Any]) -> str:
-    """`step 120 | loss 2.31 | lr 3.0e-04 | 41.2 ms | 155 samples/s | 9.9k tok/s | comm 12%`."""
+    """`step 120 | loss 2.31 | lr 3.0e-04 | 41.2 ms | 155 samples/s | 9.9k tok/s | comm 24 ms exposed
+    (90 % hidden)` (times per step)."""
     parts = [
         f"step {record['step']}",
         f"loss {record['loss']:.4f}",
@@ -48,8 +70,9 @@ def format_log_line(record: dict[str, Any]) -> str:
     ]
     if record.get("tokens_per_s") is not None:  # None: the dataset does not say what a token is
         parts.append(f"{_si(record['tokens_per_s'])} tok/s")
-    if record.get("comm_time_s") is not None:
-        parts.append(f"comm {100 * record['comm_time_s'] / record['step_time_s']:.0f}%")
+    comm = format_comm(record.get("comm_time_s"), record.get("comm_exposed_s"))
+    if comm is not None:
+        parts.append(comm)
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.4f}")
     return " | ".join(parts)

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanoddp.train.config import TrainConfig
+from nanoddp.train.config import TrainConfig, uses_zero_optimizer
 
 
 class WarmupCosine:
@@ -25,7 +25,8 @@ class WarmupCosine:
 
 
 def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, norms). ZeRO shards its state."""
+    """AdamW; weight decay on matrices only (not on biases, norms). ZeRO-1 (`--engine zero1`)
+    shards its state."""
     params = [p for p in module.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
@@ -33,7 +34,7 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     ]
     groups = [g for g in groups if g["params"]]
     kwargs = {"lr": config.lr, "betas": (0.9, 0.95)}
-    if config.zero:
+    if uses_zero_optimizer(config):
         from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)

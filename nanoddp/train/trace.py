@@ -43,7 +43,14 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
-from nanoddp.train.engines import CommTimer, Engine, build_engine, device_ids_for, timed_comm_hook
+from nanoddp.train.engines import (
+    NANODDP_DDP_ENGINES,
+    CommTimer,
+    Engine,
+    build_engine,
+    device_ids_for,
+    timed_comm_hook,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +114,7 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
         model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), timer))
         return Engine(name, model, module, comm=timer)
     engine = build_engine(name, module, env)
-    if name == "nanoddp" and env.world_size > 1:
+    if name in NANODDP_DDP_ENGINES and env.world_size > 1:
         engine.comm = CommTimer()
         engine.model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), engine.comm))
     elif engine.sync_grads is not None:  # a manual engine: draw its after-backward sync

@@ -61,7 +61,8 @@ class Trainer:
     (`Trainer.from_config`).
 
     An `optimizer` built before the Trainer is fine for every engine, the sharded ones too: they
-    keep the parameter objects. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer`.
+    keep the parameter objects. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer` (with
+    `engine="zero1"`, or any replicated engine).
     """
 
     def __init__(
@@ -78,6 +79,10 @@ class Trainer:
         **options: Any,
     ):
         config = options_config(options, model, optimizer, train_dataset)
+        if config.engine == "zero1" and not config.zero:
+            raise ValueError(
+                "engine 'zero1' shards the optimizer state: pass a nanoddp.ZeroRedundancyOptimizer as the optimizer"
+            )
         env = env or joined_env(config)
         configure_logging(env)
         config, self._lock_fd = claim_run_dir(config, env)
@@ -183,7 +188,7 @@ class Trainer:
     # --- snapshots --------------------------------------------------------------------------
 
     def _optimizer_state(self) -> dict[str, Any] | None:
-        return optim_state.collect(self.optimizer, self.engine, self.config.zero, self.env)
+        return optim_state.collect(self.optimizer, self.engine, self.env)
 
     def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
         optim_state.restore(self.optimizer, saved, self.config.engine, self.env)
@@ -366,7 +371,7 @@ class Trainer:
         all_reduce_sum(stats)
         steps = max(window.steps, 1)
         train_s = window.elapsed_s()
-        comm_s = self.engine.comm.pop_total() if self.engine.comm is not None else None
+        comm_s, exposed_s = self.engine.comm.pop() if self.engine.comm is not None else (None, None)
         step_time = train_s / steps
         record = {
             "step": self.step,
@@ -378,6 +383,7 @@ class Trainer:
             if self._tokens_per_sample is None
             else self.config.batch_size * self._tokens_per_sample / step_time,
             "comm_time_s": None if comm_s is None else comm_s / steps,
+            "comm_exposed_s": None if exposed_s is None else exposed_s / steps,  # backward waited on it
             "world_size": self.env.world_size,
         }
         if val_loss is not None:

@@ -45,6 +45,10 @@ def _ws2_worker(env: DistEnv, tmp: str) -> dict:
             for key, value in trainer_params(whole).items():  # bitwise, on every rank
                 assert torch.equal(value, resumed.module.state_dict()[key]), (engine, zero, key)
             out[f"zero-{zero}-{engine}"] = trainer_params(whole)
+    # engine zero1 is the old `zero=True` on the nanoddp engine under its own name: bitwise the same
+    zero1 = replace(TINY, engine="zero1", steps=RESUME_END, snapshot_every=5, out=f"{tmp}/whole-zero1")
+    for key, value in trainer_params(train_tiny(zero1, env)).items():
+        assert torch.equal(value, out["zero-True-nanoddp"][key]), ("zero1", key)
     bf16 = train_tiny(replace(TINY, amp="bf16", steps=2, out=f"{tmp}/bf16"), env)
     out["bf16-loss"] = bf16.evaluate()
     return out
@@ -77,9 +81,12 @@ def test_resume_is_bit_identical_and_zero_matches(ws2_results):
     assert [r["step"] for r in records] == list(range(1, RESUME_END + 1))  # no step logged twice
     assert all(set(REQUIRED_KEYS) <= set(r) for r in records) and records[0]["world_size"] == 2
     # stock torch DDP has no comm hook, so nothing in the trainer times it; nanoddp DDP is timed
-    assert all(r["comm_time_s"] is None for r in records)
+    assert all(r["comm_time_s"] is None and r["comm_exposed_s"] is None for r in records)
     ours = (tmp / "split-nanoddp-False" / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(line)["comm_time_s"] is not None for line in ours)
+    # nanoddp DDP's timeline also says how much of it backward waited for: never more than all of it
+    assert all(0 <= (r := json.loads(line))["comm_exposed_s"] <= r["comm_time_s"] for line in ours)
+    assert json.loads((tmp / "whole-zero1" / "config.json").read_text())["engine"] == "zero1"
 
 
 def test_resume_skips_corrupt_snapshot_and_changes_world_size(ws2_results, tmp_path):

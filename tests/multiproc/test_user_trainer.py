@@ -165,6 +165,8 @@ def test_options_and_batches_that_cannot_work_are_named(tmp_path):
         nanoddp.Trainer(model, optimizer, data, stpes=3, env=env, out=str(tmp_path))
     with pytest.raises(TypeError, match="lr describes nanoddp train's built-in setup: set it on your optimizer"):
         nanoddp.Trainer(model, optimizer, data, lr=0.1, env=env, out=str(tmp_path))
+    with pytest.raises(ValueError, match="engine 'zero1' shards the optimizer state: pass a nanoddp.ZeroRedundancy"):
+        nanoddp.Trainer(model, optimizer, data, engine="zero1", env=env, out=str(tmp_path))
     trainer = nanoddp.Trainer(model, optimizer, data, engine="single", env=env, out=str(tmp_path / "a"))
     with pytest.raises(TypeError, match=r"returned \(16, 2\), not a loss: pass loss_fn"):
         trainer.fit()

@@ -47,10 +47,13 @@ def flat_layout(engine, optimizer: torch.optim.Optimizer, world_size: int) -> di
     return {"engine": engine.name, "world_size": world_size, "units": units}
 
 
-def collect(optimizer: torch.optim.Optimizer, engine, zero: bool, env: DistEnv) -> dict[str, Any] | None:
-    """The optimizer state for the snapshot, on rank 0 (None elsewhere). Collective when
-    `zero` (consolidation) or `engine.sharded` (a gather of every rank's state): call on every rank."""
-    if zero:
+def collect(optimizer: torch.optim.Optimizer, engine, env: DistEnv) -> dict[str, Any] | None:
+    """The optimizer state for the snapshot, on rank 0 (None elsewhere). Collective for a
+    ZeroRedundancyOptimizer (consolidation) or when `engine.sharded` (a gather of every rank's
+    state): call on every rank."""
+    from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # engine zero1, or the deprecated --zero
         optimizer.consolidate_state_dict(to=0)
     if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
         states = [optimizer.state_dict()]

@@ -12,7 +12,7 @@ Packed, not dynamically padded, because:
   loss per rank averaged over ranks *is* the loss of the concatenated global batch, and DDP's
   gradient average equals a single process on that batch. With padding, ranks would hold
   different numbers of real tokens and a per-rank mean would weight them unequally;
-- no compute goes to pad tokens, which matters on a CPU where one step costs seconds;
+- no compute goes to pad tokens, which matters most where steps are slow (a CPU);
 - samples are plain `(x, y)` tensors of one shape, so the trainer's DataLoader, the resumable
   sampler and snapshots work unchanged (no collate function, no attention mask).
 

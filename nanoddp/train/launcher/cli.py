@@ -32,12 +32,19 @@ from pathlib import Path
 
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
-from nanoddp.dataclass_cli import add_dataclass_args, build_config, config_from_args, load_config_file
+from nanoddp.dataclass_cli import (
+    KeepLinesHelpFormatter,
+    add_dataclass_args,
+    build_config,
+    config_from_args,
+    load_config_file,
+)
 from nanoddp.launch import die_with_parent
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import rundir
-from nanoddp.train.config import TrainConfig, validate
+from nanoddp.train.config import TrainConfig, resolve_deprecated, validate
 from nanoddp.train.data.datasets import DataSpec
+from nanoddp.train.engines import engine_help
 from nanoddp.train.launcher import agent, preflight
 
 logger = logging.getLogger(__name__)
@@ -47,8 +54,9 @@ PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """TrainConfig's flags; `--engine` lists the engine registry, one line per engine."""
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file of TrainConfig keys")
-    add_dataclass_args(parser, TrainConfig)
+    add_dataclass_args(parser, TrainConfig, extra_help={"engine": engine_help()})
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +93,7 @@ def _load_config(args: argparse.Namespace) -> TrainConfig:
     except ImportError:  # Python 3.10
         import tomli as tomllib
     try:
-        return config_from_args(TrainConfig, args, args.config)
+        return resolve_deprecated(config_from_args(TrainConfig, args, args.config))
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"config file {args.config!r} is not valid {Path(args.config).suffix[1:]}: {exc}") from None
 
@@ -96,6 +104,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="train a model with data parallelism (torchrun under the hood)",
         description="Train GPT (or an MLP) data-parallel. With no flags: GPT tiny on the Python "
         "standard library's source, 2 processes, outputs in runs/<timestamp>/.",
+        formatter_class=KeepLinesHelpFormatter,
     )
     train.__class__ = _OwnUsageParser
     add_train_args(train)
@@ -198,7 +207,7 @@ def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> 
 
 def run_train(args: argparse.Namespace) -> int:
     if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
-        return worker_main(config_from_args(TrainConfig, args, args.config))
+        return worker_main(_worker_config(args))
     config, nproc, spec = prepare_launch(args)
     created = not Path(config.out).exists()
     preflight.check_out_dir(config.out)
@@ -289,11 +298,20 @@ def worker_main(config: TrainConfig) -> int:
 
 def _worker_entry(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=f"python -m {WORKER_MODULE}", description="nanoddp train, one rank (run me under torchrun)"
+        prog=f"python -m {WORKER_MODULE}",
+        description="nanoddp train, one rank (run me under torchrun)",
+        formatter_class=KeepLinesHelpFormatter,
     )
     add_train_args(parser)
     args = parser.parse_args(argv)
-    return worker_main(config_from_args(TrainConfig, args, args.config))
+    return worker_main(_worker_config(args))
+
+
+def _worker_config(args: argparse.Namespace) -> TrainConfig:
+    """A worker's config. Deprecated keys are resolved as the launcher resolves them; the warning
+    comes from rank 0 only, and not at all under our launcher (which said it already)."""
+    quiet = agent.AGENT_PID_VAR in os.environ or os.environ.get("RANK", "0") != "0"
+    return resolve_deprecated(config_from_args(TrainConfig, args, args.config), warn=not quiet)
 
 
 # --- sample -------------------------------------------------------------------------------
