@@ -213,7 +213,7 @@ def format_summary(data: dict, world_size: int = 2) -> str:
         parts.append(f"nanoddp FSDP ÷ torch FSDP2 {speed:.2f}× samples/s, peak {mb[0]:.0f} vs {mb[1]:.0f} MB/rank")
     load = meta.get("load_average_before")
     busy = load is not None and load[0] > meta["cpus"]  # more runnable threads than cores
-    return (
+    text = (
         f"- **Training, {meta['cpus']}-core CPU, {meta.get('backend', '?')}, GPT {meta['model']} "
         f"({meta['parameters'] / 1e6:.1f} M parameters), global batch {meta['global_batch']}, "
         f"{meta['date'][:10]}{f', 1-min load {load[0]:.1f}' if load else ''}:** samples/s at {world_size} "
@@ -221,6 +221,7 @@ def format_summary(data: dict, world_size: int = 2) -> str:
         + "; ".join(p for p in parts if p)
         + (". The host was shared and busy: these ratios are noise-dominated (docs/performance.md)." if busy else ".")
     )
+    return textwrap.fill(text, width=100, subsequent_indent="  ", break_on_hyphens=False)  # a markdown list item
 
 
 def format_markdown(data: dict) -> str:
