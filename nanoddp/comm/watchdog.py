@@ -173,7 +173,7 @@ def active() -> CollectiveWatchdog | None:
 
 
 def begin(op: str, numel: int, group_ranks: tuple[int, ...]) -> int | None:
-    """Mark the start of a collective (async ones end at `wait()`); None when disabled."""
+    """Mark the start of a collective (async ones end when their Work completes); None when disabled."""
     return None if _active is None else _active.begin(op, numel, group_ranks)
 
 
@@ -196,10 +196,22 @@ def track(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Iterat
         _active.end(token)
 
 
-class _WatchedWork:
-    """torch's Work, plus the watchdog token it must release when the caller waits."""
+def _release_on_completion(work: dist.Work, token: int | None) -> dist.Work:
+    """Release `token` when `work` completes, however the caller learns of it: `wait()`, polling
+    `is_completed()`, or a future callback (DDP comm hooks never call wait). A Work without a
+    future (rare, backend-specific) is released at its `wait()` instead."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # this backend's Work has no future: wait() is the only completion signal
+        return _ReleasedAtWait(work, token)
+    future.add_done_callback(lambda _: end(token))
+    return work
 
-    def __init__(self, work: dist.Work, token: int) -> None:
+
+class _ReleasedAtWait:
+    """torch's Work, releasing the watchdog token when the caller waits."""
+
+    def __init__(self, work: dist.Work, token: int | None) -> None:
         self._work, self._token = work, token
 
     def wait(self, *args: Any) -> bool:
@@ -207,15 +219,6 @@ class _WatchedWork:
             return self._work.wait(*args)
         finally:
             end(self._token)
-
-    def get_future(self) -> torch.futures.Future:
-        """torch's future, releasing the token once it completes (comm hooks never call wait)."""
-
-        def release(done: torch.futures.Future) -> Any:
-            end(self._token)
-            return done.value()
-
-        return self._work.get_future().then(release)
 
     def __getattr__(self, name: str) -> Any:  # is_completed, is_success, ...
         return getattr(self._work, name)
@@ -244,13 +247,13 @@ def _watched(fn: Callable[..., Any], name: str, tensor_arg: int) -> Callable[...
         if not async_op:
             end(token)
             return work
-        return _WatchedWork(work, token)
+        return _release_on_completion(work, token)
 
     return call
 
 
 # torch.distributed's collectives, each bracketed by begin/end (an async call ends when its
-# Work is waited on or its future completes). The torch side of `nanoddp.comm.backend`.
+# Work completes, whether or not anyone waits on it). The torch side of `nanoddp.comm.backend`.
 TORCH_COLLECTIVES = types.SimpleNamespace(
     ReduceOp=dist.ReduceOp,
     all_reduce=_watched(dist.all_reduce, "all_reduce", 0),

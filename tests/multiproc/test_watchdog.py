@@ -78,3 +78,24 @@ def test_engine_collectives_are_watched_without_explicit_tracking(tmp_path, back
 def test_watchdog_rejects_bad_timeout():
     with pytest.raises(ValueError, match="collective timeout must be > 0 seconds, got 0"):
         watchdog.CollectiveWatchdog(0, store=dist.HashStore())
+
+
+def _async_all_reduce_finished_by_polling(env, log_dir):
+    """torch's async all_reduce, finished by polling `is_completed()` and never waited on, must
+    leave the watchdog's in-flight set: the job goes on past the timeout without a hang report."""
+    watchdog.enable(TIMEOUT_S, poll_s=0.2)
+    t = torch.ones(10)
+    work = watchdog.TORCH_COLLECTIVES.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 60
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "all_reduce never completed"
+        time.sleep(0.01)
+    time.sleep(TIMEOUT_S + 2.0)  # a token still held would be reported (and the rank killed) by now
+    in_flight = len(watchdog.active()._in_flight)
+    watchdog.TORCH_COLLECTIVES.all_reduce(torch.ones(1))  # the ranks are still in step
+    return t[0].item(), in_flight
+
+
+def test_async_torch_collective_released_when_it_completes(tmp_path):
+    results = run_on_ranks(_async_all_reduce_finished_by_polling, 2, str(tmp_path), timeout=90)
+    assert results == [(2.0, 0), (2.0, 0)]
