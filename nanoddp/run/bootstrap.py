@@ -13,6 +13,14 @@ plus a margin, so they fail soon after the watchdog would have fired instead of 
 
 A hang ends the process from the watchdog thread; the report it logs is also written to
 torchrun's error file, so the launcher's one-line summary says what hung, where.
+
+A single-node job is private to this machine (`single_node_loopback`): torchrun hands workers
+MASTER_ADDR=<this host>, rank 0's TCPStore server listens on every interface whatever address
+it is given, and gloo's device follows the hostname's address. So, when every rank runs here,
+MASTER_ADDR becomes 127.0.0.1, gloo is pinned to the loopback interface (GLOO_SOCKET_IFNAME,
+unless the user set it), and a script's env:// `init_process_group` gets rank 0's store bound
+to loopback (`nanoddp.env.loopback_store`, as `nanoddp.env.init` does). Multi-node jobs keep
+the addresses torchrun and the user's endpoint give.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import functools
 import inspect
 import logging
+import os
 import runpy
 import sys
 from collections.abc import Callable
@@ -28,9 +37,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from nanoddp import env as nd
 from nanoddp.comm import watchdog
 
 PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
@@ -76,16 +87,66 @@ class _HangToErrorFile(logging.Handler):
             sys.stderr.write(self.format(record) + "\n")
 
 
-def arm_watchdog(timeout_s: float) -> None:
-    """Patch torch.distributed so that the script's collectives are watched (see the docstring)."""
+def _loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == "127.0.0.1" for address in addresses):
+            return name
+    return "lo"
+
+
+def single_node_loopback(environ: dict[str, str] | None = None) -> bool:
+    """Point a torchrun worker of a single-node job at loopback only; return whether it did.
+
+    Every rank on this node (LOCAL_WORLD_SIZE == WORLD_SIZE): MASTER_ADDR=127.0.0.1 and gloo on
+    the loopback interface. Otherwise nothing changes: other nodes must reach this one."""
+    environ = os.environ if environ is None else environ
+    if not nd.inside_torchrun(environ) or environ.get("LOCAL_WORLD_SIZE") != environ.get("WORLD_SIZE"):
+        return False
+    environ["MASTER_ADDR"] = "127.0.0.1"
+    environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    return True
+
+
+def _loopback_rendezvous(call: inspect.BoundArguments) -> None:
+    """An env:// `init_process_group` call of a single-node job, given a loopback-only store.
+
+    torch's env:// rendezvous makes rank 0's TCPStore server listen on every interface; the
+    store `nanoddp.env.loopback_store` makes for MASTER_PORT listens on 127.0.0.1 only. Calls
+    that bring their own store or another init_method, and workers told to use the agent's
+    store (a client, nothing to bind), are left as they are."""
+    arguments = call.arguments
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if arguments.get("store") is not None or arguments.get("init_method") not in (None, "env://") or agent_store:
+        return
+    if "MASTER_PORT" not in os.environ:
+        return
+    rank = arguments.get("rank", -1)
+    world_size = arguments.get("world_size", -1)
+    arguments["rank"] = int(os.environ["RANK"]) if rank == -1 else rank
+    arguments["world_size"] = int(os.environ["WORLD_SIZE"]) if world_size == -1 else world_size
+    arguments["init_method"] = None
+    timeout = arguments.get("timeout") or nd.DEFAULT_PG_TIMEOUT
+    port = int(os.environ["MASTER_PORT"])
+    arguments["store"] = nd.loopback_store(port, arguments["rank"], arguments["world_size"], timeout)
+
+
+def arm_watchdog(timeout_s: float, loopback: bool = False) -> None:
+    """Patch torch.distributed so that the script's collectives are watched (see the docstring);
+    with `loopback`, its env:// process group also gets a loopback-only store."""
     original_init = dist.init_process_group
     original_destroy = dist.destroy_process_group
+    signature = inspect.signature(original_init)
 
     @functools.wraps(original_init)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("timeout", timedelta(seconds=timeout_s + PG_TIMEOUT_MARGIN_S))
+        call = signature.bind(*args, **kwargs)
+        if call.arguments.get("timeout") is None:
+            call.arguments["timeout"] = timedelta(seconds=timeout_s + PG_TIMEOUT_MARGIN_S)
+        if loopback:
+            _loopback_rendezvous(call)
         excepthook = sys.excepthook
-        original_init(*args, **kwargs)
+        original_init(*call.args, **call.kwargs)
         sys.excepthook = excepthook  # torch's adds "[rank1]: " to tracebacks; the launcher prefixes already
         watchdog.enable(timeout_s)
 
@@ -119,7 +180,7 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("target")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    arm_watchdog(parsed.collective_timeout)
+    arm_watchdog(parsed.collective_timeout, loopback=single_node_loopback())
     try:
         run_script(parsed.target, parsed.args, parsed.as_module)
     finally:
