@@ -15,31 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.algorithms import Joinable, JoinHook
+from torch.distributed.algorithms import JoinHook
 
 
 class ZeroJoinHook(JoinHook):
     """A joined rank's share of one iteration: the same step(), hence the same collectives."""
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any):  # a ZeroRedundancyOptimizer (which builds this hook)
         self.optimizer = optimizer
 
     def main_hook(self) -> None:
         self.optimizer.step()
-
-
-class JoinableZero(Joinable):
-    """The Joinable half of ZeroRedundancyOptimizer (which owns `param_groups` and `_group`)."""
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return ZeroJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.param_groups[0]["params"][0].device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self._group if self._group is not None else dist.group.WORLD

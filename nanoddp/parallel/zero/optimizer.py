@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms import Join, Joinable
+from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.zero.join import JoinableZero
+from nanoddp.parallel.zero.join import ZeroJoinHook
 from nanoddp.parallel.zero.partition import PARTITIONS, assemble_state, assign_owners, cut_state
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-class ZeroRedundancyOptimizer(Optimizer, JoinableZero):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap `optimizer_class` so each rank keeps state only for its shard of the parameters.
 
     Same constructor as torch's: `ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
@@ -247,6 +247,18 @@ class ZeroRedundancyOptimizer(Optimizer, JoinableZero):
         if self.world_size > 1 or self.partition_kind == "element":
             self._partition.sync()
         return loss
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Under Join, a joined rank shadows each of the others' steps by taking one."""
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._group if self._group is not None else dist.group.WORLD
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients and the pieces' views of them."""
