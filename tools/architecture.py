@@ -281,17 +281,13 @@ def _engine_table(doc: str | None) -> dict[str, str]:
 
 
 def engine_rows() -> list[tuple[str, str]]:
-    """(name, description) for every engine of `nanoddp.train.engines.ENGINES`."""
+    """(name, description) for every engine of the registry: its `--help` line, then what the
+    engines module's table says it wraps and how it syncs."""
     engines = importlib.import_module("nanoddp.train.engines")
-    registry = getattr(engines, "ENGINE_BUILDERS", {})
     table = _engine_table(engines.__doc__)
     rows = []
-    for name in engines.ENGINES:
-        entry = registry.get(name) if isinstance(registry, dict) else None
-        description = (
-            getattr(entry, "description", None) or table.get(name) or first_line(getattr(entry, "__doc__", ""))
-        )
-        rows.append((name, description or "(no description in the registry)"))
+    for name, kind in engines.ENGINE_REGISTRY.items():
+        rows.append((name, "; ".join(part for part in (kind.help, table.get(name)) if part)))
     return rows
 
 
