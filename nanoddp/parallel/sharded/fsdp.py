@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.sharded.flat import FlatParamUnit, GradReduceScatter
+from nanoddp.parallel.sharded.flat import FlatParamUnit
+from nanoddp.parallel.sharded.grad_reduce import GradReduceScatter
 from nanoddp.parallel.sharded.module import ShardedModule
 from nanoddp.parallel.tensors import tensors_in
 
