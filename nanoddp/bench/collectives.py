@@ -30,7 +30,8 @@ from nanoddp import comm
 from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
 from nanoddp.bench.floor import bare_pattern
 from nanoddp.bench.machine import command_line, git_commit
-from nanoddp.comm import frames, ring
+from nanoddp.comm import plan
+from nanoddp.comm.plan import Path
 
 logger = logging.getLogger(__name__)
 
@@ -127,33 +128,39 @@ _SHARE_BYTES = {
     "all_gather": lambda size, n: size // n,
     "reduce_scatter": lambda size, n: size // n,
 }
-_BULK_ALGORITHM = {
-    "all_reduce": "pipelined ring (reduce-scatter + all-gather)",
-    "broadcast": "pipelined chain",
-    "all_gather": "ring, pieces received in place",
-    "reduce_scatter": "ring",
+# What each path does, as the path column says it (the ring by op: what its steps move).
+_ALGORITHM = {
+    Path.RING: {
+        "all_reduce": "pipelined ring (reduce-scatter + all-gather)",
+        "all_gather": "ring, pieces received in place",
+        "reduce_scatter": "ring",
+    },
+    Path.EXCHANGE: "one exchange of whole tensors, each piece reduced as it lands",
+    Path.CHAIN: "pipelined chain",
+    Path.DIRECT: "straight from the root to every rank",
+    Path.HEADER_ONLY: "no data",
 }
 
 
 def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
-    """How nanoddp.comm moves this message, from the same switch points the collectives use: data
-    in the header round's frames (one round, the check costs nothing extra) or the bulk algorithm
-    after the header round, whose first piece travels *with* the round where `ring.early_bytes`
-    allows. The header round is one exchange at 2 ranks, a star through rank 0 above
-    (`nanoddp.comm.frames`)."""
+    """How nanoddp.comm moves this message, as `nanoddp.comm.plan.plan` decides it: data in the
+    header round's frames (one round, the check costs nothing extra) or the bulk algorithm after
+    the header round, whose first piece travels *with* the round where `plan.early_bytes` allows.
+    The header round is one exchange at 2 ranks, a star through rank 0 above
+    (`nanoddp.comm.header_round`)."""
     if op == "all_to_all":
         return "header round (split sizes), then pairwise exchange"
     round_shape = "exchange" if n <= 2 else "star via rank 0"
     share = _SHARE_BYTES[op](size, n)
-    if frames.rides_in_frames(op, share, n, gloo):
+    path = plan.plan(op, share, n, "gloo" if gloo else "nccl")
+    if path.in_frames:
         return f"one round ({round_shape}): data in the frames"
-    algorithm = _BULK_ALGORITHM[op]
-    first_piece = share // n if op == "all_reduce" else share  # the ring's chunk, the chain's message
-    if op == "all_reduce" and ring.reduces_by_exchange(share, n, gloo):
-        algorithm, first_piece = "one exchange of whole tensors, each piece reduced as it lands", share
-    if op == "broadcast" and ring.broadcasts_directly(share, n, gloo):
-        algorithm = "straight from the root to every rank"
-    early = ring.early_bytes(first_piece, gloo)
+    algorithm = _ALGORITHM[path]
+    if isinstance(algorithm, dict):
+        algorithm = algorithm[op]
+    ring_chunk = path is Path.RING and op == "all_reduce"
+    first_piece = share // n if ring_chunk else share  # the ring's chunk, else the whole message
+    early = plan.early_bytes(first_piece, gloo)
     timing = f"with its first {_human(early)} early" if early else "then"
     return f"header round ({round_shape}), {timing}: {algorithm}"
 
@@ -357,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "nanoddp": nanoddp.__version__, "backend": "gloo", "dtype": "float32",
         "host": platform.node(), "cpus": os.cpu_count(), "iters": args.iters, "warmup": args.warmup,
         "threads_per_rank": 1, "floor": args.floor,
-        "inline_send_bytes": comm.INLINE_SEND_BYTES, "bulk_from_bytes": ring.BULK_FROM_BYTES,
+        "inline_send_bytes": comm.INLINE_SEND_BYTES, "bulk_from_bytes": plan.BULK_FROM_BYTES,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
         "load_average_before": load_before, "load_average_after": list(os.getloadavg()), "command": command_line(),
     }  # fmt: skip

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import ring
+from nanoddp.comm.transport import Peers, wait_all
 
 TAG_BARE = 0x6E6420  # a tag of its own: a bare message can never land in one of comm's receives
 
@@ -38,7 +38,7 @@ def bare_pattern(op: str, size: int, rank: int, world_size: int) -> tuple[Callab
     `buffers` are the tensors it sends from and receives into (so a test can check what arrived)."""
     if op not in PATTERNS:
         raise ValueError(f"no bare send/recv pattern for op {op!r}; choose from {list(PATTERNS)}")
-    peers = ring.Peers(dist.group.WORLD)
+    peers = Peers(dist.group.WORLD)
     others = [p for p in range(world_size) if p != rank]
     numel = max(1, size // 4)  # float32, as the bench
     part = max(1, numel // world_size)
@@ -69,6 +69,6 @@ def bare_pattern(op: str, size: int, rank: int, world_size: int) -> tuple[Callab
 
     def run() -> None:
         for sends, receives in rounds:  # a round's messages all in flight at once, rounds in order
-            ring.wait_all(peers.exchange(sends, receives, tag=TAG_BARE))
+            wait_all(peers.exchange(sends, receives, tag=TAG_BARE))
 
     return run, buffers

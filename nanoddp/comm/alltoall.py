@@ -23,10 +23,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import frames, prepared, ring, watchdog
+from nanoddp.comm import cached_rounds, header_round, watchdog
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
-from nanoddp.comm.ring import Peers
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
+from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.wire import DTYPE_CODES
 
 TAG_ARRIVE = 0x6E6411  # monitored_barrier: rank -> group rank 0
 TAG_RELEASE = 0x6E6412  # monitored_barrier: group rank 0 -> rank
@@ -129,16 +130,16 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
     n, me = peers.size, peers.rank
     dtype, device = sends[0].dtype, sends[0].device
     counts = torch.tensor([t.numel() for t in sends] + [t.numel() for t in recvs], dtype=torch.int64, device=device)
-    header = [KIND["all_to_all"], 0, ring.DTYPE_CODES[dtype], -1, -1]
-    every = frames.one_round(
+    header = [KIND["all_to_all"], 0, DTYPE_CODES[dtype], -1, -1]
+    every = header_round.one_round(
         peers,
         header,
         device,
         lambda p: counts,
-        combine=lambda pick, p: torch.cat([frames.as_bytes(pick(q)) for q in range(n)]),
+        combine=lambda pick, p: torch.cat([header_round.as_bytes(pick(q)) for q in range(n)]),
         same_for_all=True,
     )
-    table = frames.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
+    table = header_round.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
     wrong = [(i, j) for i in range(n) for j in range(n) if table[i][j] != table[j][n + i]]
     if wrong:
         shown = "; ".join(
@@ -153,7 +154,7 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
     works = peers.exchange(
         [(sends[p], p) for p in others if sends[p].numel()], [(recvs[p], p) for p in others if recvs[p].numel()]
     )
-    ring.wait_all(works)
+    wait_all(works)
 
 
 def barrier(
@@ -182,7 +183,7 @@ def barrier(
 
 
 def _header_round(peers: Peers, kind: str) -> None:
-    prepared.header_round(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
+    cached_rounds.header_then(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
 
 
 def agree(runner: GroupRunner, kind: str, check_call) -> object:

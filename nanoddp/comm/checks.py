@@ -4,7 +4,7 @@ A collective must fail the same way on every rank, or the ranks that passed thei
 forever for the one that did not. So a check never raises on the calling rank alone: the
 collective's body is replaced by `fail_everywhere`, which takes part in the header round like
 a valid call but sends its error message instead of data. Every rank (the valid ones too) then
-raises that rank's error, word for word (`frames.raise_invalid`), and the group stays usable.
+raises that rank's error, word for word (`header_round.raise_invalid`), and the group stays usable.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames, ring
-from nanoddp.comm.ring import Peers
+from nanoddp.comm import header_round, plan, wire
 from nanoddp.comm.runner import GroupRunner, Work
+from nanoddp.comm.transport import Peers
 
 _OP_NAMES = {
     ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.PRODUCT: "PRODUCT",
     ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX",
 }  # fmt: skip
-KIND = {name: code for code, name in enumerate(ring.COLLECTIVES)}
+KIND = {name: code for code, name in enumerate(wire.COLLECTIVES)}
 # What a prepared call hands `submit`: (numel for the watchdog, the body, the output tensors).
 Prepared = tuple[int, Callable[[], None], list[torch.Tensor]]
 
@@ -42,9 +42,10 @@ def submit(runner: GroupRunner, kind: str, name: str, prepare: Callable[[], Prep
 
 def fail_everywhere(peers: Peers, kind: str, name: str, exc: Exception) -> None:
     """The body of an invalid call to `name`: one header round carrying the error, then every rank raises."""
-    code, message = frames.error_frame(name, exc)
+    code, message = header_round.error_frame(name, exc)
     header = [KIND[kind], 0, -1, -1, -1]
-    frames.one_round(peers, header, default_device(peers), lambda p: message.to(default_device(peers)), error=code)
+    device = default_device(peers)
+    header_round.one_round(peers, header, device, lambda p: message.to(device), error=code)
     raise exc  # not reached: one_round raised the shared error (kept for type checkers)
 
 
@@ -57,7 +58,7 @@ def op_name(op: ReduceOp, tensor: torch.Tensor) -> str:
     key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)
     name = _OP_NAMES.get(key)
     if name is None:
-        raise ValueError(f"op must be one of ReduceOp.{', ReduceOp.'.join(ring.OPS)}; got {op!r}")
+        raise ValueError(f"op must be one of ReduceOp.{', ReduceOp.'.join(wire.OPS)}; got {op!r}")
     if name == "AVG" and not tensor.is_floating_point():
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; use SUM and divide")
     return name
@@ -68,8 +69,8 @@ def check(tensor: torch.Tensor, what: str, like: torch.Tensor | None = None, num
     """Type/dtype checks; with `like`, same dtype as `like` and `numel` elements (`rule` says why)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in ring.DTYPE_CODES:
-        raise ValueError(f"{what} has unsupported dtype {tensor.dtype}; supported: {list(ring.DTYPES)}")
+    if tensor.dtype not in wire.DTYPE_CODES:
+        raise ValueError(f"{what} has unsupported dtype {tensor.dtype}; supported: {list(wire.DTYPES)}")
     if like is None:
         return
     numel = like.numel() if numel is None else numel
@@ -111,8 +112,8 @@ def group_root(peers: Peers, rank: int, what: str) -> int:
 
 
 def header(kind: str, tensor: torch.Tensor, op: str | None = None, root: int = -1) -> list[int]:
-    op_code = ring.OPS.index(op) if op is not None else -1
-    return [KIND[kind], tensor.numel(), ring.DTYPE_CODES[tensor.dtype], op_code, root]
+    op_code = wire.OPS.index(op) if op is not None else -1
+    return [KIND[kind], tensor.numel(), wire.DTYPE_CODES[tensor.dtype], op_code, root]
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -134,7 +135,7 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
 
 def fits(peers: Peers, kind: str, tensor: torch.Tensor) -> bool:
     """Whether a `kind` call with this tensor (each rank's share) rides in the header round's frames."""
-    return frames.rides_in_frames(kind, nbytes(tensor), peers.size, peers.gloo)
+    return plan.rides_in_frames(kind, nbytes(tensor), peers.size, peers.gloo)
 
 
 def land(flat: torch.Tensor, result: torch.Tensor) -> None:

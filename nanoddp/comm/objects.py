@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import all_gather_into_tensor
 from nanoddp.comm.alltoall import agree
 from nanoddp.comm.checks import default_device
-from nanoddp.comm.ring import Peers
+from nanoddp.comm.collectives import all_gather_into_tensor
 from nanoddp.comm.rooted import broadcast, gather, scatter
 from nanoddp.comm.runner import runner_for
+from nanoddp.comm.transport import Peers
 
 
 def broadcast_object_list(

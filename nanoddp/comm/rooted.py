@@ -1,7 +1,7 @@
 """The rooted collectives — `broadcast`, `reduce`, `scatter`, `gather` — with torch.distributed's API.
 
 src/dst are *global* ranks, as in torch.distributed; the group may be a subgroup. Small messages
-travel inside the header round (`nanoddp.comm.frames`), which at 3+ ranks is a star through group
+travel inside the header round (`nanoddp.comm.header_round`), which at 3+ ranks is a star through group
 rank 0: the check and the data share its two hops, and no pair of non-root ranks exchanges
 anything. Larger ones follow the header round with a pipelined chain (broadcast, reduce) or
 direct sends to or from the root (scatter, gather).
@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames, prepared, ring
+from nanoddp.comm import cached_rounds, chain, header_round, plan
 from nanoddp.comm.checks import Prepared, check, fits, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
 from nanoddp.comm.checks import write_back as _write_back
-from nanoddp.comm.frames import others_for, unpack
-from nanoddp.comm.ring import Peers
+from nanoddp.comm.header_round import others_for, unpack
+from nanoddp.comm.reduce import reduce_in_rank_order
 from nanoddp.comm.runner import Work, runner_for
+from nanoddp.comm.transport import Peers, wait_all
 
 _submit, _header, _nbytes = submit, header, nbytes
 
@@ -49,8 +50,8 @@ def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
     n, me = peers.size, peers.rank
     flat, header = _flat(tensor), _header("reduce", tensor, op, root)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "reduce", tensor):
-        run = ring.start_chain_reduce(peers, flat, op, root) if tensor.numel() and n > 1 else None
-        prepared.header_round(peers, header, tensor.device)
+        run = chain.start_chain_reduce(peers, flat, op, root) if tensor.numel() and n > 1 else None
+        cached_rounds.header_then(peers, header, tensor.device)
         if run:
             run()
     else:
@@ -59,10 +60,10 @@ def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
             if p != root:
                 return None
             out = flat if p == me else torch.empty_like(flat)  # the star's hub reduces for another root
-            ring.reduce_in_rank_order(op, [pick(q).view(tensor.dtype) for q in range(n)], out)
+            reduce_in_rank_order(op, [pick(q).view(tensor.dtype) for q in range(n)], out)
             return out
 
-        result = frames.one_round(peers, header, tensor.device, lambda p: flat, combine=combine)
+        result = header_round.one_round(peers, header, tensor.device, lambda p: flat, combine=combine)
         if me == root:
             land(flat, result)
     if me == root:
@@ -76,8 +77,8 @@ def broadcast(
     runner = runner_for(group)
     if runner is None:
         return None
-    key = prepared.call_key("broadcast", src, tensor)
-    if again := prepared.repeat_of(runner.peers, key):
+    key = cached_rounds.call_key("broadcast", src, tensor)
+    if again := cached_rounds.repeat_of(runner.peers, key):
         return runner.submit("broadcast", tensor.numel(), lambda: again(_flat(tensor)), [tensor], async_op)
 
     def prepare() -> Prepared:
@@ -88,7 +89,7 @@ def broadcast(
     return _submit(runner, "broadcast", "broadcast", prepare, async_op)
 
 
-def _pair_broadcast(pair: prepared.PairRound, is_root: bool):
+def _pair_broadcast(pair: cached_rounds.PairRound, is_root: bool):
     """broadcast of a 1-D tensor at 2 ranks through `pair`: the root sends, the other receives."""
 
     def send(flat: torch.Tensor) -> None:
@@ -107,24 +108,24 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None)
     if tensor.numel() == 0 or n == 1 or not fits(peers, "broadcast", tensor):
         if not tensor.numel() or n == 1:
             run = None
-        elif ring.broadcasts_directly(_nbytes(flat), n, peers.gloo):
-            run = ring.start_direct_broadcast(peers, flat, root)
+        elif plan.plan("broadcast", _nbytes(flat), n, peers.backend) is plan.Path.DIRECT:
+            run = chain.start_direct_broadcast(peers, flat, root)
         else:
-            run = ring.start_chain_broadcast(peers, flat, root)
-        prepared.header_round(peers, header, tensor.device)
+            run = chain.start_chain_broadcast(peers, flat, root)
+        cached_rounds.header_then(peers, header, tensor.device)
         if run:
             run()
-    elif star := prepared.star_broadcast(peers, header, flat, root):
-        prepared.remember(peers, key, star.run)
+    elif star := cached_rounds.star_broadcast(peers, header, flat, root):
+        cached_rounds.remember(peers, key, star.run)
         star.run(flat)
-    elif pair := prepared.pair_round(
+    elif pair := cached_rounds.pair_round(
         peers, header, flat.dtype, flat.device, *((flat.numel(), 0) if me == root else (0, flat.numel()))
     ):
         run = _pair_broadcast(pair, me == root)
-        prepared.remember(peers, key, run)
+        cached_rounds.remember(peers, key, run)
         run(flat)
     else:
-        result = frames.one_round(
+        result = header_round.one_round(
             peers,
             header,
             tensor.device,
@@ -164,21 +165,21 @@ def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | N
     flats = [_flat(t) for t in sources] if sources is not None else [None] * n
     if tensor.numel() and fits(peers, "scatter", tensor):
         share = _nbytes(tensor)
-        result = frames.one_round(
+        result = header_round.one_round(
             peers,
             header,
             tensor.device,
             lambda p: None if me != root else torch.cat(flats) if p is None else flats[p],
-            select=lambda whole, p: frames.as_bytes(whole)[p * share : (p + 1) * share],
+            select=lambda whole, p: header_round.as_bytes(whole)[p * share : (p + 1) * share],
             combine=lambda pick, p: None if p == root else pick(root),
         )
         land(flat, flats[me] if me == root else result)
     else:
-        prepared.header_round(peers, header, tensor.device)
+        cached_rounds.header_then(peers, header, tensor.device)
         if tensor.numel() == 0:
             return
         if me == root:
-            ring.wait_all([peers.isend(flats[p], p) for p in range(n) if p != me])
+            wait_all([peers.isend(flats[p], p) for p in range(n) if p != me])
             flat.copy_(flats[me])
         else:
             peers.irecv(flat, root).wait()
@@ -212,17 +213,17 @@ def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | No
     flats = [_flat(t) for t in targets] if me == root else None
     if tensor.numel() and n > 1 and fits(peers, "gather", tensor):
         others = others_for(n)
-        result = frames.one_round(
+        result = header_round.one_round(
             peers, header, tensor.device, lambda p: flat, combine=lambda pick, p: others(pick, p) if p == root else None
         )
         if me == root:
             unpack(result, [flats[q] for q in range(n) if q != me])
     else:
-        prepared.header_round(peers, header, tensor.device)
+        cached_rounds.header_then(peers, header, tensor.device)
         if tensor.numel() and me != root:
             peers.isend(flat, root).wait()
         elif tensor.numel() and n > 1:
-            ring.wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
+            wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
     if me != root:
         return
     flats[me].copy_(flat)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm import watchdog
-from nanoddp.comm.ring import Peers
+from nanoddp.comm.transport import Peers
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from helpers import run_on_ranks
 from nanoddp.bench import collectives as bench
 from nanoddp.bench import floor
 from nanoddp.bench.render import render_text
-from nanoddp.comm import ring, runner_for
+from nanoddp.comm import plan, runner_for
 
 
 def _limits(env) -> tuple[int, int]:
     """The switch point the collectives use on this real group, and the bench's formula for it."""
     peers = runner_for(None).peers
-    return ring.inline_limit(peers), ring.inline_limit_for(env.world_size, gloo=True)
+    return plan.inline_limit_for(peers.size, peers.gloo), plan.inline_limit_for(env.world_size, gloo=True)
 
 
 @pytest.mark.timeout(120)
@@ -35,24 +35,24 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
     path = bench.comm_path("all_reduce", above, world_size)
     if world_size == 2:  # one exchange of whole tensors up to EXCHANGE_MAX_BYTES, the ring past it
         assert path.endswith(": one exchange of whole tensors, each piece reduced as it lands")
-        assert f"first {bench._human(ring.early_bytes(above, gloo=True))} early" in path
-        above = ring.EXCHANGE_MAX_BYTES + 4
+        assert f"first {bench._human(plan.early_bytes(above, gloo=True))} early" in path
+        above = plan.EXCHANGE_MAX_BYTES + 4
         path = bench.comm_path("all_reduce", above, world_size)
     assert path.startswith(f"header round ({shape}), with its first ") and path.endswith(
         ": pipelined ring (reduce-scatter + all-gather)"
     )
-    early = ring.early_bytes(above // world_size, gloo=True)  # the ring's chunk starts with early data
+    early = plan.early_bytes(above // world_size, gloo=True)  # the ring's chunk starts with early data
     assert f"first {bench._human(early)} early" in path
     # all_gather / reduce_scatter: `size` is the whole buffer; in the star, rank 0's frames hold n-1
     # ranks' shares (all_gather results) or n (reduce_scatter inputs); all_gather also leaves the
     # frames from BULK_FROM_BYTES per rank, as does broadcast
-    per_rank = min(described // (1 if world_size == 2 else world_size - 1), ring.BULK_FROM_BYTES - 4)
+    per_rank = min(described // (1 if world_size == 2 else world_size - 1), plan.BULK_FROM_BYTES - 4)
     assert bench.comm_path("all_gather", per_rank * world_size, world_size).startswith("one round")
     assert bench.comm_path("all_gather", (per_rank + 4) * world_size, world_size).startswith("header round")
     assert bench.comm_path("reduce_scatter", (above + 4) * world_size, world_size).startswith("header round")
-    assert bench.comm_path("broadcast", ring.BULK_FROM_BYTES - 4, world_size).startswith("one round")
-    bulk = bench.comm_path("broadcast", ring.BULK_FROM_BYTES, world_size)
-    past_direct = bench.comm_path("broadcast", ring.DIRECT_BROADCAST_MAX_BYTES + 4, world_size)
+    assert bench.comm_path("broadcast", plan.BULK_FROM_BYTES - 4, world_size).startswith("one round")
+    bulk = bench.comm_path("broadcast", plan.BULK_FROM_BYTES, world_size)
+    past_direct = bench.comm_path("broadcast", plan.DIRECT_BROADCAST_MAX_BYTES + 4, world_size)
     assert past_direct.endswith(": pipelined chain")  # 3+ ranks: straight from the root up to its limit
     assert bulk.endswith(": pipelined chain" if world_size == 2 else ": straight from the root to every rank")
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, frames, ring
+from nanoddp.comm import ReduceOp, header_round, pieces, plan
 from nanoddp.comm.runner import runner_for
 from nanoddp.env import new_group, subgroups_by
 
@@ -37,7 +37,7 @@ BIG = 2**20 + 3  # float32: over the one-round limit at every world size; `_ring
 
 def _mid(n: int) -> int:
     """Elements just over the one-round (inline) limit for 4-byte dtypes at world size n."""
-    return ring.INLINE_SEND_BYTES // max(n - 1, 1) // 4 + 1
+    return plan.INLINE_SEND_BYTES // max(n - 1, 1) // 4 + 1
 
 
 def _sizes(n: int) -> list[int]:
@@ -185,12 +185,13 @@ def _ring_everywhere(env) -> None:
     pieces per chunk and posts reduce-scatter receives into reused scratch slots. At 2 ranks
     all_reduce runs twice: as one exchange of whole tensors (its default at these sizes), and
     as the ring (the exchange limit set to 0, as for tensors past it)."""
-    saved = ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES, ring.EXCHANGE_MAX_BYTES
-    ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES = 0, 16 * 1024, 64 * 1024
+    saved = plan.INLINE_SEND_BYTES, plan.PIECE_MIN_BYTES, plan.PIECE_MAX_BYTES, plan.EXCHANGE_MAX_BYTES
+    plan.INLINE_SEND_BYTES, plan.PIECE_MIN_BYTES, plan.PIECE_MAX_BYTES = 0, 16 * 1024, 64 * 1024
     try:
         for exchange_max in (saved[3], 0) if env.world_size == 2 else (saved[3],):
-            ring.EXCHANGE_MAX_BYTES = exchange_max
-            path = "exchange" if ring.reduces_by_exchange(BIG * 4, env.world_size, gloo=True) else "ring"
+            plan.EXCHANGE_MAX_BYTES = exchange_max
+            exchange = plan.plan("all_reduce", BIG * 4, env.world_size, "gloo") is plan.Path.EXCHANGE
+            path = "exchange" if exchange else "ring"
             for dtype in DTYPES:
                 for op in OPS if dtype == torch.float32 else [ReduceOp.SUM, ReduceOp.MAX]:
                     x = _ints(2**17 + 3, dtype, seed=env.rank)
@@ -208,7 +209,7 @@ def _ring_everywhere(env) -> None:
             _rooted_cases(env, 2**16 + 1, dtype)
             _gather_scatter_cases(env, 2**16 + 1, dtype)
     finally:
-        ring.INLINE_SEND_BYTES, ring.PIECE_MIN_BYTES, ring.PIECE_MAX_BYTES, ring.EXCHANGE_MAX_BYTES = saved
+        plan.INLINE_SEND_BYTES, plan.PIECE_MIN_BYTES, plan.PIECE_MAX_BYTES, plan.EXCHANGE_MAX_BYTES = saved
 
 
 def _matches_torch(env) -> int:
@@ -380,9 +381,9 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 
 def _pair_mismatches(env) -> list[str]:
-    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.prepared), and
+    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.cached_rounds), and
     where one does and the other takes the general or bulk path; one side of each is a repeated
-    call (`prepared.repeat_of`, straight from the public function to the round). After each, the
+    call (`cached_rounds.repeat_of`, straight from the public function to the round). After each, the
     same prepared calls still give torch's results."""
     r, messages = env.rank, []
 
@@ -404,7 +405,7 @@ def _pair_mismatches(env) -> list[str]:
         still_right()
 
     still_right()
-    bufs = frames.buffers(runner_for(None).peers, torch.device("cpu"))
+    bufs = header_round.buffers(runner_for(None).peers, torch.device("cpu"))
     assert len(bufs.rounds) == 2, "the calls above must run as prepared rounds"
     assert len(bufs.repeats) == 2, "and be remembered: from here on, one rank's side is a repeat"
     expect_error(lambda: comm.all_reduce(torch.ones(5 if r == 1 else 4)))  # numel, both prepared
@@ -470,7 +471,7 @@ def _repeated_calls(env) -> None:
             _same(mine, ref, f"repeated all_gather_into_tensor {out_shape}")
 
     calls(async_op=False)
-    repeats = frames.buffers(peers, torch.device("cpu")).repeats
+    repeats = header_round.buffers(peers, torch.device("cpu")).repeats
     remembered = len(repeats)
     # broadcast: 2 numels x n roots; at 2 ranks also 3 all_reduces and 1 all_gather (both output
     # shapes hold 2 x 6 elements: one signature, as the key holds dtype and numel, not the shape)
@@ -484,13 +485,13 @@ def _repeated_calls(env) -> None:
     dist.broadcast(ref, src=0)
     _same(odd, ref, "non-contiguous broadcast")
     assert len(repeats) == remembered
-    saved = ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES
-    ring.INLINE_SEND_BYTES = ring.INLINE_MAX_BYTES = 0  # nothing rides in the frames: all take the bulk path
+    saved = plan.INLINE_SEND_BYTES, plan.INLINE_MAX_BYTES
+    plan.INLINE_SEND_BYTES = plan.INLINE_MAX_BYTES = 0  # nothing rides in the frames: all take the bulk path
     try:
         calls(async_op=False)
-        assert not frames.buffers(peers, torch.device("cpu")).repeats
+        assert not header_round.buffers(peers, torch.device("cpu")).repeats
     finally:
-        ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES = saved
+        plan.INLINE_SEND_BYTES, plan.INLINE_MAX_BYTES = saved
     calls(async_op=False)
 
 
@@ -508,7 +509,7 @@ def _bulk_after_failed_bulk(env) -> None:
             comm.all_reduce(torch.ones(BIG + r))  # both ring-sized: receives posted on every rank
         with pytest.raises(ValueError, match="disagree on numel"):
             comm.broadcast(torch.ones(BIG + r), src=0)  # chain-sized
-        # Early data (ring.early_bytes) goes out before the verdict. Sizes of another power of two:
+        # Early data (plan.early_bytes) goes out before the verdict. Sizes of another power of two:
         # the early pieces' tags differ, so they never meet a receive of the wrong size.
         with pytest.raises(ValueError, match="disagree on numel"):
             comm.all_reduce(torch.ones(BIG * (1 + r)))
@@ -543,18 +544,18 @@ def test_bulk_traffic_after_a_failed_header_round(world_size):
 
 @given(numel=st.integers(0, 3_000_000), n=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_chunks_and_pieces_cover_everything_once(numel, n, itemsize):
-    bounds = ring.balanced_bounds(numel, n)
+    bounds = pieces.balanced_bounds(numel, n)
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
-    step = ring.piece_numel(max(b - a for a, b in bounds), itemsize)
+    step = pieces.piece_numel(max(b - a for a, b in bounds), itemsize)
     for a, b in bounds:
-        pieces = ring._pieces(b - a, step)
-        assert sum(y - x for x, y in pieces) == b - a
-        assert all(0 < (y - x) * itemsize <= ring.PIECE_MAX_BYTES for x, y in pieces)
-        early = ring.early_bytes((b - a) * itemsize, gloo=True) // itemsize
-        assert early == 0 or (b - a) * itemsize >= ring.EARLY_MIN_BYTES
-        after = ring._pieces_after(b - a, early, step)
+        cut = pieces.pieces(b - a, step)
+        assert sum(y - x for x, y in cut) == b - a
+        assert all(0 < (y - x) * itemsize <= plan.PIECE_MAX_BYTES for x, y in cut)
+        early = plan.early_bytes((b - a) * itemsize, gloo=True) // itemsize
+        assert early == 0 or (b - a) * itemsize >= plan.EARLY_MIN_BYTES
+        after = pieces.pieces_after(b - a, early, step)
         assert sum(y - x for x, y in after) == b - a and all(
             p[1] == q[0] for p, q in zip(after, after[1:], strict=False)
         )

@@ -24,7 +24,7 @@ rank p's share of a whole contribution; and `combine(pick, p)`, rank p's result 
 rank q's share for p. With 2 ranks each combines its own result; in the star rank 0 combines
 everyone's and sends each rank its own.
 
-Frames have a fixed capacity per group (`ring.inline_limit` plus room for an error table), the
+Frames have a fixed capacity per group (`plan.inline_limit_for` plus room for an error table), the
 same on every rank, so a frame from a rank that disagrees about sizes can never overrun a receive
 (gloo aborts the process when a message is larger than the buffer posted for it).
 """
@@ -35,8 +35,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from nanoddp.comm import ring
-from nanoddp.comm.ring import COLLECTIVES, DTYPES, OPS, Peers, wait_all
+from nanoddp.comm import plan
+from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.wire import COLLECTIVES, DTYPES, OPS
 
 TAG_FRAME = 0x6E6401  # our own tag: a user's send/recv on the same group cannot steal a frame
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
@@ -59,7 +60,7 @@ class FrameBuffers:
 
     def __init__(self, size: int, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
-        self.limits: tuple[int, int] | None = None  # (INLINE_SEND_BYTES, INLINE_MAX_BYTES) it was sized for
+        self.limits: tuple[int, ...] | None = None  # the `plan.limits()` it was made for
         self.inbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)  # (n, capacity)
         self.outbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)
         self.in_rows, self.out_rows = self.inbox.unbind(0), self.outbox.unbind(0)
@@ -72,8 +73,8 @@ class FrameBuffers:
         # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
         # training loop sends the same few sizes over and over. Cleared when it grows large.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.prepared's rounds on these frames
-        self.repeats: dict[tuple, object] = {}  # nanoddp.comm.prepared's remembered calls (valid for `limits`)
+        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.cached_rounds's rounds on these frames
+        self.repeats: dict[tuple, object] = {}  # nanoddp.comm.cached_rounds's remembered calls (valid for `limits`)
 
     def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
@@ -110,33 +111,6 @@ class FrameBuffers:
         return self._views_for(peer, nbytes)[2]
 
 
-# How many ranks' worth of data the largest frame of a one-round collective holds, in the star
-# (3+ ranks): rank 0 sends all_gather/gather results holding every other rank's data, and gets
-# whole reduce_scatter/scatter inputs. With 2 ranks every frame holds one rank's share.
-_STAR_SHARES = {
-    "all_gather": lambda n: n - 1,
-    "gather": lambda n: n - 1,
-    "reduce_scatter": lambda n: n,
-    "scatter": lambda n: n,
-}
-
-
-def largest_frame_bytes(kind: str, share_bytes: int, size: int) -> int:
-    """Payload bytes of the largest frame a one-round `kind` moves when each rank's share (its
-    tensor; reduce_scatter: its output) is `share_bytes`: it rides in the frames iff this fits."""
-    if size <= 2 or kind not in _STAR_SHARES:
-        return share_bytes
-    return _STAR_SHARES[kind](size) * share_bytes
-
-
-def rides_in_frames(kind: str, share_bytes: int, size: int, gloo: bool) -> bool:
-    """Whether a one-round `kind` with `share_bytes` per rank carries its data in the frames on a
-    group of `size` ranks (else its bulk path runs after the header round)."""
-    if gloo and kind in ring.IN_PLACE_BULK_KINDS and share_bytes >= ring.BULK_FROM_BYTES:
-        return False
-    return largest_frame_bytes(kind, share_bytes, size) <= ring.inline_limit_for(size, gloo)
-
-
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes (any dtype)."""
     flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
@@ -146,17 +120,19 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def buffers(peers: Peers, device: torch.device) -> FrameBuffers:
     """This group's frames on `device`, re-made when the inline limit changed (tests shrink it).
 
-    Runs on every collective: the limits are compared as the two constants they derive from, and
-    the capacity worked out only when those changed."""
-    limits = (ring.INLINE_SEND_BYTES, ring.INLINE_MAX_BYTES)
+    Runs on every collective: the limits are compared as the constants they derive from, and the
+    capacity worked out only when those changed. Any change of `plan`'s thresholds drops the
+    remembered calls, each of which skips the path choice that put it where it is."""
+    limits = plan.limits()
     bufs = peers.cache.get(device)
     if bufs is None or bufs.limits != limits:
-        payload = -(-max(ring.inline_limit(peers), ERROR_ROOM) // 64) * 64  # rows stay 64-byte aligned
+        limit = plan.inline_limit_for(peers.size, peers.gloo)
+        payload = -(-max(limit, ERROR_ROOM) // 64) * 64  # rows stay 64-byte aligned
         capacity = HEADER_BYTES + payload
         if bufs is None or bufs.capacity != capacity:
             bufs = peers.cache[device] = FrameBuffers(peers.size, capacity, device)
         bufs.limits = limits
-        bufs.repeats.clear()  # each skips the size check that put it in the frames
+        bufs.repeats.clear()
     return bufs
 
 
@@ -308,7 +284,7 @@ def _send_down(peers: Peers, bufs: FrameBuffers, payloads: list[torch.Tensor | N
 def error_frame(name: str, exc: Exception) -> tuple[int, torch.Tensor]:
     """(error code, message bytes) for a call to `name` that failed this rank's argument checks."""
     code = 2 if isinstance(exc, TypeError) else 1
-    message = f"{name}\n{exc}".encode()[: ring.INLINE_MAX_BYTES]
+    message = f"{name}\n{exc}".encode()[: plan.INLINE_MAX_BYTES]
     return code, torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(
         0, dtype=torch.uint8
     )

@@ -5,7 +5,7 @@ step (a loss all_reduce, a metric all_gather, DDP's buffer broadcast), and on a 
 of a call costs far more than it does in a warm loop: the ranks' processes and gloo's I/O threads
 share the cores and evict each other's caches between calls, so every tensor op, slice and helper
 call on the way costs microseconds (measured: docs/performance.md, "Per-call cost").
-`frames.one_round` serves every collective, size and group through callbacks and builds its
+`header_round.one_round` serves every collective, size and group through callbacks and builds its
 views, header rows and checks per call; a prepared round makes them once for one signature
 (collective, numel, dtype, op, root and the payload sizes each way), so a call writes the header,
 copies the payload in, sends and receives, compares the header rows with the ones it expects and
@@ -13,18 +13,20 @@ copies out what arrived.
 
 The wire format is the frames' own (same tag, same header slots, same buffers), so a peer that
 took the general path, or made a mismatched or invalid call, is checked exactly as there and every
-rank raises the same error (`frames.check_table`). Prepared rounds live with the frames they use
+rank raises the same error (`header_round.check_table`). Prepared rounds live with the frames they use
 (`FrameBuffers.rounds`), so they are dropped when the frames are re-made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import frames
-from nanoddp.comm.frames import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
-from nanoddp.comm.ring import Peers
+from nanoddp.comm import header_round
+from nanoddp.comm.header_round import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
+from nanoddp.comm.transport import Peers
 
 MAX_ROUNDS = 256  # prepared signatures kept per group (a training loop uses a handful)
 
@@ -40,7 +42,7 @@ class PairRound:
         other = 1 - peers.rank
         out_bytes, in_bytes = out_numel * dtype.itemsize, in_numel * dtype.itemsize
         self._peers, self._group, self._other = peers, peers.group, other
-        self._mine = [*header, out_bytes, 0, 0]  # this rank's header slots (frames.HEADER_BYTES)
+        self._mine = [*header, out_bytes, 0, 0]  # this rank's header slots (header_round.HEADER_BYTES)
         self._expected = [*header, in_bytes, 0, 0]  # the peer's, if it made the same call
         self._out_slots, self._in_slots = bufs.slot_arrays()
         out_row, self._in_row = bufs.out_rows[other], bufs.in_rows[other]
@@ -61,7 +63,7 @@ class PairRound:
             received.wait()
             sent.wait()
         finally:
-            peers.calls += 1  # every round counts, passed or raised (ring.Peers.call_tags)
+            peers.calls += 1  # every round counts, passed or raised (transport.Peers.call_tags)
         theirs = self._in_slots[other].tolist()
         if theirs != self._expected:
             self._disagree(theirs)
@@ -71,7 +73,7 @@ class PairRound:
         """The peer's header row is not the expected one: raise what the general path raises."""
         table = [self._mine, theirs] if self._peers.rank == 0 else [theirs, self._mine]
         peer_payload = self._in_row[HEADER_BYTES : HEADER_BYTES + theirs[SLOT_NBYTES]]
-        frames.check_table(table, lambda q: peer_payload if table[q] is theirs else None)
+        header_round.check_table(table, lambda q: peer_payload if table[q] is theirs else None)
         raise ValueError(  # same header, other payload size: the ranks' frame limits differ
             f"nanoddp.comm: ranks agree on the call but not on its payload size (group rank "
             f"{self._peers.rank} expected {self._expected[SLOT_NBYTES]} bytes, got {theirs[SLOT_NBYTES]}); "
@@ -90,27 +92,30 @@ def _cached(bufs: FrameBuffers, key: tuple, make):
 
 def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torch.device, out_numel: int,
              in_numel: int) -> PairRound | None:  # fmt: skip
-    """The prepared round for this signature, or None where `frames.one_round` must run it
+    """The prepared round for this signature, or None where `header_round.one_round` must run it
     (not 2 gloo ranks, or frames not on CPU, whose header slots are written through numpy)."""
     if peers.size != 2 or not peers.gloo or device.type != "cpu":
         return None
-    bufs = frames.buffers(peers, device)
+    bufs = header_round.buffers(peers, device)
     key = (*header, out_numel, in_numel)
     return _cached(bufs, key, lambda: PairRound(peers, bufs, tuple(header), dtype, out_numel, in_numel))
 
 
-def header_round(peers: Peers, header: list[int], device: torch.device) -> None:
-    """The header round of a call whose data moves after it (bulk paths, barrier): prepared at 2
-    gloo ranks (a frame of header slots only; 15-20 us, 4-7 %, less than `frames.one_round` per
-    call here, paired over 800 iterations), `frames.one_round` elsewhere."""
+def header_then(peers: Peers, header: list[int], device: torch.device, run: Callable[[], None] | None = None) -> None:
+    """The header round of a call whose data moves after it (bulk paths, barrier), then `run()`
+    (already started: its receives are posted, its early piece sent). The round is cached at 2
+    gloo ranks (a frame of header slots only; cheaper per call, docs/performance.md, "Per-call
+    cost"), `header_round.one_round` elsewhere."""
     if pair := pair_round(peers, header, torch.uint8, device, 0, 0):
         pair.run()
     else:
-        frames.one_round(peers, header, device)
+        header_round.one_round(peers, header, device)
+    if run is not None:
+        run()
 
 
 class StarBroadcast:
-    """broadcast on 3+ gloo ranks with the data in the frames: `frames._star`'s round (up frames to
+    """broadcast on 3+ gloo ranks with the data in the frames: `header_round._star`'s round (up frames to
     group rank 0, the hub; a down frame back to each rank with the verdict and the data), its
     header rows, views and expected tables made once. `run(flat)` does the whole call."""
 
@@ -143,7 +148,7 @@ class StarBroadcast:
             else:
                 self._spoke(flat)
         finally:
-            self._peers.calls += 1  # every round counts, passed or raised (ring.Peers.call_tags)
+            self._peers.calls += 1  # every round counts, passed or raised (transport.Peers.call_tags)
 
     def _spoke(self, flat: torch.Tensor) -> None:
         me, bufs = self._peers.rank, self._bufs
@@ -176,7 +181,7 @@ class StarBroadcast:
         if rows != self._expected:
             table = [self._mine, *rows]
             payload_of = lambda q: bufs.in_rows[q][HEADER_BYTES : HEADER_BYTES + table[q][SLOT_NBYTES]]  # noqa: E731
-            frames.check_at_hub(peers, bufs, lambda: _check_star(table, payload_of, self._expected), flat.device)
+            header_round.check_at_hub(peers, bufs, lambda: _check_star(table, payload_of, self._expected), flat.device)
         self._down_data.copy_(flat.view(torch.uint8) if root == 0 else self._from_root)
         self._out_slots[0] = self._down_slots
         if root != 0:
@@ -191,7 +196,7 @@ class StarBroadcast:
 def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -> None:
     """Raise what the general path raises for this table; if it passes (same calls, other payload
     sizes: the ranks' frame limits differ), raise that."""
-    frames.check_table(table, payload_of)
+    header_round.check_table(table, payload_of)
     raise ValueError(
         "nanoddp.comm.broadcast: ranks agree on the call but not on its payload sizes (group ranks 1.."
         f"{len(table) - 1} sent {[row[SLOT_NBYTES] for row in table[1:]]} bytes, expected "
@@ -200,11 +205,11 @@ def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -
 
 
 def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: int) -> StarBroadcast | None:
-    """The prepared broadcast for this signature, or None where `frames.one_round` must run it
+    """The prepared broadcast for this signature, or None where `header_round.one_round` must run it
     (not 3+ gloo ranks, or frames not on CPU)."""
     if peers.size < 3 or not peers.gloo or flat.device.type != "cpu":
         return None
-    bufs = frames.buffers(peers, flat.device)
+    bufs = header_round.buffers(peers, flat.device)
     key = (*header, "star")
     return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
 
@@ -238,13 +243,13 @@ def repeat_of(peers: Peers, key: tuple | None):
     """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
     if key is None or not peers.gloo:
         return None
-    return frames.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
+    return header_round.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
 
 
 def remember(peers: Peers, key: tuple | None, body) -> None:
     """Keep `body` (what the general path just chose for this call) for the call's repeats."""
     if key is not None:
-        repeats = frames.buffers(peers, _CPU).repeats
+        repeats = header_round.buffers(peers, _CPU).repeats
         if len(repeats) >= MAX_ROUNDS:
             repeats.clear()
         repeats[key] = body

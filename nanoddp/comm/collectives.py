@@ -1,0 +1,307 @@
+"""The four everyday collectives: all_reduce, all_gather, all_gather_into_tensor, reduce_scatter_tensor.
+
+Why it exists: these are what DDP, ZeRO and FSDP call every step, with torch.distributed's
+signatures and results, built from point-to-point send/recv only. Each is the same three steps:
+
+1. **check** the arguments (`nanoddp.comm.checks`). A call that fails on one rank only still
+   takes part in the header round, carrying its error, so every rank raises that error word for
+   word (with `async_op=True`, from `wait()`), and the group stays usable.
+2. **plan** the path from the message size, group size and backend (`nanoddp.comm.plan`): data in
+   the header round's frames (one round; the check costs nothing extra), or the header round and
+   then a bulk algorithm: the pipelined ring (`ring.py`), or at 2 gloo ranks one exchange of whole
+   tensors (`exchange.py`).
+3. **run** it. Every path starts with the header round (`nanoddp.comm.header_round`): each rank's
+   header (collective, numel, dtype, op, root) reaches a place where all are checked, so
+   mismatched calls raise the same ValueError on every rank instead of hanging. The rounds a
+   training loop repeats run from views and header rows made once per call signature
+   (`nanoddp.comm.cached_rounds`), and a repeat of such a call (same arguments but the tensors'
+   values) goes from the public function straight to its round, past the checks and plan it
+   passed before.
+
+Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
+ring step, as gloo does; the one-round path accumulates in fp32 and rounds once, in rank order in
+one place (`nanoddp.comm.reduce`), so every rank gets bitwise the same result. AVG is allowed on
+floating-point tensors only (gloo rejects it for ints too).
+
+Threading model. Each process group has one worker thread that runs that group's collectives
+one at a time in submission (FIFO) order (`nanoddp.comm.runner`). Because every rank issues
+collectives in the same order, FIFO execution keeps their messages matched. A blocking call runs
+inline on the calling thread when nothing is queued for the group, else it queues behind the
+pending work and waits. `async_op=True` queues the work and returns a `Work` at once; the bulk
+phase then makes progress in the background (torch ops and gloo waits release the GIL), so a DDP
+engine can launch bucket all-reduces from autograd hooks and overlap them with backward.
+Submitting is thread-safe. Do not touch a tensor until its `Work.wait()` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from nanoddp.comm import cached_rounds, header_round
+from nanoddp.comm.cached_rounds import header_then
+from nanoddp.comm.checks import Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
+from nanoddp.comm.exchange import start_exchange_reduce
+from nanoddp.comm.header_round import others_for, unpack
+from nanoddp.comm.pieces import balanced_bounds
+from nanoddp.comm.plan import Path, plan
+from nanoddp.comm.reduce import reduce_in_rank_order
+from nanoddp.comm.ring import start_ring
+from nanoddp.comm.runner import Work, runner_for
+from nanoddp.comm.transport import Peers
+
+# --- all_reduce -----------------------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce `tensor` over the group; every rank ends with the result, in place."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+    key = cached_rounds.call_key("all_reduce", op, tensor)
+    if again := cached_rounds.repeat_of(runner.peers, key):
+        return runner.submit("all_reduce", tensor.numel(), lambda: again(flat(tensor)), [tensor], async_op)
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        name = op_name(op, tensor)
+        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name, key), [tensor]
+
+    return submit(runner, "all_reduce", "all_reduce", prepare, async_op)
+
+
+def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) -> None:
+    data, head, device = flat(tensor), header("all_reduce", tensor, op), tensor.device
+    path = plan("all_reduce", nbytes(tensor), peers.size, peers.backend, cpu=device.type == "cpu")
+    if path is Path.LOCAL:
+        return
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+    elif path is Path.EXCHANGE:
+        header_then(peers, head, device, start_exchange_reduce(peers, data, op))
+    elif path is Path.RING:
+        chunks = [data[a:b] for a, b in balanced_bounds(data.numel(), peers.size)]
+        header_then(peers, head, device, start_ring(peers, chunks, op, peers.size - 1, peers.size - 1, shift=0))
+    elif path is Path.PAIR:
+        pair = cached_rounds.pair_round(peers, head, data.dtype, device, data.numel(), data.numel())
+        run = _pair_all_reduce(pair, op, peers.rank)
+        cached_rounds.remember(peers, key, run)
+        run(data)
+    else:  # IN_FRAMES: every rank's data reduced in rank order: bitwise the same everywhere
+
+        def combine(pick, p: int) -> torch.Tensor:
+            reduce_in_rank_order(op, [pick(q).view(tensor.dtype) for q in range(peers.size)], data)
+            return data
+
+        land(data, header_round.one_round(peers, head, device, lambda p: data, combine=combine, same_for_all=True))
+    write_back(tensor, data)
+
+
+def _pair_all_reduce(pair: cached_rounds.PairRound, op: str, rank: int):
+    """all_reduce of a 1-D tensor at 2 ranks through `pair`: swap, then reduce in rank order (so
+    both ranks compute bitwise the same result)."""
+
+    def run(data: torch.Tensor) -> None:
+        pair.outgoing.copy_(data)
+        received = pair.run()
+        reduce_in_rank_order(op, [data, received] if rank == 0 else [received, data], data)
+
+    return run
+
+
+# --- all_gather -----------------------------------------------------------------------------------
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Every rank's `tensor`, in group-rank order, into every rank's `tensor_list`."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+
+    def prepare() -> Prepared:
+        check(tensor, "tensor")
+        check_list(tensor_list, runner.peers.size, "tensor_list", tensor)
+        outputs = list(tensor_list)
+
+        def body() -> None:
+            flats = [flat(t) for t in outputs]
+            _all_gather(runner.peers, flats, tensor, None)
+            for out, f in zip(outputs, flats, strict=True):
+                write_back(out, f)
+
+        return tensor.numel(), body, outputs
+
+    return submit(runner, "all_gather", "all_gather", prepare, async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Every rank's `input_tensor`, concatenated along dim 0 in group-rank order, into `output_tensor`."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+    key = cached_rounds.call_key("all_gather_into_tensor", None, output_tensor, input_tensor)
+    if again := cached_rounds.repeat_of(runner.peers, key):
+        m = input_tensor.numel()
+
+        def repeat() -> None:
+            out = flat(output_tensor)  # (2m,): a view, the key holds contiguous tensors only
+            again([out[:m], out[m:]], flat(input_tensor))
+
+        return runner.submit("all_gather_into_tensor", m, repeat, [output_tensor], async_op)
+
+    def prepare() -> Prepared:
+        check(input_tensor, "input_tensor")
+        n, m = runner.peers.size, input_tensor.numel()
+        check(output_tensor, "output_tensor", input_tensor, n * m, f" (group size {n} x input numel {m})")
+
+        def body() -> None:
+            out = flat(output_tensor)
+            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, key)
+            write_back(output_tensor, out)
+
+        return m, body, [output_tensor]
+
+    return submit(runner, "all_gather", "all_gather_into_tensor", prepare, async_op)
+
+
+def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, key: tuple | None) -> None:
+    """outputs: one 1-D contiguous tensor per group rank; `key`: the call to remember (None: none)."""
+    n, me, device = peers.size, peers.rank, tensor.device
+    data, head = flat(tensor), header("all_gather", tensor)
+    path = plan("all_gather", nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.PAIR:
+        pair = cached_rounds.pair_round(peers, head, data.dtype, device, data.numel(), data.numel())
+        run = _pair_all_gather(pair, me)
+        cached_rounds.remember(peers, key, run)
+        run(outputs, data)
+        return
+    outputs[me].copy_(data)
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+    elif path is Path.RING:
+        header_then(peers, head, device, start_ring(peers, outputs, None, 0, n - 1, shift=0))
+    elif path is Path.IN_FRAMES:
+        result = header_round.one_round(peers, head, device, lambda p: data, combine=others_for(n))
+        unpack(result, [outputs[q] for q in range(n) if q != me])
+
+
+def _pair_all_gather(pair: cached_rounds.PairRound, rank: int):
+    """all_gather at 2 ranks through `pair`: `outputs` (two 1-D views) get `data` and the peer's."""
+
+    def run(outputs: list[torch.Tensor], data: torch.Tensor) -> None:
+        outputs[rank].copy_(data)
+        pair.outgoing.copy_(data)
+        outputs[1 - rank].copy_(pair.run())
+
+    return run
+
+
+# --- reduce_scatter -------------------------------------------------------------------------------
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce `input` (n equal chunks along dim 0) over the group; group rank i gets chunk i."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+
+    def prepare() -> Prepared:
+        check(output, "output")
+        name = op_name(op, output)
+        n = runner.peers.size
+        check(input, "input", output, n * output.numel(), f" (group size {n} x output numel {output.numel()})")
+        return input.numel(), lambda: _reduce_scatter(runner.peers, output, input, name), [output]
+
+    return submit(runner, "reduce_scatter", "reduce_scatter_tensor", prepare, async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: ReduceOp = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce `input_list[i]` over the group into group rank i's `output` (the list form of
+    `reduce_scatter_tensor`; the inputs are packed into one scratch buffer, never modified)."""
+    runner = runner_for(group)
+    if runner is None:
+        return None
+
+    def prepare() -> Prepared:
+        check(output, "output")
+        name = op_name(op, output)
+        check_list(input_list, runner.peers.size, "input_list", output)
+        inputs = list(input_list)
+
+        def body() -> None:
+            m = output.numel()
+            packed = runner.peers.scratch("reduce_scatter_list", len(inputs) * m, output.dtype, output.device)
+            for i, t in enumerate(inputs):  # (n * m,): input i at [i*m, (i+1)*m)
+                packed[i * m : (i + 1) * m].view(t.shape).copy_(t)
+            _reduce_scatter(runner.peers, output, packed, name)
+
+        return output.numel() * runner.peers.size, body, [output]
+
+    return submit(runner, "reduce_scatter", "reduce_scatter", prepare, async_op)
+
+
+def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
+    n, me, m, device = peers.size, peers.rank, output.numel(), output.device
+    in_flat, out_flat, head = flat(input), flat(output), header("reduce_scatter", output, op)
+    path = plan("reduce_scatter", nbytes(output), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+        return
+    if path is Path.LOCAL:
+        reduce_in_rank_order(op, [in_flat], out_flat)
+    elif path is Path.IN_FRAMES:
+        share = nbytes(output)
+
+        def combine(pick, p: int) -> torch.Tensor:  # chunk p of every rank's input, reduced in rank order
+            out = out_flat if p == me else torch.empty_like(out_flat)  # the star's hub reduces for all
+            reduce_in_rank_order(op, [pick(q).view(output.dtype) for q in range(n)], out)
+            return out
+
+        result = header_round.one_round(
+            peers,
+            head,
+            device,
+            lambda p: in_flat if p is None else in_flat[p * m : (p + 1) * m],
+            select=lambda whole, p: header_round.as_bytes(whole)[p * share : (p + 1) * share],
+            combine=combine,
+        )
+        land(out_flat, result)
+    else:  # RING
+        work = peers.scratch("reduce_scatter", n * m, output.dtype, device).view(n, m)
+        work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
+        header_then(peers, head, device, start_ring(peers, list(work), op, n - 1, 0, shift=-1))
+        out_flat.copy_(work[me])
+    write_back(output, out_flat)
+
+
+# torch 2.13's names for the same two calls (it deprecates the `*_tensor` ones in their favour).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor

@@ -1,0 +1,169 @@
+"""Point-to-point transport for `nanoddp.comm`: `Peers` (one group by group rank), tags, background sends.
+
+Why it exists: every algorithm (ring, chain, exchange, the header round) moves bytes the same
+way, with `isend`/`irecv` addressed by *group* rank (passed to torch as `group_dst`/`group_src`,
+so a subgroup needs no global-rank bookkeeping), under tags of our own so a user's send/recv on
+the same group can never steal one of our messages. The tag rules live here, next to the sends
+that use them: each call's bulk phase and early piece have tags no other call uses
+(`Peers.call_tags`, `Peers.early_tag`), which is what makes receives left posted by a round that
+raised harmless. The counter they derive from, `Peers.calls`, is advanced by the header round
+alone (`nanoddp.comm.wire.counted`), once per round on every rank.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nanoddp.env import group_ranks
+
+TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
+# The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
+TAG_CALLS = 0x10000000
+CALL_TAG_CYCLE = 1 << 24
+# Early data (`plan.early_bytes`): the first piece of call k, 2**e bytes, travels under tag
+# TAG_EARLY + 32 (k mod EARLY_TAG_CYCLE) + e, so it can only land in a receive of the same size.
+TAG_EARLY = 0x20000000
+EARLY_TAG_CYCLE = 1 << 20
+
+
+class Peers:
+    """One process group as seen from this rank: p2p by group rank, plus reusable scratch.
+
+    Scratch buffers are kept per group and grow to the largest message seen; this is safe
+    because `nanoddp.comm` runs at most one collective per group at a time.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = tuple(group_ranks(group))  # hashable: the watchdog keys groups by it
+        self.world_size = dist.get_world_size()  # of the default group: src/dst are global ranks
+        # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
+        self.gloo = dist.get_backend(group) == "gloo"
+        self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.cache: dict[object, object] = {}  # per-group state of other modules (header_round.buffers)
+        self.calls = 0  # header rounds run on this group: the same count on every rank
+
+    @property
+    def backend(self) -> str:
+        """The backend as `plan.plan` names it."""
+        return "gloo" if self.gloo else "nccl"
+
+    def call_tags(self) -> tuple[int, int]:
+        """Two tags that belong to the current call alone.
+
+        The bulk phase posts its receives before the header round's verdict; if the round
+        raises, they stay posted, unmatched. With tags of their own no later message can ever
+        land in them (and gloo forgets a receive whose handle was dropped)."""
+        base = TAG_CALLS + 2 * (self.calls % CALL_TAG_CYCLE)
+        return base, base + 1
+
+    def early_tag(self, nbytes: int) -> int:
+        """The tag of this call's early piece of `nbytes` bytes (a power of two, see `early_bytes`)."""
+        return TAG_EARLY + 32 * (self.calls % EARLY_TAG_CYCLE) + nbytes.bit_length() - 1
+
+    def send_early(self, piece: torch.Tensor, peer: int) -> dist.Work:
+        """Send this call's early piece (`early_bytes`) now, under the tag naming its size.
+
+        Posted on the calling thread, never by the background sender: a gloo send posted from
+        another thread while this one posts the header round's frames on the same pair can hang
+        the round (tests/multiproc/test_comm.py, test_bulk_traffic_after_a_failed_header_round;
+        docs/performance.md, "the bulk phase")."""
+        return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
+
+    # On gloo straight to the group's own send/recv (which take group ranks): `dist.isend`'s
+    # wrapper re-checks the group and translates ranks on every call, CPU paid twice per header
+    # round (docs/performance.md, "Per-call cost"). nccl keeps the wrapper (its batching rules live there).
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
+        if self.gloo:
+            return self.group.send([tensor], peer, tag)
+        return dist.isend(tensor, group=self.group, group_dst=peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
+        if self.gloo:
+            return self.group.recv([tensor], peer, tag)
+        return dist.irecv(tensor, group=self.group, group_src=peer)
+
+    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
+        """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo
+        send writes it into the socket on the posting thread, so posted here it would hold up
+        receiving and reducing the next piece (docs/performance.md, "the bulk phase"). All of a
+        bulk phase's sends go this way, so they reach gloo in the order they were made."""
+        if not self.gloo:
+            return self.isend(tensor, peer, tag)
+        return _background_send(self.group, tensor, peer, tag)
+
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], tag: int = TAG_DATA
+    ) -> list[dist.Work]:
+        """Post (tensor, peer) sends and receives as one round: one nccl group, so a receive and a
+        send to the same peer cannot deadlock; on gloo, receives first so sends can start."""
+        if self.gloo:
+            return [self.irecv(t, p, tag) for t, p in recvs] + [self.isend(t, p, tag) for t, p in sends]
+        ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
+        ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable 1-D buffer of `numel` elements (contents undefined)."""
+        nbytes = numel * dtype.itemsize
+        buf = self._scratch.get((name, device))
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
+            self._scratch[(name, device)] = buf
+        return buf[:nbytes].view(dtype)
+
+
+class BackgroundSend:
+    """A send handed to the background sender: `wait()` returns once it was posted and is done."""
+
+    __slots__ = ("_error", "_posted", "_work")
+
+    def __init__(self) -> None:
+        self._posted = threading.Event()
+        self._work: dist.Work | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._posted.wait()
+        if self._error is not None:
+            raise self._error
+        self._work.wait()
+
+
+_SENDS: queue.SimpleQueue | None = None  # one sender thread per process, for every group
+_SENDS_LOCK = threading.Lock()
+
+
+def _background_send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> BackgroundSend:
+    global _SENDS
+    with _SENDS_LOCK:
+        if _SENDS is None:
+            _SENDS = queue.SimpleQueue()
+            threading.Thread(target=_send_loop, args=(_SENDS,), name="nanoddp-sender", daemon=True).start()
+    handle = BackgroundSend()
+    _SENDS.put((handle, group, tensor, peer, tag))
+    return handle
+
+
+def _send_loop(sends: queue.SimpleQueue) -> None:
+    """Post queued sends in order (FIFO keeps each pair's messages in the order they were made)."""
+    while True:
+        handle, group, tensor, peer, tag = sends.get()
+        try:
+            handle._work = group.send([tensor], peer, tag)
+        except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
+            handle._error = exc
+        finally:
+            handle._posted.set()
+
+
+def wait_all(works: Sequence[dist.Work]) -> None:
+    for work in works:
+        work.wait()
