@@ -54,16 +54,16 @@ MUTATIONS = (
     ),
     Mutation(
         "bucket averaging: DDP sums instead of averaging",
-        "nanoddp/parallel/ddp/wrapper.py",
-        "bucket.buffer.mul_(1.0 / self._divisor)",  # the default path (gradients copied into buckets)
+        "nanoddp/parallel/ddp/reducer.py",
+        "bucket.buffer.mul_(1.0 / self.divisor)",  # the default path (gradients copied into buckets)
         "pass",
         ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
         "no_sync: DDP reduces inside no_sync too",
         "nanoddp/parallel/ddp/wrapper.py",
-        "self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync",
-        "self._sync_this_backward = torch.is_grad_enabled()",
+        "reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync",
+        "reducer.sync_this_backward = torch.is_grad_enabled()",
         ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
@@ -108,6 +108,69 @@ MUTATIONS = (
         '"exposed_comm_s": end - last_grad',
         '"exposed_comm_s": end - start',
         ("tests/multiproc/test_bench_measure.py",),
+    ),
+    Mutation(
+        "sharded grads: ZeRO-2/FSDP sum instead of averaging",
+        "nanoddp/parallel/sharded/flat.py",
+        "shard_grad.div_(self.world_size)",
+        "pass",
+        ("tests/multiproc/test_zero2_fsdp.py", "-k", "average_of_the_ranks"),
+    ),
+    Mutation(
+        "watchdog: a polled async torch collective is never released",
+        "nanoddp/comm/watchdog.py",
+        "future.add_done_callback(lambda _: end(token))",
+        "pass",
+        ("tests/multiproc/test_watchdog.py", "-k", "completes"),
+    ),
+    Mutation(
+        "save_state: numpy values not converted, unloadable values written",
+        "nanoddp/train/checkpoint/user_state.py",
+        'entry["state"] = _loadable(entry["state"], where)',
+        "pass",
+        ("tests/reliability/test_save_state_types.py", "-k", "numpy or refused"),
+    ),
+    Mutation(
+        "load_state: a file weights_only refuses is not skipped",
+        "nanoddp/train/checkpoint/user_state.py",
+        "found = _newest_loadable(path) if _rank() == 0 else None",
+        "found = snapshot.find_latest_valid(path) if _rank() == 0 else None",
+        ("tests/reliability/test_save_state_types.py", "-k", "skips"),
+    ),
+    Mutation(
+        "Trainer: an optimizer over another model's parameters accepted",
+        "nanoddp/train/options.py",
+        "if foreign == len(params) and params:",
+        "if False:",
+        ("tests/reliability/test_trainer_ownership.py", "-k", "optimizer"),
+    ),
+    Mutation(
+        "Trainer: a failed construction keeps its run-dir lock",
+        "nanoddp/train/trainer.py",
+        "release_run_dir(self._lock_fd, failed=True)",
+        "pass",
+        ("tests/reliability/test_trainer_ownership.py", "-k", "construction"),
+    ),
+    Mutation(
+        "Trainer: a failed run leaves the directory it made",
+        "nanoddp/train/options.py",
+        "if failed and out is not None and rundir.remove_if_empty(out, also=SETUP_FILES):",
+        "if False:",
+        ("tests/reliability/test_trainer_ownership.py", "-k", "fit_removes"),
+    ),
+    Mutation(
+        "run dir lock: followed through a symlink",
+        "nanoddp/train/checkpoint/rundir.py",
+        "os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK",
+        "os.O_CLOEXEC | os.O_NONBLOCK",
+        ("tests/reliability/test_trainer_ownership.py", "-k", "symlink"),
+    ),
+    Mutation(
+        "nanoddp run: the single-node store listens on every interface",
+        "nanoddp/run/bootstrap.py",
+        "            _loopback_rendezvous(call)",
+        "            pass",
+        ("tests/reliability/test_loopback.py", "-k", "single_node"),
     ),
 )
 
