@@ -202,10 +202,19 @@ def format_summary(data: dict, world_size: int = 2) -> str:
         return f"{label} {row['vs_torch_ddp']:.2f}×{hidden}"
 
     torch_overlap = rows["torch"]["overlap_fraction"]
-    parts = [ratio(e, label) for e, label in (("nanoddp", "nanoddp DDP"), ("nanoddp_torchcomm", "nanoddp DDP over "
-             "torch's collectives"), ("zero", "ZeRO-1"), ("allreduce", "manual all-reduce"), ("rs_ag",
-             "manual reduce-scatter + all-gather"), ("zero2", "ZeRO-2"), ("fsdp", "nanoddp FSDP"),
-             ("torch_fsdp", "torch FSDP2"), ("nocomm", "no sync at all (the compute ceiling)"))]  # fmt: skip
+    labels = (
+        ("nanoddp", "nanoddp DDP"),
+        ("nanoddp_torchcomm", "nanoddp DDP over torch's collectives"),
+        ("zero", "ZeRO-1"),  # the name in files written before ZeRO-1 became engine zero1
+        ("zero1", "ZeRO-1"),
+        ("allreduce", "manual all-reduce"),
+        ("rs_ag", "manual reduce-scatter + all-gather"),
+        ("zero2", "ZeRO-2"),
+        ("fsdp", "nanoddp FSDP"),
+        ("torch_fsdp", "torch FSDP2"),
+        ("nocomm", "no sync at all (the compute ceiling)"),
+    )
+    parts = [ratio(e, label) for e, label in labels]
     if "fsdp" in rows and "torch_fsdp" in rows:  # the sharding peers, head to head
         ours, theirs = rows["fsdp"], rows["torch_fsdp"]
         speed = ours["samples_per_s"] / theirs["samples_per_s"]

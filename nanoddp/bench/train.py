@@ -43,8 +43,8 @@ from nanoddp.bench.machine import Memory, command_line, git_commit, machine_desc
 from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
 from nanoddp.bench.report import format_markdown, summarise, write_memory_plot, write_plot
 from nanoddp.models import GPT, count_parameters, gpt_config
+from nanoddp.train.engines import ENGINE_REGISTRY, CommTimer, Engine, build_engine
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
-from nanoddp.train.engines import CommTimer, Engine, build_engine
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ TORCHCOMM = "nanoddp_torchcomm"  # our DDP engine over torch.distributed's colle
 # torch's own FSDP2 (`torch.distributed.fsdp.fully_shard`, each block then the root): the peer
 # of our `fsdp` engine.
 TORCH_FSDP = "torch_fsdp"
-ENGINES = (*TRAIN_ENGINES, "dp", "zero", TORCHCOMM, TORCH_FSDP)
+ENGINES = (*TRAIN_ENGINES, "dp", TORCHCOMM, TORCH_FSDP)
 ALLCORES = "single_allcores"  # `single` with every core: the other baseline for scaling efficiency
 # Every rank trains its own replica on its per-rank batch and never syncs: what ws processes
 # reach with free communication, so scaling lost to compute (smaller batches, cores and memory
@@ -87,7 +87,7 @@ class _Runner:
         if not isinstance(self.engine, _DPEngine):
             _forward_loss(self.engine)
         params = [p for p in module.parameters() if p.requires_grad]
-        if name == "zero":
+        if name in ENGINE_REGISTRY and ENGINE_REGISTRY[name].zero_optimizer:
             self.optimizer = nanoddp.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-4)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=3e-4)
@@ -114,7 +114,7 @@ class _Runner:
 
     @staticmethod
     def _build(name: str, module, env: nanoddp.DistEnv, traced: bool):
-        """(engine, our DDP wrapper or None). `dp` and `zero` are built here, the rest by engines.py."""
+        """(engine, our DDP wrapper or None). `dp` and torch's FSDP2 are built here, the rest by engines.py."""
         if name == "dp":
             devices = [env.device] * env.world_size  # N replicas in threads of this one process
             wrapper = nanoddp.DataParallel(module, device_ids=devices)
@@ -132,7 +132,7 @@ class _Runner:
             return Engine(name, torch_fully_shard(module), module), None
         if name == NOCOMM:  # the module itself, never synced (build_engine refuses `single` at ws > 1)
             return Engine(name, module, module), None
-        base = "single" if name == ALLCORES else "nanoddp" if name == "zero" else name
+        base = "single" if name == ALLCORES else name
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
         ddp = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
@@ -361,7 +361,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", default="1,2,4", help="comma-separated world sizes (default: 1,2,4)")
     parser.add_argument(
         "--engines",
-        default="single,nanoddp,torch,allreduce,rs_ag,dp,zero",
+        default="single,nanoddp,torch,allreduce,rs_ag,dp,zero1",
         help=f"comma-separated, from {','.join(ENGINES)}; `single` also adds {ALLCORES} (ws 1, every "
         f"core) and {NOCOMM} (ws > 1, each rank on its share of the batch, no gradient sync)",
     )

@@ -34,7 +34,7 @@ FIELDS = (
 )  # fmt: skip
 REGIONS = {"forward", "backward", "optimizer step"}
 # engines whose gradient communication the outside probes time (a DDP bucket layout or a manual sync)
-TIMED = {"nanoddp", "torch", "allreduce", "rs_ag", "zero", "nanoddp_torchcomm"}
+TIMED = {"nanoddp", "torch", "allreduce", "rs_ag", "zero1", "nanoddp_torchcomm"}
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_every_engine_and_field_with_consistent_values(bench):
     framing = 0.1 * grads + 64 * 1024  # gloo's and nanoddp's per-message headers, buffer broadcasts
     for engine in ("torch", "nanoddp", "nanoddp_torchcomm", "allreduce", "rs_ag"):
         assert grads <= rows[(engine, 2)]["bytes_sent_per_step"] <= grads + framing, engine
-    # zero also broadcasts each rank's parameter shard (about half the parameters) in optimizer.step
-    assert rows[("zero", 2)]["bytes_sent_per_step"] >= grads + 0.3 * grads
+    # zero1 also broadcasts each rank's parameter shard (about half the parameters) in optimizer.step
+    assert rows[("zero1", 2)]["bytes_sent_per_step"] >= grads + 0.3 * grads
     for engine, n in rows:
         if n == 1 or engine in ("dp", NOCOMM):
             assert rows[(engine, n)]["bytes_sent_per_step"] < 4096, (engine, n)  # nothing to send
@@ -118,7 +118,7 @@ def test_report_cli_renders_the_table_and_writes_the_plot(bench, capsys):
 def test_bench_traces_have_the_named_regions(bench):
     _, tmp = bench
     for rank in (0, 1):
-        for engine in ("nanoddp", "torch", "zero"):
+        for engine in ("nanoddp", "torch", "zero1"):
             spans = _spans(tmp / "trace" / f"{engine}-ws2-rank{rank}.trace.json")
             assert REGIONS | {"bucket 0 all-reduce"} <= set(spans), (engine, sorted(spans)[:20])
             # launched inside backward: the bucket span starts before the backward span ends
