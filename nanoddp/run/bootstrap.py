@@ -31,6 +31,7 @@ import inspect
 import logging
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -43,6 +44,8 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
+from nanoddp.launch import die_with_parent
+from nanoddp.train.launcher.agent import AGENT_PID_VAR
 
 PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
 
@@ -188,4 +191,8 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    record(_main)()
+    die_with_parent(int(os.environ.get(AGENT_PID_VAR, os.getppid())))  # even a SIGKILLed launcher takes us along
+    try:
+        record(_main)()
+    except KeyboardInterrupt:  # Ctrl-C on the launcher, forwarded by torchrun: it says so in one line
+        sys.exit(128 + signal.SIGINT)

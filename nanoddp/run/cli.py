@@ -13,7 +13,13 @@ What it adds to plain `torchrun`:
   `--collective-timeout` seconds instead of blocking the job;
 - every worker line prefixed `[rank k] ` (torchrun's tee, with a global-rank prefix);
 - one line at the end saying which rank failed first and why (the exception, the signal, or the
-  watchdog's report) rather than torchrun's multi-line failure table.
+  watchdog's report) rather than torchrun's multi-line failure table;
+- workers that die with the launcher: SIGTERM or Ctrl-C stops them (torchrun forwards the signal)
+  and ends in one line and exit 128 + signal; a SIGKILLed launcher takes them along too (each
+  worker asks Linux for that, `nanoddp.launch.die_with_parent`), and its temp dir, named by its
+  pid, is removed by the next start (`nanoddp.tempdirs`);
+- a rank that exits 0 while others run on is named after `--finished-grace` seconds, or ends the
+  job with `--fail-on-early-exit` (`nanoddp.run.finished`), instead of a silent hang.
 
 The launch itself is torchrun's (`torch.distributed.run`), in this process, as in `nanoddp
 train`: `--nnodes/--node-rank/--rdzv-*` and `--max-restarts` mean what they mean there.
@@ -23,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
-import tempfile
 
 from nanoddp import env as nd
-from nanoddp.train.launcher.agent import failure_reason, private_rendezvous
+from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, EarlyExit, watched_agent
+from nanoddp.tempdirs import make_private_dir
+from nanoddp.train.launcher.agent import AGENT_PID_VAR, _quiet_torchrun_logs, failure_reason, private_rendezvous
 from nanoddp.train.launcher.cli import add_launch_args, default_nproc
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
@@ -44,6 +52,19 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_COLLECTIVE_TIMEOUT_S,
         metavar="S",
         help=f"seconds a collective may wait for the other ranks (default: {DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--finished-grace",
+        type=float,
+        default=DEFAULT_FINISHED_GRACE_S,
+        metavar="S",
+        help="after a rank exits 0, how long the others may run on before a line names them "
+        f"(default: {DEFAULT_FINISHED_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--fail-on-early-exit",
+        action="store_true",
+        help="stop the job (exit 1) instead of waiting when ranks run on --finished-grace seconds after one exited 0",
     )
     parser.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr here (default: not kept)")
     parser.add_argument("-m", dest="as_module", action="store_true", help="SCRIPT is a module, as in python -m")
@@ -72,6 +93,8 @@ def check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not args.collective_timeout > 0:
         raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
+    if not args.finished_grace >= 0:
+        raise ValueError(f"--finished-grace must be >= 0 seconds, got {args.finished_grace}")
     if not args.as_module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} not found (for a module, pass -m {args.script})")
     return nproc
@@ -114,8 +137,18 @@ def failure_summary(script: str, failures: dict) -> str:
     return line
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """Until torchrun's agent installs its own (as it starts the workers), SIGTERM is raised as
+    the agent raises it, so that a stop during the rendezvous ends the same way."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
 def run(args: argparse.Namespace) -> int:
-    """`nanoddp run`: launch, wait, and return 0 or 1 with the failure summary on stderr."""
+    """`nanoddp run`: launch, wait, and return 0; 1 with the failure summary on stderr; 128 +
+    signal with one line when stopped by SIGTERM or Ctrl-C (torchrun has stopped the workers)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -123,17 +156,31 @@ def run(args: argparse.Namespace) -> int:
     nproc = check_args(args)
     nd.prepare_torchrun_launch()
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
-    with tempfile.TemporaryDirectory(prefix="nanoddp-run-") as scratch:
-        # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
-        argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, args.log_dir or scratch))
-        print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
-        try:
+    os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process (nanoddp.run.bootstrap)
+    if not getattr(args, "verbose", False):
+        _quiet_torchrun_logs()  # its warnings on a stop or a failure: this function prints one line instead
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    scratch = None if args.log_dir else make_private_dir("nanoddp-run-")  # swept by the next start if killed
+    # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
+    argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, args.log_dir or scratch))
+    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
+    try:
+        with watched_agent(args.finished_grace, args.fail_on_early_exit):
             torchrun(get_args_parser().parse_args(argv))
-        except ChildFailedError as exc:
-            print(failure_summary(args.script, exc.failures), file=sys.stderr)
-            return 1
-        finally:
-            del rendezvous_store  # referenced until the agent is done with it
+    except ChildFailedError as exc:
+        print(failure_summary(args.script, exc.failures), file=sys.stderr)
+        return 1
+    except EarlyExit as exc:  # the agent stopped the workers on its way out
+        print(exc, file=sys.stderr)
+        return 1
+    except (SignalException, KeyboardInterrupt) as exc:
+        sig = signal.Signals(exc.sigval) if isinstance(exc, SignalException) else signal.SIGINT
+        print(f"nanoddp run: stopped by {sig.name}", file=sys.stderr)
+        return 128 + sig
+    finally:
+        del rendezvous_store  # referenced until the agent is done with it
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
