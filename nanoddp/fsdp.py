@@ -1,0 +1,22 @@
+"""`nanoddp.fsdp`: torch.distributed.fsdp's FSDP2 names, on nanoddp's sharding.
+
+Why a face of its own: FSDP2 code should run with one changed import,
+`from nanoddp.fsdp import fully_shard, MixedPrecisionPolicy, ...`. Everything here has
+torch's name, signature and meaning; `settings` holds nanoddp's extra knobs (collectives
+backend, learned prefetch), read by each `fully_shard` call.
+"""
+
+from nanoddp.parallel.sharded.fsdp_init import FSDPSettings, fully_shard, settings
+from nanoddp.parallel.sharded.fsdp_module import FSDPModule, UnshardHandle
+from nanoddp.parallel.sharded.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FSDPSettings",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "settings",
+]

@@ -1,0 +1,183 @@
+"""The methods a module gains from `fully_shard`: FSDP2's `FSDPModule` surface.
+
+Why a mixin: `fully_shard` changes the module's class to a new `FSDP<Cls>` deriving from
+(`FSDPModule`, Cls), as torch does, so `isinstance(m, FSDPModule)` holds, the module keeps its
+own methods and attribute paths, and these methods are just there. Only the methods we
+implement exist: torch's others (custom collectives, streams, symmetric memory) are absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from nanoddp.parallel.sharded.fsdp_state import ModuleState
+
+
+class UnshardHandle:
+    """What `unshard(async_op=True)` returns: `wait()` makes the whole parameters usable."""
+
+    def __init__(self, state: ModuleState | None = None):
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.unshard()
+            self._state.unit.register(unsharded=True)
+            self._state = None
+
+
+class FSDPModule:
+    """Mixed in before the module's own class by `fully_shard`."""
+
+    _fsdp_state: ModuleState
+
+    def __new__(cls, *args, **kwargs):
+        """Constructing an `FSDP<Cls>` (as `nn.Sequential` slicing does) builds a plain `Cls`."""
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_states(self, recurse: bool = True) -> list[ModuleState]:
+        if not recurse:
+            return [self._fsdp_state]
+        return [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)]
+
+    # --- parameters ------------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's own parameters now (not its sharded submodules'). With
+        `async_op` the gather is only launched: the returned handle's `wait()` (or this module's
+        next forward) finishes it."""
+        state = self._fsdp_state
+        if state.unit is None:
+            return UnshardHandle() if async_op else None
+        state.unit.start_unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's whole parameters and register the shards again (not recursive)."""
+        if self._fsdp_state.unit is not None:
+            self._fsdp_state.unit.reshard()
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """This module's pre-forward launches these modules' all-gathers (instead of the learned next)."""
+        self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """This module's pre-backward launches these modules' all-gathers (instead of the learned next)."""
+        self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    # --- switches --------------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates whole gradients locally, with no reduce-scatter (gradient
+        accumulation); the next backward with True reduces the sum."""
+        for s in self._fsdp_states(recurse):
+            s.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free the whole parameters after forward (True) or keep them for backward (False)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for s in self._fsdp_states(recurse):
+            s.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free the whole parameters once a unit's gradients are reduced (True) or keep them."""
+        for s in self._fsdp_states(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code: every backward here already waits for all of its reductions
+        before it returns, which is what the last backward must do."""
+        self._fsdp_state.tree.is_last_backward = is_last_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters within the shard group but defers the all-reduce across
+        replicas, accumulating; the next backward with True all-reduces the sum."""
+        for s in self._fsdp_states(recurse):
+            if s.unit is not None:
+                s.unit.all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by `factor` instead of the data-parallel size."""
+        for s in self._fsdp_states():
+            if s.unit is not None:
+                s.unit.divide_factor = factor
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not all-gather this module's parameters (for modules whose
+        backward does not need them)."""
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+    # --- nanoddp's own -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's spelling of gradient accumulation: `set_requires_gradient_sync(False)` inside."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """`state_dict()` with every DTensor whole, as CPU tensors. Collective: all ranks call it."""
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+            for k, v in self.state_dict().items()
+        }
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (saved at any world size): each rank copies in its own rows."""
+        own = self.state_dict(keep_vars=True)
+        if set(state) != set(own):
+            missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+            raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
+        for name, target in own.items():
+            value = state[name]
+            if value.shape != target.shape:
+                got, want = tuple(value.shape), tuple(target.shape)
+                raise ValueError(f"{name}: state dict has shape {got}, the parameter {want}")
+            if isinstance(target, DTensor):
+                local = target._local_tensor
+                rows = -(-target.shape[0] // target.device_mesh.size(target.device_mesh.ndim - 1))
+                start = min(rows * target.device_mesh.get_local_rank(target.device_mesh.ndim - 1), target.shape[0])
+                local.copy_(value[start : start + local.shape[0]])
+            else:
+                target.copy_(value)
+
+    def sharded_bytes(self) -> dict[str, int]:
+        """Parameter and gradient bytes this rank holds now, over this module's tree."""
+        units = [s.unit for s in self._fsdp_states() if s.unit is not None]
+        grads = [p.sharded.grad for u in units for p in u.params] + [
+            p.unsharded.grad for u in units for p in u.params if p.unsharded is not None
+        ]
+        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads if g is not None]
+        grad_bytes = sum(g.numel() * g.element_size() for g in local)
+        return {"params": sum(u.resident_bytes() for u in units), "grads": grad_bytes}
+
+    def _apply(self, fn, recurse: bool = True):
+        """`to`, `to_empty`, `double()`...: reshard first, so only the DTensor shards (and the
+        buffers) are converted; the next all-gather allocates whole tensors to match."""
+        for s in self._fsdp_states():
+            if s.unit is not None:
+                s.unit.reshard()
+        return super()._apply(fn, recurse)
+
+
+def _state_of(module: nn.Module) -> ModuleState:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} is not sharded: call fully_shard on it first")
+    return module._fsdp_state

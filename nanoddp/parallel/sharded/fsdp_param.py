@@ -1,0 +1,127 @@
+"""One parameter under `fully_shard`: a DTensor shard between runs, a plain tensor while it runs.
+
+Why two objects per parameter: optimizers, `state_dict`, `clip_grad_norm_` and checkpoints
+must see what the rank owns (a `DTensor` sharded on dim 0, whose `shape` is still the global
+one, so FSDP2 code runs unchanged), while the module's own forward needs the whole tensor as a
+plain one. So the module's `_parameters` entry is swapped: `sharded` (an nn.Parameter wrapping
+a DTensor) normally, `unsharded` (an nn.Parameter of the full shape, in the compute dtype) from
+the unit's all-gather until it reshards.
+
+The cut is torch.chunk's along dim 0: each shard rank holds `rows = ceil(d0 / ws)` rows, the
+last ranks fewer or none. For the collectives every rank's part is padded to `rows` rows, so a
+unit's all-gather and reduce-scatter move equal-sized pieces (`padded_numel` per rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from nanoddp.parallel.sharded.mesh import MeshInfo
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """`param`'s rows of this shard rank as a DTensor, and a whole-tensor stand-in on demand."""
+
+    def __init__(self, param: nn.Parameter, mesh: MeshInfo, locations: list[tuple[nn.Module, str]]):
+        if param.dim() == 0:
+            raise ValueError("fully_shard shards along dim 0: a 0-dim parameter can't be sharded, ignore it")
+        if isinstance(param, DTensor):
+            raise ValueError("fully_shard takes plain parameters; this one is already a DTensor")
+        self.shape = param.shape
+        self.locations = locations  # every (module, name) this parameter is registered under
+        self.rows = -(-self.shape[0] // mesh.shard_size)  # ceil(d0 / ws)
+        self.row_numel = math.prod(self.shape[1:])
+        self.padded_numel = self.rows * self.row_numel  # this rank's part in the collectives
+        start = min(mesh.shard_rank * self.rows, self.shape[0])
+        self.local_rows = min(self.rows, self.shape[0] - start)
+        local = param.detach()[start : start + self.local_rows].clone()  # (local_rows, *shape[1:])
+        dtensor = DTensor.from_local(
+            local, mesh.mesh, mesh.placements, run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape)
+        )
+        self.sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self.unsharded: nn.Parameter | None = None
+        # The alias the all-gather writes through: its own version counter, so a refill before
+        # backward does not look like an in-place change to the tensors autograd saved.
+        self._unsharded_data: torch.Tensor | None = None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    def local(self) -> torch.Tensor:
+        """This rank's rows (local_rows, *shape[1:]): the DTensor's local tensor, no copy."""
+        return self.sharded._local_tensor
+
+    def padded_local(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's rows flat, zero-padded to `padded_numel`, in `dtype` (the all-gather input)."""
+        out = torch.zeros(self.padded_numel, dtype=dtype, device=self.local().device)  # (padded_numel,)
+        out[: self.local_rows * self.row_numel].copy_(self.local().reshape(-1))
+        return out
+
+    # --- the whole tensor ----------------------------------------------------------------------
+
+    def alloc_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tensor the all-gather's values go to, storage allocated; the same object every
+        step (autograd saved it), made anew only when `_apply` changed the dtype or device."""
+        u = self.unsharded
+        if u is None or u.dtype != dtype or u.device != device:
+            u = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device), requires_grad=self.requires_grad)
+            self.unsharded, self._unsharded_data = u, u.data
+            self.nbytes = u.untyped_storage().nbytes()
+        storage = self._unsharded_data.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.nbytes)
+        return self._unsharded_data
+
+    def free_unsharded(self) -> None:
+        """Give back the whole tensor's memory; the object stays valid for autograd's references."""
+        if self._unsharded_data is not None:
+            self._unsharded_data.untyped_storage().resize_(0)
+
+    def unsharded_allocated(self) -> bool:
+        return self._unsharded_data is not None and self._unsharded_data.untyped_storage().nbytes() > 0
+
+    def register(self, unsharded: bool) -> None:
+        """Put the whole (True) or the sharded (False) parameter where the module looks it up."""
+        p = self.unsharded if unsharded else self.sharded
+        for module, name in self.locations:
+            module._parameters[name] = p
+
+    # --- gradients ------------------------------------------------------------------------------
+
+    def padded_grad(self, dtype: torch.dtype, world_size: int) -> torch.Tensor:
+        """The whole gradient as (ws, padded_numel) in `dtype`, zero rows past d0 (zeros if None)."""
+        out = torch.zeros(world_size * self.padded_numel, dtype=dtype, device=self.local().device)
+        g = self.unsharded.grad if self.unsharded is not None else None
+        if g is not None:
+            out[: g.numel()].copy_(g.reshape(-1))
+        return out.view(world_size, self.padded_numel)
+
+    def accumulate_grad(self, padded: torch.Tensor) -> None:
+        """Hand this rank's reduced rows (padded_numel,) to the sharded parameter's `.grad`."""
+        local = padded[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
+        local = local.to(self.sharded.dtype)
+        grad = self.sharded.grad
+        if grad is None:
+            self.sharded.grad = DTensor.from_local(
+                local,
+                self.sharded.device_mesh,
+                self.sharded.placements,
+                run_check=False,
+                shape=self.shape,
+                stride=_contiguous_stride(self.shape),
+            )
+        else:
+            grad._local_tensor.add_(local)

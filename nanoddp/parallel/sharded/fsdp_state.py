@@ -1,0 +1,260 @@
+"""When a sharded module's parameters are gathered, freed and reduced: the forward and backward hooks.
+
+Why hooks and not a wrapper: FSDP2 code calls the module itself (`model(x)`), keeps its class
+and its attribute paths, so all the work happens in hooks `fully_shard` registers:
+  1. pre-forward: cast floating inputs to `param_dtype`; finish this unit's all-gather (started
+     here, or earlier by a prefetch or `unshard()`) and register the whole tensors; launch the
+     all-gathers of the units expected next (prefetch);
+  2. post-forward: register the DTensor shards again; free the whole tensors if
+     `reshard_after_forward` (autograd keeps the objects, their bytes come back in 3); hook the
+     outputs so backward reaching them runs 3; cast outputs to `output_dtype`;
+  3. pre-backward: all-gather again; prefetch the unit backward reaches next;
+  4. post-accumulate-grad hooks on the whole tensors: when every trainable one of a unit has its
+     gradient, launch the unit's reduce-scatter and free its whole tensors;
+  5. end of backward (an autograd engine callback, queued once per backward): launch the units
+     that began backward but never completed, wait for every reduce-scatter, hand the shards
+     their `.grad`, reshard everything.
+
+Prefetch, by default learned: the first step records the order in which units run forward and
+begin backward (every rank runs the same code, so every rank records the same order); from
+then on each unit launches the next one's all-gather before computing. The values are the same
+bytes gathered earlier, so results do not change. `set_modules_to_forward_prefetch` /
+`set_modules_to_backward_prefetch` replace the learned choice for a module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanoddp.parallel.sharded.fsdp_param import ShardedParam
+from nanoddp.parallel.sharded.fsdp_unit import ShardedUnit
+from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+from nanoddp.parallel.tensors import is_dataclass_instance, is_namedtuple, tensors_in
+
+
+def _in_backward() -> bool:
+    """True while autograd runs backward (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
+    """`obj` with every floating-point tensor cast to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if torch.is_floating_point(obj) else obj
+    if is_namedtuple(obj):
+        return type(obj)(*(cast_floats(x, dtype) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(cast_floats(x, dtype) for x in obj)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
+    if is_dataclass_instance(obj):
+        names = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{n: cast_floats(getattr(obj, n), dtype) for n in names})
+    return obj
+
+
+class ModuleState:
+    """What `fully_shard` attached to one module: its unit (None if it took no parameters),
+    its policies and switches, and the tree it belongs to."""
+
+    def __init__(self, module: nn.Module, unit: ShardedUnit | None, mp: MixedPrecisionPolicy, reshard: bool | None):
+        self.module = module
+        self.unit = unit
+        self.mp = mp
+        self.reshard_after_forward = reshard  # None: True except for the root
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.unshard_in_backward = True
+        self.forward_prefetch: list[ModuleState] | None = None  # explicit, else learned
+        self.backward_prefetch: list[ModuleState] | None = None
+        self.tree = TreeState(self)
+        self._hooked: set[int] = set()  # ids of whole tensors carrying our grad hook
+        self._fired: set[int] = set()  # ids of whole tensors whose gradient landed this backward
+        self._launched = False  # reduce-scatter launched in this backward
+        self._began_backward = False
+
+    def is_root(self) -> bool:
+        return self.tree.root is self
+
+    def resharding_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return not self.is_root()
+        return self.reshard_after_forward
+
+    # --- parameters ------------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Whole tensors ready (gathered now, or a prefetch waited for) and hooked for grads."""
+        unit = self.unit
+        if unit.unsharded and unit.stale():
+            unit.reshard()
+        unit.finish_unshard()
+        for p in unit.trainable():
+            if id(p.unsharded) not in self._hooked:
+                self._hooked.add(id(p.unsharded))
+                p.unsharded.register_post_accumulate_grad_hook(lambda _, p=p: self._on_grad(p))
+
+    def prefetch(self, targets: list[ModuleState]) -> None:
+        for t in targets:
+            if t.unit is not None and (not t.unit.unsharded or t.unit.stale()):
+                if t.unit.unsharded:
+                    t.unit.reshard()
+                t.unit.start_unshard()
+
+    # --- gradients -------------------------------------------------------------------------------
+
+    def _on_grad(self, p: ShardedParam) -> None:
+        self.tree.queue_final_callback()
+        self._fired.add(id(p.unsharded))
+        ready = all(id(q.unsharded) in self._fired for q in self.unit.trainable())
+        if self.requires_gradient_sync and not self._launched and ready:
+            self._launch()
+
+    def _launch(self) -> None:
+        self._launched = True
+        self.tree.pending.append(self.unit.start_reduce())
+        if self.reshard_after_backward:
+            self.unit.reshard()
+
+    def end_backward(self) -> None:
+        """Called by the tree's final callback, for every state, in tree order."""
+        began = self._began_backward or self._fired
+        if self.unit is not None and self.requires_gradient_sync and not self._launched and began:
+            self._launch()
+        self._fired, self._launched, self._began_backward = set(), False, False
+
+    def after_backward(self) -> None:
+        if self.unit is None:
+            return
+        if self.reshard_after_backward:
+            self.unit.reshard()
+        else:
+            self.unit.register(unsharded=False)
+
+
+class TreeState:
+    """Shared by every sharded module under one root (the outermost `fully_shard` call): the
+    learned orders and the end-of-backward bookkeeping."""
+
+    def __init__(self, root: ModuleState):
+        self.root = root
+        self.states: list[ModuleState] = [root]
+        self.learned_prefetch = True
+        self.forward_order: list[ModuleState] | None = None
+        self.backward_order: list[ModuleState] | None = None
+        self._recording: list[ModuleState] | None = None
+        self._backward_recording: list[ModuleState] = []
+        self.pending: list = []  # finishers of launched reduce-scatters, in launch order
+        self._callback_queued = False
+        self.is_last_backward = True  # set_is_last_backward: every backward waits anyway
+
+    def adopt(self, other: TreeState) -> None:
+        """`other`'s root was sharded before this root: its modules join this tree."""
+        for s in other.states:
+            s.tree = self
+            self.states.append(s)
+
+    # --- learned order ---------------------------------------------------------------------------
+
+    def forward_begins(self) -> None:
+        if self.backward_order is None and self._backward_recording:
+            self.backward_order = self._backward_recording
+        if self.forward_order is None:
+            self._recording = []
+
+    def forward_ends(self) -> None:
+        if self._recording is not None:
+            self.forward_order, self._recording = self._recording, None
+
+    def ran_forward(self, state: ModuleState) -> list[ModuleState]:
+        """Note `state`'s forward; the states whose all-gather to launch now."""
+        if self._recording is not None and state not in self._recording:
+            self._recording.append(state)
+        if state.forward_prefetch is not None:
+            return state.forward_prefetch
+        return self._after(self.forward_order, state)
+
+    def ran_backward(self, state: ModuleState) -> list[ModuleState]:
+        if self.backward_order is None and state not in self._backward_recording:
+            self._backward_recording.append(state)
+        if state.backward_prefetch is not None:
+            return state.backward_prefetch
+        return self._after(self.backward_order, state)
+
+    def _after(self, order: list[ModuleState] | None, state: ModuleState) -> list[ModuleState]:
+        if not self.learned_prefetch or order is None or state not in order:
+            return []
+        i = order.index(state)
+        return order[i + 1 : i + 2]
+
+    # --- end of backward -------------------------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._callback_queued = False
+        for s in self.states:
+            s.end_backward()
+        pending, self.pending = self.pending, []
+        for finish in pending:
+            finish()
+        for s in self.states:
+            s.after_backward()
+
+
+# --- the hooks -----------------------------------------------------------------------------------
+
+
+def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    state: ModuleState = module._fsdp_state
+    if state.mp.cast_forward_inputs and state.mp.param_dtype is not None:
+        args, kwargs = cast_floats(args, state.mp.param_dtype), cast_floats(kwargs, state.mp.param_dtype)
+    if _in_backward():  # a checkpoint recompute: the whole tensors must be there
+        if state.unit is not None:
+            state.unshard()
+            state.unit.register(unsharded=True)
+        return args, kwargs
+    tree = state.tree
+    if state.is_root():
+        tree.forward_begins()
+    if state.unit is not None:
+        state.unshard()
+        state.unit.register(unsharded=True)
+    state.prefetch(tree.ran_forward(state))
+    return args, kwargs
+
+
+def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    state: ModuleState = module._fsdp_state
+    if _in_backward():
+        if state.unit is not None:
+            state.unit.register(unsharded=False)
+        return cast_floats(output, state.mp.output_dtype)
+    if state.is_root():
+        state.tree.forward_ends()
+    if state.unit is not None:
+        state.unit.register(unsharded=False)
+        if state.resharding_after_forward():
+            state.unit.reshard()
+    outputs = [t for t in tensors_in(output) if t.requires_grad]
+    if outputs:
+        torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: pre_backward(state), mode="any")
+    return cast_floats(output, state.mp.output_dtype)
+
+
+def pre_backward(state: ModuleState) -> None:
+    state.tree.queue_final_callback()
+    state._began_backward = True
+    if state.unit is not None and state.unshard_in_backward:
+        state.unshard()
+    state.prefetch(state.tree.ran_backward(state))

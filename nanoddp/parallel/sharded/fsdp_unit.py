@@ -1,0 +1,168 @@
+"""One `fully_shard` call's parameters as one communication unit: one all-gather, one reduce-scatter.
+
+Why grouped: a collective per parameter would pay the per-message cost dozens of times per
+block. A unit lays its parameters' padded per-rank parts end to end (`ShardedParam.padded_numel`
+each, `numel` in all), so rank r's contribution to the all-gather is one flat tensor and the
+gathered buffer is (ws, numel) with rank r's parts in row r. Copy-out turns each parameter's
+column of that buffer back into its whole (d0, ...) tensor. Gradients go the other way: every
+parameter's padded whole gradient as a (ws, padded_numel) column, one reduce-scatter (AVG in
+the reduce dtype), each rank's row cut back into its parameters' `.grad` DTensors.
+
+States: sharded (only DTensors exist) -> gathering (an all-gather in flight, e.g. a prefetch)
+-> unsharded (whole tensors allocated and filled). `reshard()` frees the whole tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nanoddp.comm.backend import Collectives
+from nanoddp.parallel.sharded.fsdp_param import ShardedParam
+from nanoddp.parallel.sharded.mesh import MeshInfo
+from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+
+
+class ShardedUnit:
+    """The parameters one `fully_shard` call took, gathered and reduced together."""
+
+    def __init__(self, params: list[ShardedParam], mesh: MeshInfo, comm: Collectives, mp: MixedPrecisionPolicy):
+        self.params = params
+        self.mesh = mesh
+        self.comm = comm
+        self.mp = mp
+        self.numel = sum(p.padded_numel for p in params)
+        self.unsharded = False
+        self._gather: tuple[object, torch.Tensor] | None = None  # (work, output) in flight
+        self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the dp size
+        self.all_reduce = True  # HSDP: False skips the all-reduce across replicas (accumulation)
+        self._partial: torch.Tensor | None = None  # HSDP gradients reduce-scattered, not all-reduced yet
+        self._gathered_versions: tuple = ()
+
+    def compute_dtype(self) -> torch.dtype:
+        return self.mp.param_dtype or self.params[0].sharded.dtype
+
+    def reduce_dtype(self) -> torch.dtype:
+        return self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].sharded.dtype
+
+    # --- parameters ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def start_unshard(self) -> None:
+        """Launch the all-gather (asynchronously); no-op if unsharded or already in flight."""
+        if self.unsharded or self._gather is not None:
+            return
+        dtype = self.compute_dtype()
+        shard = torch.cat([p.padded_local(dtype) for p in self.params])  # (numel,)
+        ws = self.mesh.shard_size
+        if ws == 1:
+            self._gather = (None, shard)
+            return
+        output = torch.empty(ws * self.numel, dtype=dtype, device=shard.device)  # (ws * numel,)
+        work = self.comm.all_gather_into_tensor(output, shard, group=self.mesh.shard_group, async_op=True)
+        self._gather = (work, output)
+
+    def gathering(self) -> bool:
+        return self._gather is not None
+
+    @torch.no_grad()
+    def finish_unshard(self) -> None:
+        """Wait for the all-gather and copy every parameter's column out into its whole tensor."""
+        if self.unsharded:
+            return
+        self.start_unshard()
+        work, output = self._gather
+        self._gather = None
+        if work is not None:
+            work.wait()
+        ws = self.mesh.shard_size
+        columns = output.view(ws, self.numel)  # row r: rank r's parts, parameter after parameter
+        offset = 0
+        for p in self.params:
+            whole = p.alloc_unsharded(output.dtype, output.device)  # (d0, ...)
+            column = columns[:, offset : offset + p.padded_numel]  # (ws, padded_numel)
+            whole.view(-1).copy_(column.reshape(-1)[: whole.numel()])
+            offset += p.padded_numel
+        self.unsharded = True
+        self._gathered_versions = self._versions()
+
+    def _versions(self) -> tuple:
+        return tuple((id(p.local()), p.local()._version) for p in self.params)
+
+    def stale(self) -> bool:
+        """Unsharded, but a shard changed since (an optimizer step, a load, `to_empty`)."""
+        return self.unsharded and self._versions() != self._gathered_versions
+
+    def reshard(self) -> None:
+        """Free the whole tensors (waiting out a gather still in flight) and register the shards."""
+        if self._gather is not None:
+            work, _ = self._gather
+            self._gather = None
+            if work is not None:
+                work.wait()
+        for p in self.params:
+            p.free_unsharded()
+            p.register(unsharded=False)
+        self.unsharded = False
+
+    def register(self, unsharded: bool) -> None:
+        for p in self.params:
+            p.register(unsharded)
+
+    # --- gradients -------------------------------------------------------------------------------
+
+    def trainable(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.requires_grad]
+
+    @torch.no_grad()
+    def start_reduce(self):
+        """Launch the reduce-scatter of the whole gradients (which it frees). Returns a finisher:
+        call it (after backward) to wait and accumulate into the sharded `.grad`s."""
+        params = self.trainable()
+        if not params:
+            return lambda: None
+        ws, dtype = self.mesh.shard_size, self.reduce_dtype()
+        columns = [p.padded_grad(dtype, ws) for p in params]  # each (ws, padded_numel)
+        for p in params:
+            p.unsharded.grad = None
+        flat = torch.cat(columns, dim=1).reshape(-1)  # (ws * trainable numel,): rank r's row r
+        output = torch.empty(flat.numel() // ws, dtype=dtype, device=flat.device)
+        factor = self.divide_factor
+        op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM
+        work = None
+        if ws == 1:
+            output.copy_(flat)
+        else:
+            work = self.comm.reduce_scatter_tensor(output, flat, op=op, group=self.mesh.shard_group, async_op=True)
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            self._finish_reduce(params, output, flat)
+
+        return finish
+
+    def _finish_reduce(self, params: list[ShardedParam], output: torch.Tensor, _keep_alive: torch.Tensor) -> None:
+        replicas = self.mesh.replicate_group
+        if replicas is not None:
+            if self._partial is not None:
+                output += self._partial
+                self._partial = None
+            if not self.all_reduce:  # accumulate across micro-steps, all-reduce on the last
+                self._partial = output
+                return
+            op = dist.ReduceOp.AVG if self.divide_factor is None else dist.ReduceOp.SUM
+            self.comm.all_reduce(output, op=op, group=replicas)
+        if self.divide_factor is not None:
+            output.div_(self.divide_factor)
+        offset = 0
+        for p in params:
+            p.accumulate_grad(output[offset : offset + p.padded_numel])
+            offset += p.padded_numel
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Parameter bytes held now: the shards plus any allocated whole tensors."""
+        held = sum(p.local().numel() * p.local().element_size() for p in self.params)
+        return held + sum(p.nbytes for p in self.params if p.unsharded_allocated())

@@ -1,0 +1,60 @@
+"""Which ranks a sharded module's parameters are cut over, and which hold copies.
+
+Why a mesh and not a process group: FSDP2 code passes a `DeviceMesh`, and the sharded
+parameters are DTensors that name it, so `full_tensor()`, `clip_grad_norm_` and
+`torch.distributed.checkpoint` know where the other shards are. A 1-D mesh shards over all of
+it (`Shard(0)`); a 2-D mesh is HSDP: dim 0 replicates, dim 1 shards (`Replicate(), Shard(0)`).
+This module turns a mesh into the process groups and coordinates the collectives need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+def default_mesh() -> DeviceMesh:
+    """Every rank of the default group on one dimension, on the default group's device type."""
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialised (nanoddp.init or init_process_group)")
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The groups one unit's collectives run over: all-gather / reduce-scatter within
+    `shard_group` (`shard_size` ranks, this one `shard_rank`), then, for HSDP, an all-reduce of
+    the gradient shards across `replicate_group`."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> MeshInfo:
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"fully_shard takes a 1-D (FSDP) or 2-D (HSDP) mesh, got {mesh.ndim}-D")
+        shard_dim = mesh.ndim - 1
+        replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+        placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        return cls(
+            mesh=mesh,
+            shard_group=mesh.get_group(shard_dim),
+            shard_size=mesh.size(shard_dim),
+            shard_rank=mesh.get_local_rank(shard_dim),
+            replicate_group=replicate,
+            placements=placements,
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: shard group times replicas."""
+        return self.mesh.size()
