@@ -61,6 +61,7 @@ def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(move_to(x, device, non_blocking) for x in obj)
     if isinstance(obj, Mapping):
-        return type(obj)((k, move_to(v, device, non_blocking)) for k, v in obj.items())
+        mapping_type: Any = type(obj)
+        return mapping_type((k, move_to(v, device, non_blocking)) for k, v in obj.items())
     names = [f.name for f in dataclasses.fields(obj) if f.init]  # a dataclass (contains_tensor)
     return dataclasses.replace(obj, **{n: move_to(getattr(obj, n), device, non_blocking) for n in names})

@@ -11,6 +11,7 @@ moment its last gradient lands, while backward keeps computing the earlier layer
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class Bucket:
     (with gradient_as_bucket_view those views *are* the parameters' `.grad`).
     """
 
-    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], param_indices: Sequence[int], dtype=None):
+    def __init__(self, index: int, params: Sequence[torch.Tensor], param_indices: Sequence[int], dtype=None):
         self.index = index
         self.params = list(params)
         self.param_indices = list(param_indices)  # positions in the engine's parameter list
@@ -91,7 +92,7 @@ class Bucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.pending = len(self.params)  # gradients still to land this iteration
-        self.handle = None  # a Work (default all-reduce) or a Future (comm hook) while in flight
+        self.handle: Any = None  # a Work (default all-reduce) or a Future (comm hook) while in flight
 
     @property
     def nbytes(self) -> int:

@@ -114,7 +114,7 @@ def sync_final_model(reducer: Reducer, module: nn.Module, broadcast_buffers: boo
     if reducer.world_size == 1:
         return
     src = common_rank(reducer, is_last_joiner)
-    tensors = list(module.parameters())
+    tensors: list[torch.Tensor] = list(module.parameters())
     if broadcast_buffers:
         tensors += list(module.buffers())
     broadcast_coalesced(tensors, reducer.collectives, reducer.group, src)

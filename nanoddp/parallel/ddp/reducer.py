@@ -101,7 +101,7 @@ class Reducer:
         (e.g. a tied embedding arrives last) is recorded during the first backward. Rank 0's order
         is broadcast so that every rank builds identical buckets.
         """
-        if len(self._ready_order) != len(self.params):  # a joined rank that never ran a backward
+        if self._ready_order is None or len(self._ready_order) != len(self.params):  # a joined rank: no backward
             self._ready_order = [i for bucket in self.buckets for i in bucket.param_indices]
         order = torch.tensor(self._ready_order, dtype=torch.int64)  # (P,)
         self.collectives.broadcast(order, src=self.src, group=self.group)
@@ -149,7 +149,7 @@ class Reducer:
         self._hook_counts = [0] * len(self.params)
         self._arrival: list[int] = []  # static_graph's first iteration: first-hook order
         self._next_bucket = 0
-        self._last_hook_future = None
+        self._last_hook_future: torch.futures.Future | None = None
         self.backward_started = False
         self.sync_this_backward = False
         for bucket in self.buckets:
@@ -193,7 +193,9 @@ class Reducer:
         self._ready[index] = True
         if self._ready_order is not None:
             self._ready_order.append(index)
-        bucket, slot = self._slot_of[index]
+        entry = self._slot_of[index]
+        assert entry is not None, f"parameter {index} has no bucket slot"  # only reduced ones reach here
+        bucket, slot = entry
         param, view = self.params[index], bucket.views[slot]
         grad = param.grad
         if grad is None:

@@ -155,6 +155,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return  # the same object, as a pass-through: no hooks, no communication
         collectives = self.reducer.collectives
         if args.delayed:
+            assert param_to_hook_all_reduce is not None  # resolve_args checked it with the delayed names
             self._delayed = DelayedAllReduce(
                 args.delayed, param_to_hook_all_reduce, collectives, process_group, self._world_size, src
             )

@@ -269,9 +269,11 @@ class DataParallel(nn.Module):
         devices = self.device_ids[: len(scattered_inputs)]
         per_replica = zip(scattered_inputs, scattered_kwargs, strict=True)
         sizes = [batch_size_of(args_and_kwargs, self.dim) for args_and_kwargs in per_replica]
-        self.replica_batch_sizes = None if None in sizes else sizes
+        known = [size for size in sizes if size is not None]
+        self.replica_batch_sizes = known if len(known) == len(sizes) else None
         replicas = self.replicate(self.module, devices)
         outputs = self.parallel_apply(replicas, scattered_inputs, scattered_kwargs, devices)
+        assert self.output_device is not None  # set whenever device_ids is
         return self.gather(outputs, self.output_device)
 
     # The four steps as methods, so a subclass can swap one (torch's structure).

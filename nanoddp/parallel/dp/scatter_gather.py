@@ -89,7 +89,8 @@ def _scatter_one(obj: Any, devices: Sequence[torch.device], dim: int) -> list:
         return [type(obj)(parts) for parts in _per_device(obj, devices, dim)]
     if isinstance(obj, Mapping):
         keys = list(obj)
-        return [type(obj)(zip(keys, parts, strict=True)) for parts in _per_device(obj.values(), devices, dim)]
+        mapping_type: Any = type(obj)
+        return [mapping_type(zip(keys, parts, strict=True)) for parts in _per_device(obj.values(), devices, dim)]
     if is_dataclass_instance(obj):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         fields = [getattr(obj, n) for n in names]
@@ -164,7 +165,8 @@ def _gather_one(outputs: list, target: torch.device, dim: int) -> Any:
         if any(set(o) != set(first) for o in outputs):
             keys = [sorted(o) for o in outputs]
             raise ValueError(f"gather: replicas returned dicts with different keys {keys}")
-        return type(first)((k, _gather_one([o[k] for o in outputs], target, dim)) for k in first)
+        mapping_type: Any = type(first)
+        return mapping_type((k, _gather_one([o[k] for o in outputs], target, dim)) for k in first)
     if isinstance(first, (tuple, list)):
         if any(len(o) != len(first) for o in outputs):
             raise ValueError(f"gather: replicas returned sequences of lengths {[len(o) for o in outputs]}")

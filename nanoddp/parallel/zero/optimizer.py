@@ -115,6 +115,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     work under `Join([ddp_model, optimizer])` (nanoddp.parallel.zero.join).
     """
 
+    _inner: Optimizer  # set after Optimizer.__init__, whose add_param_group calls come first
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -133,7 +135,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             )
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {sorted(PARTITIONS)}, got {partition!r}")
-        self._inner: Optimizer | None = None  # add_param_group runs inside super().__init__
         Joinable.__init__(self)
         self._group = process_group
         collectives = collectives_for(comm_backend)  # checks the name too
@@ -203,7 +204,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its parameters are shared out continuing the current balance."""
         super().add_param_group(param_group)
-        if self._inner is None:  # called from Optimizer.__init__; partitioned right after
+        if not hasattr(self, "_inner"):  # called from Optimizer.__init__; partitioned right after
             return
         group = self.param_groups[-1]
         self._local.update(self._partition.add(group["params"]))  # a flat space of its own
@@ -224,7 +225,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
             outer.update(_hyperparams(inner))
 
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+    def step(  # type: ignore[override]  # torch's ZeRO signature: one method, not torch.optim's overloads
+        self, closure: Callable[[], float] | None = None, **kwargs: Any
+    ) -> float | None:
         """Update this rank's shard, then broadcast every shard from its owner.
 
         Collective: every rank must call it. Returns the closure's loss, if any.
@@ -300,6 +303,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"to must be a rank of the optimizer's process group, in [0, {self.world_size}), got {to!r}"
             )
         local = (self._local_state(), self._local_ranges())
+        shards: list[Any] | None
         if self.world_size == 1:
             shards = [local]
         else:
@@ -309,7 +313,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._consolidated = None
             return
         parts: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-        for state, ranges in shards:
+        for state, ranges in shards or ():
             for i, value in state.items():
                 parts.setdefault(i, []).append((*ranges[i], value))
         all_params = [p for group in self.param_groups for p in group["params"]]

@@ -23,8 +23,8 @@ broadcast per owner. State per rank is off the mean by up to one parameter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +33,16 @@ from nanoddp.parallel.sharded.flat import FlatLayout
 
 # (local tensor the inner optimizer steps on, parameter, start, stop): elements [start, stop) of it
 Local = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+class Partition(Protocol):
+    """What the optimizer asks of a partition (the module docstring says when each runs)."""
+
+    def add(self, params: list[torch.Tensor]) -> dict[torch.Tensor, Local]: ...
+    def prepare_grads(self) -> None: ...
+    def owned_by(self, rank: int, index_of: dict[torch.Tensor, int]) -> list[Any]: ...
+    def local_numel(self) -> int: ...
+    def sync(self) -> None: ...
 
 
 def assign_owners(numels: list[int], world_size: int, loads: list[int] | None = None) -> list[int]:
@@ -201,4 +211,4 @@ def cut_state(state: dict[str, Any], numel: int, start: int, stop: int, local: t
     }
 
 
-PARTITIONS = {"element": ElementPartition, "parameter": ParameterPartition}
+PARTITIONS: dict[str, Callable[..., Partition]] = {"element": ElementPartition, "parameter": ParameterPartition}
