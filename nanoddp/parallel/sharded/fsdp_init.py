@@ -121,6 +121,8 @@ def fully_shard(
     module._fsdp_state = state
     module.register_forward_pre_hook(pre_forward, with_kwargs=True)
     module.register_forward_hook(post_forward, with_kwargs=True)
+    if unit is not None:  # load_state_dict(assign=True) replaces the registered shards
+        module.register_load_state_dict_post_hook(unit.adopt_registered)
     logger.debug("fully_shard %s: %d params over %d ranks", cls.__name__, len(sharded), info.shard_size)
     return module
 

@@ -99,6 +99,18 @@ class ShardedParam:
         for module, name in self.locations:
             module._parameters[name] = p
 
+    def adopt_registered(self) -> None:
+        """After `load_state_dict(assign=True)` put a new DTensor where the shard was: take it as
+        the shard (on every location of a tied parameter)."""
+        module, name = self.locations[0]
+        p = module._parameters[name]
+        if p is self.sharded or p is self.unsharded or p is None:
+            return
+        if not isinstance(p, DTensor) or p.shape != self.shape or p.to_local().shape[0] != self.local_rows:
+            raise ValueError(f"{name}: assigned {type(p).__name__} {tuple(p.shape)} is not this shard's DTensor")
+        self.sharded = p if isinstance(p, nn.Parameter) else nn.Parameter(p, requires_grad=self.requires_grad)
+        self.register(unsharded=False)
+
     # --- gradients ------------------------------------------------------------------------------
 
     def padded_grad(self, dtype: torch.dtype, world_size: int) -> torch.Tensor:

@@ -105,6 +105,11 @@ class ShardedUnit:
             p.register(unsharded=False)
         self.unsharded = False
 
+    def adopt_registered(self, *_) -> None:
+        """A load_state_dict post-hook: shards replaced by `assign=True` become this unit's."""
+        for p in self.params:
+            p.adopt_registered()
+
     def register(self, unsharded: bool) -> None:
         for p in self.params:
             p.register(unsharded)
