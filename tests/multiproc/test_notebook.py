@@ -16,8 +16,9 @@ import time
 import nbformat
 import psutil
 import pytest
-from helpers import ROOT, WORLD_SIZE, cell_error, cell_text, execute_notebook, finish_cell, kernel_kwargs, run_cell
+from helpers import ROOT, WORLD_SIZE, cell_error, cell_text, execute_notebook, kernel_kwargs, run_cell
 from jupyter_client import KernelManager
+from kernel_idle import WIDEN_ABORT_WINDOW, finish_cell_until_idle
 
 from nanoddp.notebook import check_devices, parse_ranks, placement
 from nanoddp.notebook.worker import NO_VALUE, run_source
@@ -217,11 +218,13 @@ def test_interrupt_then_kernel_death(tmp_path):
         kc.wait_for_ready(timeout=120)
         reply, text = run_cell(kc, f"%load_ext nanoddp.notebook\n%dist_init --num-processes {WORLD_SIZE}")
         assert reply["status"] == "ok", text
+        # the next cell follows the interrupted one's end at once, and deterministically so
+        assert run_cell(kc, WIDEN_ABORT_WINDOW)[0]["status"] == "ok"
         loop = "%%distributed\ni = 0\nprint('looping', flush=True)\nwhile True:\n    i += 1"
         both_looping = lambda t: all(f"[rank {r}] looping" in t for r in range(WORLD_SIZE))  # noqa: E731
         msg_id, _ = run_cell(kc, loop, until=both_looping)
         km.interrupt_kernel()
-        reply = finish_cell(kc, msg_id)
+        reply = finish_cell_until_idle(kc, msg_id)
         assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
         reply, text = run_cell(kc, "%%distributed\nprint('after', i > 0)\nimport os\nos.getpid()")
         assert reply["status"] == "ok", text

@@ -19,8 +19,9 @@ from contextlib import contextmanager
 
 import psutil
 import pytest
-from helpers import WORLD_SIZE, finish_cell, kernel_kwargs, run_cell
+from helpers import WORLD_SIZE, kernel_kwargs, run_cell
 from jupyter_client import KernelManager
+from kernel_idle import finish_cell_until_idle
 
 # Each worker announces from a helper thread when its main thread (the cell) is inside
 # nanoddp.comm, so the test interrupts only once the collective is really in flight. 16 MiB:
@@ -190,7 +191,7 @@ def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
         msg_id, _ = run_cell(kc, cell, until=inside)
         time.sleep(1.0)  # let rank 0 settle into its blocking wait (the case SIGINT cannot reach)
         km.interrupt_kernel()
-        reply = finish_cell(kc, msg_id, timeout=120)
+        reply = finish_cell_until_idle(kc, msg_id, timeout=120)  # then the next cell is never aborted
         assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
         _check_recovered(kc, pids)
         assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
