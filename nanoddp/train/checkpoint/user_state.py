@@ -11,7 +11,14 @@ guarantees without adopting the Trainer. You name the objects, we sort them by k
 
 - modules are saved unwrapped (a DDP/DataParallel wrapper's inner module, so no `module.`
   prefix), from rank 0: data parallelism keeps the replicas identical;
-- a ZeRO optimizer (ours or torch's) is consolidated onto rank 0 first, so the file holds the
+- sharded objects (a model with DTensor parameters, `fully_shard`'s; a `zero2` model; our
+  `ZeroRedundancyOptimizer`; a torch optimizer over such a model's parameters, passed in the
+  same call) differ on every rank, so each rank writes its own shard file next to the file,
+  which is then a manifest of where every piece lies (`nanoddp.train.checkpoint.sharded`):
+  same world size, each rank gets its own pieces back bitwise; another one, each rank reads
+  the pieces it now holds from the files that have them. A module or optimizer whose shapes
+  differ across ranks in a way none of these explains is refused rather than saved as rank 0's;
+- torch's `ZeroRedundancyOptimizer` is consolidated onto rank 0 first, so the file holds the
   whole optimizer state and resumes on any world size;
 - anything else with `state_dict`/`load_state_dict` (optimizers, LR schedulers, GradScalers,
   `ResumableDistributedSampler`) is saved from rank 0; torch's `DistributedSampler` keeps its
@@ -35,9 +42,10 @@ iterator at another point of that stream than the uninterrupted run did.
 The file is a `nanoddp.train.checkpoint.snapshot` file: written atomically with a checksum, so a job
 killed mid-write leaves the previous file intact, and `load_state(directory)` skips a newest
 file that does not load (damaged, truncated, or holding what weights_only refuses: files older
-versions wrote), logging one line each, for the newest one that does. Both functions are
-collective when a process group is initialised: call them on every rank with the same names;
-a refusal or a failed write on rank 0 is the same error on every rank.
+versions wrote), logging one line each, for the newest one that does (a damaged shard file of
+a complete manifest is an error naming it: load an older step's file by name). Both functions
+are collective when a process group is initialised: call them on every rank with the same
+names; a refusal or a failed read or write on any rank is the same error on every rank.
 """
 
 from __future__ import annotations
@@ -55,12 +63,14 @@ from torch.utils.data import DistributedSampler
 from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
-from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.checkpoint import shard_files, sharded, snapshot
+from nanoddp.train.checkpoint.shard_files import SAME_ON_EVERY_RANK
 from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "nanoddp.save_state/1"
+FORMAT_SHARDED = "nanoddp.save_state/2"  # a manifest: some objects are in per-rank shard files
 _WRAPPERS = (
     torch.nn.parallel.DistributedDataParallel,
     torch.nn.DataParallel,
@@ -114,8 +124,6 @@ def _capture(obj: Any, kind: str, is_master: bool) -> Any:
 # Types `torch.load(weights_only=True)` rebuilds (torch._weights_only_unpickler's allowlist).
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.device, torch.dtype)
 _CONTAINERS = (dict, collections.OrderedDict, collections.Counter, list, tuple, set)
-# Rank 0's save_state error, raised as the same class on the other ranks (else RuntimeError).
-_SAME_ON_EVERY_RANK = {kind.__name__: kind for kind in (TypeError, ValueError, OSError, snapshot.SnapshotError)}
 
 
 def _type_name(value: Any) -> str:
@@ -209,33 +217,89 @@ def save_state(path: str | Path, **objects: Any) -> Path:
     target = _target_file(path, objects)  # checked on every rank, before any collective
     rank, world_size = _rank(), _world_size()
     rng = snapshot.capture_rng_state()
-    rng_per_rank: list[Any] | None = [rng]
+    modules, registry, kinds = _classify(objects)
+    shards = [name for name, kind in kinds.items() if kind in sharded.KINDS]
+    token = shard_files.new_token() if shards else None
+    saved = {
+        name: {"kind": kinds[name], "state": _capture(obj, kinds[name], rank == 0)}
+        for name, obj in objects.items()
+        if name not in shards
+    }
+    own_file, layouts, report = _save_own_shard(target, token, shards, objects, modules, kinds, registry)
+    mine = (rng, sharded.shapes(objects, modules, kinds), report)  # one gather: RNG streams, shapes, shard files
+    reports: list[Any] | None = [mine]
     if distributed():
-        rng_per_rank = [None] * world_size if rank == 0 else None
-        dist.gather_object(rng, rng_per_rank, dst=0)
-    saved = {}
-    for name, obj in objects.items():
-        kind = _kind(obj)
-        saved[name] = {"kind": kind, "state": _capture(obj, kind, rank == 0)}
+        reports = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, reports, dst=0)
     outcome, error = [None], None
     if rank == 0:
         try:
+            _check_reports(reports)
+            for name in shards:
+                sharded.merge(name, layouts[name], [r[2]["pieces"][name] for r in reports])
+                saved[name] = {"kind": kinds[name], "state": layouts[name]}
             for name, entry in saved.items():
                 where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
                 entry["state"] = _loadable(entry["state"], where)
-            state = {"format": FORMAT, "objects": saved, "rng": rng_per_rank, "world_size": world_size}
+            state = {"format": FORMAT, "objects": saved, "rng": [r[0] for r in reports], "world_size": world_size}
+            if shards:
+                state["format"] = FORMAT_SHARDED
+                state["shards"] = [{"file": r[2]["file"], "sha256": r[2]["sha256"]} for r in reports]
             snapshot.save(target, state)
+            shard_files.remove_unlisted(target, {entry["file"] for entry in state.get("shards", [])})
             logger.info("saved state %s (%s)", target, ", ".join(objects))
         except Exception as exc:  # every rank raises it, rather than wait for rank 0
             outcome, error = [(type(exc).__name__, str(exc))], exc
     if distributed():  # nobody returns (and maybe loads) before the file exists
         dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
     if outcome[0] is not None:
-        name, message = outcome[0]
-        raise _SAME_ON_EVERY_RANK.get(name, RuntimeError)(message)
+        if own_file is not None:
+            own_file.unlink(missing_ok=True)  # no manifest lists it
+        raise error if error is not None else SAME_ON_EVERY_RANK.get(outcome[0][0], RuntimeError)(outcome[0][1])
     return target
+
+
+def _classify(objects: dict[str, Any]) -> tuple[dict[str, torch.nn.Module], sharded.Registry, dict[str, str]]:
+    """The modules unwrapped, their flat-unit pieces, and every object's kind (alike on every rank)."""
+    modules = {name: unwrap(obj) for name, obj in objects.items() if isinstance(obj, (torch.nn.Module, SimpleDDP))}
+    registry = sharded.flat_registry(list(modules.values()))
+    kinds = {name: sharded.kind_of(obj, modules.get(name), registry) or _kind(obj) for name, obj in objects.items()}
+    return modules, registry, kinds
+
+
+def _save_own_shard(target, token, shards, objects, modules, kinds, registry):
+    """Write this rank's shard file: (its path, rank 0's layouts, report) where the report is
+    {file, sha256, pieces} or the (error class, message) that stopped it."""
+    if not shards:
+        return None, {}, None
+    path = None
+    try:
+        part, found, layouts = {}, {}, {}
+        for name in shards:
+            part[name], found[name], layouts[name] = sharded.capture(
+                name, objects[name], modules.get(name), kinds[name], registry, _rank() == 0
+            )
+            part[name] = _loadable(part[name], f"{name} (its shard)")
+        path = target.parent / shard_files.shard_name(target, token, _rank(), _world_size())
+        digest = shard_files.write_shard(path, part)
+        return path, layouts, {"file": path.name, "sha256": digest, "pieces": found}
+    except Exception as exc:
+        return path, {}, (type(exc).__name__, str(exc))
+
+
+def _check_reports(reports: list[Any]) -> None:
+    """Rank 0: the first rank's failed shard write, or an object saved whole whose shapes differ
+    across ranks (sharded by something not recognised: rank 0's alone would be half of it)."""
+    for _, _, report in reports:
+        if isinstance(report, tuple):
+            raise SAME_ON_EVERY_RANK.get(report[0], RuntimeError)(report[1])
+    for name, shapes in reports[0][1].items():
+        for rank, (_, other, _) in enumerate(reports):
+            if other[name] != shapes:
+                raise ValueError(
+                    f"save_state: {name} has other tensor shapes on rank {rank} than on rank 0, so it is "
+                    "sharded, by nothing save_state recognises: pass the sharded model in the same call"
+                )
 
 
 def _why(exc: BaseException) -> str:
@@ -297,6 +361,23 @@ def _restore(obj: Any, entry: dict[str, Any]) -> Any:
     return obj
 
 
+def _read(path: str | Path, objects: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """The file to load and its state, checked against the names asked for."""
+    resolved = _resolve(path)
+    if resolved is None:
+        return None
+    file, state = resolved
+    state = state if state is not None else _load(file)
+    if state.get("format") not in (FORMAT, FORMAT_SHARDED):
+        raise ValueError(f"{file} was not written by nanoddp.save_state (format {state.get('format')!r})")
+    missing = sorted(set(objects) - set(state["objects"]))
+    if missing:
+        raise ValueError(
+            f"{file} has no {missing}; it holds {sorted(state['objects'])}: load with the names save_state used"
+        )
+    return file, state
+
+
 def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     """Restore `objects` in place from `path` and return every saved entry by name.
 
@@ -305,23 +386,47 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     the newest valid `step-<N>.pt` is used, and None is returned if there is none yet (a first
     run). Each rank gets back its own RNG streams when the world size is the one that saved.
     """
-    resolved = _resolve(path)
-    if resolved is None:
+    found, error = None, None
+    try:
+        found = _read(path, objects)
+    except Exception as exc:  # e.g. a file one rank can't read: every rank raises, none waits
+        error = exc
+    shard_files.agree(error)
+    if found is None:
         logger.info("no saved state in %s: starting fresh", path)
         return None
-    file, state = resolved
-    state = state if state is not None else _load(file)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{file} was not written by nanoddp.save_state (format {state.get('format')!r})")
+    file, state = found
     saved = state["objects"]
-    missing = sorted(set(objects) - set(saved))
-    if missing:
-        raise ValueError(f"{file} has no {missing}; it holds {sorted(saved)}: load with the names save_state used")
     result = {name: entry["state"] for name, entry in saved.items() if entry["kind"] == "value"}
+    modules, registry, kinds = _classify(objects)
+    entries = {name: saved[name] for name in objects}
+    for name, entry in entries.items():  # a whole state into a sharded module: each rank cuts its pieces
+        if entry["kind"] == "module" and kinds[name] == "sharded_module":
+            entries[name] = {"kind": "sharded_module", "state": {"specs": {}, "whole": entry["state"]}}
+    shards = [name for name, entry in entries.items() if entry["kind"] in sharded.KINDS]
+    prepared = {}
+    if shards:  # read and compute every piece first: nothing changes unless every rank can load
+        ctx = {"reader": shard_files.ShardReader(file, state.get("shards", [])), "registry": registry}
+        ctx.update(rank=_rank(), world_size=_world_size(), saved_world_size=state["world_size"])
+        try:
+            for name in shards:
+                kind, layout = entries[name]["kind"], entries[name]["state"]
+                prepared[name] = sharded.prepare(name, objects[name], modules.get(name), kind, layout, ctx)
+        except Exception as exc:
+            error = exc
+        shard_files.agree(error)
     # Modules first: an optimizer that keeps its own copy of the parameters (ZeRO's pieces)
     # refreshes it from the model when its state is loaded.
-    for name in sorted(objects, key=lambda n: saved[n]["kind"] != "module"):
-        result[name] = _restore(objects[name], saved[name])
+    try:
+        for name in sorted(objects, key=lambda n: entries[n]["kind"] not in ("module", "sharded_module")):
+            if name in prepared:
+                sharded.apply(objects[name], modules.get(name), entries[name]["kind"], prepared[name])
+                result[name] = objects[name]
+            else:
+                result[name] = _restore(objects[name], entries[name])
+    except Exception as exc:
+        error = exc
+    shard_files.agree(error)
     rng = state["rng"]
     if len(rng) == _world_size():
         snapshot.restore_rng_state(rng[_rank()])
