@@ -4,6 +4,7 @@ warmup into a cosine decay. A `nanoddp.Trainer` user brings their own optimizer 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,3 +40,35 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def follow_steps_on_resume(scheduler: Any, saved_steps: int, steps: int, step: int) -> str | None:
+    """After a snapshot's scheduler state is loaded, when `steps` differs from the snapshot's:
+    the line to log, None when nothing changed (or there is no scheduler).
+
+    `steps` is the run's length, and the built-in warmup-cosine schedule is a function of it (as
+    nanoGPT's get_lr, or a Hugging Face Trainer's scheduler, follow the current max steps): it is
+    re-stretched over `steps` from where the run stands, which a fresh `steps`-long run would also
+    use from here on. LambdaLR's load_state_dict had restored the snapshot's length into it. A
+    user's scheduler is theirs: it keeps its saved state, and the line says so.
+    """
+    if scheduler is None or saved_steps == steps:
+        return None
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    changed = f"steps changed from {saved_steps} to {steps} on resume"
+    if not lambdas or not all(isinstance(f, WarmupCosine) for f in lambdas):
+        return (
+            f"{changed}: the lr_scheduler continues from its saved state at step {step}, lengths it saved "
+            f"(such as T_max) included; to follow {steps} steps, set them on trainer.scheduler before fit()"
+        )
+    before = scheduler.get_last_lr()[0]
+    for schedule in lambdas:
+        schedule.total = steps
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return (
+        f"{changed}: the warmup-cosine schedule is re-stretched over {steps} steps from step {step} "
+        f"(lr {before:.3g} -> {lrs[0]:.3g})"
+    )

@@ -44,7 +44,7 @@ from nanoddp.train.engines import build_engine
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
 from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master, distributed
-from nanoddp.train.recipe import WarmupCosine, make_optimizer
+from nanoddp.train.recipe import WarmupCosine, follow_steps_on_resume, make_optimizer
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
-            snapshot.atomic_write_bytes(self.run_dir / "config.json", _config_json(config, self.run_id))
+            snapshot.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
 
     def _maybe_resume(self) -> Path | None:
         """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
@@ -230,6 +230,10 @@ class Trainer:
         self._load_optimizer_state(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        saved_steps = int(state.get("config", {}).get("steps", self.config.steps))
+        note = follow_steps_on_resume(self.scheduler, saved_steps, self.config.steps, int(state["step"]))
+        if note and self.env.is_master:
+            logger.warning("%s", note)
         if self.scaler.is_enabled() and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -435,15 +439,6 @@ class Trainer:
         torch.save(model_state, buffer)
         snapshot.atomic_write_bytes(self.run_dir / "model.pt", buffer.getvalue())
         logger.info("saved %s", self.run_dir / "model.pt")
-
-
-def _config_json(config: TrainConfig, run_id: str) -> bytes:
-    """config.json: the run's id and fingerprint, then every config field."""
-    import json
-
-    values = to_dict(config)
-    record = {"run_id": run_id, "fingerprint": rundir.fingerprint(values), **values}
-    return (json.dumps(record, indent=2) + "\n").encode()
 
 
 def _every(step: int, interval: int) -> bool:

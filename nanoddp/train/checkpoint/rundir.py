@@ -139,6 +139,12 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def config_json(config: dict[str, Any], run_id: str) -> bytes:
+    """config.json: the run's id and fingerprint, then every config field."""
+    record = {"run_id": run_id, "fingerprint": fingerprint(config), **config}
+    return (json.dumps(record, indent=2) + "\n").encode()
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'name: saved -> current' for every fingerprint field that differs."""
     old, new = fingerprint_fields(saved), fingerprint_fields(current)
