@@ -16,9 +16,18 @@ import time
 import nbformat
 import psutil
 import pytest
-from helpers import ROOT, WORLD_SIZE, cell_error, cell_text, execute_notebook, kernel_kwargs, run_cell
+from helpers import (
+    ROOT,
+    WIDEN_ABORT_WINDOW,
+    WORLD_SIZE,
+    cell_error,
+    cell_text,
+    execute_notebook,
+    finish_cell_until_idle,
+    kernel_kwargs,
+    run_cell,
+)
 from jupyter_client import KernelManager
-from kernel_idle import WIDEN_ABORT_WINDOW, finish_cell_until_idle
 
 from nanoddp.notebook import check_devices, parse_ranks, placement
 from nanoddp.notebook.worker import NO_VALUE, run_source

@@ -19,9 +19,8 @@ from contextlib import contextmanager
 
 import psutil
 import pytest
-from helpers import WORLD_SIZE, kernel_kwargs, run_cell
+from helpers import WORLD_SIZE, finish_cell_until_idle, kernel_kwargs, run_cell
 from jupyter_client import KernelManager
-from kernel_idle import finish_cell_until_idle
 
 # Each worker announces from a helper thread when its main thread (the cell) is inside
 # nanoddp.comm, so the test interrupts only once the collective is really in flight. 16 MiB:
