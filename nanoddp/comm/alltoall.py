@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import cached_rounds, header_round, watchdog
+from nanoddp.comm import cached_rounds, header_round, watchdog, wire
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
 from nanoddp.comm.transport import Peers, wait_all
@@ -136,10 +136,10 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
         header,
         device,
         lambda p: counts,
-        combine=lambda pick, p: torch.cat([header_round.as_bytes(pick(q)) for q in range(n)]),
+        combine=lambda pick, p: torch.cat([wire.as_bytes(pick(q)) for q in range(n)]),
         same_for_all=True,
     )
-    table = header_round.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
+    table = wire.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
     wrong = [(i, j) for i in range(n) for j in range(n) if table[i][j] != table[j][n + i]]
     if wrong:
         shown = "; ".join(

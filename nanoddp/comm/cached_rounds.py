@@ -11,10 +11,12 @@ views, header rows and checks per call; a prepared round makes them once for one
 copies the payload in, sends and receives, compares the header rows with the ones it expects and
 copies out what arrived.
 
-The wire format is the frames' own (same tag, same header slots, same buffers), so a peer that
-took the general path, or made a mismatched or invalid call, is checked exactly as there and every
-rank raises the same error (`header_round.check_table`). Prepared rounds live with the frames they use
-(`FrameBuffers.rounds`), so they are dropped when the frames are re-made.
+The wire is the general round's own (`nanoddp.comm.wire`: same tag, header slots, buffers,
+counter and verdict), so a peer that took the general path, or made a mismatched or invalid call,
+is checked exactly as there and every rank raises the same error. Which calls run here is
+`nanoddp.comm.plan`'s choice (`Path.PAIR`, `Path.STAR`). Prepared rounds live with the frames they
+use (`FrameBuffers.rounds`), so they are dropped when the frames are re-made, and remembered calls
+when any of `plan`'s thresholds changes.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import header_round
-from nanoddp.comm.header_round import ERRORS, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
+from nanoddp.comm import header_round, plan, wire
+from nanoddp.comm.header_round import check_at_hub
 from nanoddp.comm.transport import Peers
+from nanoddp.comm.wire import COLLECTIVES, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
 
 MAX_ROUNDS = 256  # prepared signatures kept per group (a training loop uses a handful)
 
@@ -42,8 +45,8 @@ class PairRound:
         other = 1 - peers.rank
         out_bytes, in_bytes = out_numel * dtype.itemsize, in_numel * dtype.itemsize
         self._peers, self._group, self._other = peers, peers.group, other
-        self._mine = [*header, out_bytes, 0, 0]  # this rank's header slots (header_round.HEADER_BYTES)
-        self._expected = [*header, in_bytes, 0, 0]  # the peer's, if it made the same call
+        self._mine = wire.up_slots(header, out_bytes)  # this rank's header slots
+        self._expected = wire.up_slots(header, in_bytes)  # the peer's, if it made the same call
         self._out_slots, self._in_slots = bufs.slot_arrays()
         out_row, self._in_row = bufs.out_rows[other], bufs.in_rows[other]
         self._frame = out_row[: HEADER_BYTES + out_bytes]
@@ -53,17 +56,15 @@ class PairRound:
     def run(self) -> torch.Tensor:
         """Send this rank's frame (header + `outgoing`), receive the peer's, check them; return
         `incoming`, the peer's payload (valid until the group's next collective)."""
-        peers, other = self._peers, self._other
+        return wire.counted(self._peers, self._run)
+
+    def _run(self) -> torch.Tensor:
+        other = self._other
         self._out_slots[other] = self._mine
-        try:
-            received = self._group.recv(
-                [self._in_row], other, TAG_FRAME
-            )  # receive first: gloo sends once it is announced
-            sent = self._group.send([self._frame], other, TAG_FRAME)
-            received.wait()
-            sent.wait()
-        finally:
-            peers.calls += 1  # every round counts, passed or raised (transport.Peers.call_tags)
+        received = self._group.recv([self._in_row], other, TAG_FRAME)  # first: gloo sends once it is announced
+        sent = self._group.send([self._frame], other, TAG_FRAME)
+        received.wait()
+        sent.wait()
         theirs = self._in_slots[other].tolist()
         if theirs != self._expected:
             self._disagree(theirs)
@@ -73,12 +74,9 @@ class PairRound:
         """The peer's header row is not the expected one: raise what the general path raises."""
         table = [self._mine, theirs] if self._peers.rank == 0 else [theirs, self._mine]
         peer_payload = self._in_row[HEADER_BYTES : HEADER_BYTES + theirs[SLOT_NBYTES]]
-        header_round.check_table(table, lambda q: peer_payload if table[q] is theirs else None)
-        raise ValueError(  # same header, other payload size: the ranks' frame limits differ
-            f"nanoddp.comm: ranks agree on the call but not on its payload size (group rank "
-            f"{self._peers.rank} expected {self._expected[SLOT_NBYTES]} bytes, got {theirs[SLOT_NBYTES]}); "
-            "every rank must run the same nanoddp version with the same limits"
-        )
+        wire.check_table(table, lambda q: peer_payload if table[q] is theirs else None)
+        collective = COLLECTIVES[self._mine[0]]
+        wire.raise_payload_mismatch(collective, self._expected[SLOT_NBYTES], theirs[SLOT_NBYTES])
 
 
 def _cached(bufs: FrameBuffers, key: tuple, make):
@@ -91,12 +89,9 @@ def _cached(bufs: FrameBuffers, key: tuple, make):
 
 
 def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torch.device, out_numel: int,
-             in_numel: int) -> PairRound | None:  # fmt: skip
-    """The prepared round for this signature, or None where `header_round.one_round` must run it
-    (not 2 gloo ranks, or frames not on CPU, whose header slots are written through numpy)."""
-    if peers.size != 2 or not peers.gloo or device.type != "cpu":
-        return None
-    bufs = header_round.buffers(peers, device)
+             in_numel: int) -> PairRound:  # fmt: skip
+    """The prepared round for this signature (`plan.Path.PAIR`: 2 gloo ranks, frames on CPU)."""
+    bufs = wire.buffers(peers, device)
     key = (*header, out_numel, in_numel)
     return _cached(bufs, key, lambda: PairRound(peers, bufs, tuple(header), dtype, out_numel, in_numel))
 
@@ -106,8 +101,8 @@ def header_then(peers: Peers, header: list[int], device: torch.device, run: Call
     (already started: its receives are posted, its early piece sent). The round is cached at 2
     gloo ranks (a frame of header slots only; cheaper per call, docs/performance.md, "Per-call
     cost"), `header_round.one_round` elsewhere."""
-    if pair := pair_round(peers, header, torch.uint8, device, 0, 0):
-        pair.run()
+    if plan.header_round_path(peers.size, peers.backend, cpu=device.type == "cpu") is plan.Path.PAIR:
+        pair_round(peers, header, torch.uint8, device, 0, 0).run()
     else:
         header_round.one_round(peers, header, device)
     if run is not None:
@@ -124,31 +119,25 @@ class StarBroadcast:
         n, me, nbytes = peers.size, peers.rank, numel * dtype.itemsize
         self._peers, self._group, self._bufs, self._root = peers, peers.group, bufs, root
         self._out_slots, self._in_slots = bufs.slot_arrays()
-        self._mine = [*header, nbytes if me == root else 0, 0, 0]
+        self._mine = wire.up_slots(header, nbytes if me == root else 0)
         if me == 0:
-            self._expected = [[*header, nbytes if p == root else 0, 0, 0] for p in range(1, n)]  # rows 1..n-1
+            self._expected = [wire.up_slots(header, nbytes if p == root else 0) for p in range(1, n)]  # rows 1..n-1
             # One down frame for every rank but the root (group rank 0 never sends to itself, so its
             # outbox row 0 is free); the root, if not the hub, gets its verdict without data.
-            self._down_slots, self._root_slots = [0, 0, 0, 0, 0, nbytes, 0, 0], [0] * 8
+            self._down_slots, self._root_slots = wire.down_slots(0, nbytes), wire.down_slots(0, 0)
             self._down = bufs.out_rows[0][: HEADER_BYTES + nbytes]
             self._down_data = bufs.out_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]
             self._root_down = bufs.out_rows[root][:HEADER_BYTES]
             self._from_root = bufs.in_rows[root][HEADER_BYTES : HEADER_BYTES + nbytes]  # the root's up payload
         else:
-            self._expected_verdict = [0, 0, 0, 0, 0, 0 if me == root else nbytes, 0, 0]
+            self._expected_verdict = wire.down_slots(0, 0 if me == root else nbytes)
             self._up = bufs.out_rows[0][: HEADER_BYTES + (nbytes if me == root else 0)]
             self._up_data = bufs.out_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]
             self._from_hub = bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + nbytes]  # the data in the down frame
 
     def run(self, flat: torch.Tensor) -> None:
         """The broadcast of `flat` (1-D, contiguous; the root's is read, the others' written)."""
-        try:
-            if self._peers.rank == 0:
-                self._hub(flat)
-            else:
-                self._spoke(flat)
-        finally:
-            self._peers.calls += 1  # every round counts, passed or raised (transport.Peers.call_tags)
+        wire.counted(self._peers, self._hub if self._peers.rank == 0 else self._spoke, flat)
 
     def _spoke(self, flat: torch.Tensor) -> None:
         me, bufs = self._peers.rank, self._bufs
@@ -162,13 +151,8 @@ class StarBroadcast:
         verdict = self._in_slots[0].tolist()
         if verdict != self._expected_verdict:
             if not verdict[0]:  # passed, but with another payload size: the ranks' frame limits differ
-                raise ValueError(
-                    f"nanoddp.comm.broadcast: group rank 0 sent {verdict[SLOT_NBYTES]} bytes where "
-                    f"{self._expected_verdict[SLOT_NBYTES]} were expected; every rank must run the same nanoddp "
-                    "version with the same limits"
-                )
-            message = bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + verdict[SLOT_NBYTES]]
-            raise ERRORS[verdict[0]](bytes(message.tolist()).decode(errors="replace"))
+                wire.raise_payload_mismatch("broadcast", self._expected_verdict[SLOT_NBYTES], verdict[SLOT_NBYTES])
+            wire.raise_down_frame(verdict[0], bufs.in_rows[0][HEADER_BYTES : HEADER_BYTES + verdict[SLOT_NBYTES]])
         if me != self._root:
             flat.view(torch.uint8).copy_(self._from_hub)
 
@@ -181,7 +165,7 @@ class StarBroadcast:
         if rows != self._expected:
             table = [self._mine, *rows]
             payload_of = lambda q: bufs.in_rows[q][HEADER_BYTES : HEADER_BYTES + table[q][SLOT_NBYTES]]  # noqa: E731
-            header_round.check_at_hub(peers, bufs, lambda: _check_star(table, payload_of, self._expected), flat.device)
+            check_at_hub(peers, bufs, lambda: _check_star(table, payload_of, self._expected), flat.device)
         self._down_data.copy_(flat.view(torch.uint8) if root == 0 else self._from_root)
         self._out_slots[0] = self._down_slots
         if root != 0:
@@ -196,20 +180,15 @@ class StarBroadcast:
 def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -> None:
     """Raise what the general path raises for this table; if it passes (same calls, other payload
     sizes: the ranks' frame limits differ), raise that."""
-    header_round.check_table(table, payload_of)
-    raise ValueError(
-        "nanoddp.comm.broadcast: ranks agree on the call but not on its payload sizes (group ranks 1.."
-        f"{len(table) - 1} sent {[row[SLOT_NBYTES] for row in table[1:]]} bytes, expected "
-        f"{[row[SLOT_NBYTES] for row in expected]}); every rank must run the same nanoddp version with the same limits"
+    wire.check_table(table, payload_of)
+    wire.raise_payload_mismatch(
+        "broadcast", [row[SLOT_NBYTES] for row in expected], [row[SLOT_NBYTES] for row in table[1:]]
     )
 
 
-def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: int) -> StarBroadcast | None:
-    """The prepared broadcast for this signature, or None where `header_round.one_round` must run it
-    (not 3+ gloo ranks, or frames not on CPU)."""
-    if peers.size < 3 or not peers.gloo or flat.device.type != "cpu":
-        return None
-    bufs = header_round.buffers(peers, flat.device)
+def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: int) -> StarBroadcast:
+    """The prepared broadcast for this signature (`plan.Path.STAR`: 3+ gloo ranks, frames on CPU)."""
+    bufs = wire.buffers(peers, flat.device)
     key = (*header, "star")
     return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
 
@@ -243,13 +222,13 @@ def repeat_of(peers: Peers, key: tuple | None):
     """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
     if key is None or not peers.gloo:
         return None
-    return header_round.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
+    return wire.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
 
 
 def remember(peers: Peers, key: tuple | None, body) -> None:
     """Keep `body` (what the general path just chose for this call) for the call's repeats."""
     if key is not None:
-        repeats = header_round.buffers(peers, _CPU).repeats
+        repeats = wire.buffers(peers, _CPU).repeats
         if len(repeats) >= MAX_ROUNDS:
             repeats.clear()
         repeats[key] = body

@@ -4,7 +4,7 @@ A collective must fail the same way on every rank, or the ranks that passed thei
 forever for the one that did not. So a check never raises on the calling rank alone: the
 collective's body is replaced by `fail_everywhere`, which takes part in the header round like
 a valid call but sends its error message instead of data. Every rank (the valid ones too) then
-raises that rank's error, word for word (`header_round.raise_invalid`), and the group stays usable.
+raises that rank's error, word for word (`wire.raise_invalid`), and the group stays usable.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import header_round, plan, wire
+from nanoddp.comm import header_round, wire
 from nanoddp.comm.runner import GroupRunner, Work
 from nanoddp.comm.transport import Peers
 
@@ -42,7 +42,7 @@ def submit(runner: GroupRunner, kind: str, name: str, prepare: Callable[[], Prep
 
 def fail_everywhere(peers: Peers, kind: str, name: str, exc: Exception) -> None:
     """The body of an invalid call to `name`: one header round carrying the error, then every rank raises."""
-    code, message = header_round.error_frame(name, exc)
+    code, message = wire.error_frame(name, exc)
     header = [KIND[kind], 0, -1, -1, -1]
     device = default_device(peers)
     header_round.one_round(peers, header, device, lambda p: message.to(device), error=code)
@@ -131,11 +131,6 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
     """Copy a result computed in `flat` into the caller's tensor, unless `flat` is its view."""
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
-
-
-def fits(peers: Peers, kind: str, tensor: torch.Tensor) -> bool:
-    """Whether a `kind` call with this tensor (each rank's share) rides in the header round's frames."""
-    return plan.rides_in_frames(kind, nbytes(tensor), peers.size, peers.gloo)
 
 
 def land(flat: torch.Tensor, result: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, header_round
+from nanoddp.comm import cached_rounds, header_round, wire
 from nanoddp.comm.cached_rounds import header_then
 from nanoddp.comm.checks import Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
 from nanoddp.comm.exchange import start_exchange_reduce
@@ -290,7 +290,7 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
             head,
             device,
             lambda p: in_flat if p is None else in_flat[p * m : (p + 1) * m],
-            select=lambda whole, p: header_round.as_bytes(whole)[p * share : (p + 1) * share],
+            select=lambda whole, p: wire.as_bytes(whole)[p * share : (p + 1) * share],
             combine=combine,
         )
         land(out_flat, result)

@@ -122,6 +122,12 @@ def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = Tru
     return _BULK[op]
 
 
+def header_round_path(world_size: int, backend: str, *, cpu: bool = True) -> Path:
+    """How a header round without data runs (before a bulk phase, a barrier): by the cached pair
+    round at 2 gloo ranks with frames on CPU (cheaper per call), else the general round."""
+    return Path.PAIR if world_size == 2 and backend == "gloo" and cpu else Path.IN_FRAMES
+
+
 # --- the frames' limit ----------------------------------------------------------------------------
 
 # How many ranks' worth of data the largest frame of a one-round collective holds, in the star

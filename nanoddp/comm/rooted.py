@@ -13,14 +13,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, chain, header_round, plan
-from nanoddp.comm.checks import Prepared, check, fits, group_root, header, land, list_on_root, nbytes, op_name, submit
+from nanoddp.comm import cached_rounds, chain, header_round
+from nanoddp.comm.cached_rounds import header_then
+from nanoddp.comm.checks import Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
 from nanoddp.comm.checks import write_back as _write_back
 from nanoddp.comm.header_round import others_for, unpack
+from nanoddp.comm.plan import Path, plan
 from nanoddp.comm.reduce import reduce_in_rank_order
 from nanoddp.comm.runner import Work, runner_for
 from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.wire import as_bytes
 
 _submit, _header, _nbytes = submit, header, nbytes
 
@@ -47,27 +50,29 @@ def reduce(
 
 
 def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat, header = _flat(tensor), _header("reduce", tensor, op, root)
-    if tensor.numel() == 0 or n == 1 or not fits(peers, "reduce", tensor):
-        run = chain.start_chain_reduce(peers, flat, op, root) if tensor.numel() and n > 1 else None
-        cached_rounds.header_then(peers, header, tensor.device)
-        if run:
-            run()
-    else:
+    n, me, device = peers.size, peers.rank, tensor.device
+    data, head = _flat(tensor), _header("reduce", tensor, op, root)
+    path = plan("reduce", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.LOCAL:
+        return
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+    elif path is Path.CHAIN:
+        header_then(peers, head, device, chain.start_chain_reduce(peers, data, op, root))
+    else:  # IN_FRAMES
 
         def combine(pick, p: int) -> torch.Tensor | None:
             if p != root:
                 return None
-            out = flat if p == me else torch.empty_like(flat)  # the star's hub reduces for another root
+            out = data if p == me else torch.empty_like(data)  # the star's hub reduces for another root
             reduce_in_rank_order(op, [pick(q).view(tensor.dtype) for q in range(n)], out)
             return out
 
-        result = header_round.one_round(peers, header, tensor.device, lambda p: flat, combine=combine)
+        result = header_round.one_round(peers, head, device, lambda p: data, combine=combine)
         if me == root:
-            land(flat, result)
+            land(data, result)
     if me == root:
-        _write_back(tensor, flat)
+        _write_back(tensor, data)
 
 
 def broadcast(
@@ -103,39 +108,38 @@ def _pair_broadcast(pair: cached_rounds.PairRound, is_root: bool):
 
 
 def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None) -> None:
-    n, me = peers.size, peers.rank
-    flat, header = _flat(tensor), _header("broadcast", tensor, root=root)
-    if tensor.numel() == 0 or n == 1 or not fits(peers, "broadcast", tensor):
-        if not tensor.numel() or n == 1:
-            run = None
-        elif plan.plan("broadcast", _nbytes(flat), n, peers.backend) is plan.Path.DIRECT:
-            run = chain.start_direct_broadcast(peers, flat, root)
-        else:
-            run = chain.start_chain_broadcast(peers, flat, root)
-        cached_rounds.header_then(peers, header, tensor.device)
-        if run:
-            run()
-    elif star := cached_rounds.star_broadcast(peers, header, flat, root):
+    n, me, device = peers.size, peers.rank, tensor.device
+    data, head = _flat(tensor), _header("broadcast", tensor, root=root)
+    path = plan("broadcast", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.LOCAL:
+        return
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+    elif path is Path.DIRECT:
+        header_then(peers, head, device, chain.start_direct_broadcast(peers, data, root))
+    elif path is Path.CHAIN:
+        header_then(peers, head, device, chain.start_chain_broadcast(peers, data, root))
+    elif path is Path.STAR:
+        star = cached_rounds.star_broadcast(peers, head, data, root)
         cached_rounds.remember(peers, key, star.run)
-        star.run(flat)
-    elif pair := cached_rounds.pair_round(
-        peers, header, flat.dtype, flat.device, *((flat.numel(), 0) if me == root else (0, flat.numel()))
-    ):
-        run = _pair_broadcast(pair, me == root)
+        star.run(data)
+    elif path is Path.PAIR:
+        sizes = (data.numel(), 0) if me == root else (0, data.numel())
+        run = _pair_broadcast(cached_rounds.pair_round(peers, head, data.dtype, device, *sizes), me == root)
         cached_rounds.remember(peers, key, run)
-        run(flat)
-    else:
+        run(data)
+    else:  # IN_FRAMES
         result = header_round.one_round(
             peers,
-            header,
-            tensor.device,
-            lambda p: flat if me == root else None,
+            head,
+            device,
+            lambda p: data if me == root else None,
             combine=lambda pick, p: None if p == root else pick(root),
         )
         if me != root:
-            land(flat, result)
+            land(data, result)
     if me != root:
-        _write_back(tensor, flat)
+        _write_back(tensor, data)
 
 
 def scatter(
@@ -160,30 +164,34 @@ def scatter(
 
 
 def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat, header = _flat(tensor), _header("scatter", tensor, root=root)
+    n, me, device = peers.size, peers.rank, tensor.device
+    data, head = _flat(tensor), _header("scatter", tensor, root=root)
     flats = [_flat(t) for t in sources] if sources is not None else [None] * n
-    if tensor.numel() and fits(peers, "scatter", tensor):
+    path = plan("scatter", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+        return
+    if path is Path.LOCAL:
+        data.copy_(flats[me])
+    elif path is Path.IN_FRAMES:
         share = _nbytes(tensor)
         result = header_round.one_round(
             peers,
-            header,
-            tensor.device,
+            head,
+            device,
             lambda p: None if me != root else torch.cat(flats) if p is None else flats[p],
-            select=lambda whole, p: header_round.as_bytes(whole)[p * share : (p + 1) * share],
+            select=lambda whole, p: as_bytes(whole)[p * share : (p + 1) * share],
             combine=lambda pick, p: None if p == root else pick(root),
         )
-        land(flat, flats[me] if me == root else result)
-    else:
-        cached_rounds.header_then(peers, header, tensor.device)
-        if tensor.numel() == 0:
-            return
+        land(data, flats[me] if me == root else result)
+    else:  # DIRECT
+        header_then(peers, head, device, None)
         if me == root:
             wait_all([peers.isend(flats[p], p) for p in range(n) if p != me])
-            flat.copy_(flats[me])
+            data.copy_(flats[me])
         else:
-            peers.irecv(flat, root).wait()
-    _write_back(tensor, flat)
+            peers.irecv(data, root).wait()
+    _write_back(tensor, data)
 
 
 def gather(
@@ -208,24 +216,27 @@ def gather(
 
 
 def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:
-    n, me = peers.size, peers.rank
-    flat, header = _flat(tensor), _header("gather", tensor, root=root)
+    n, me, device = peers.size, peers.rank, tensor.device
+    data, head = _flat(tensor), _header("gather", tensor, root=root)
     flats = [_flat(t) for t in targets] if me == root else None
-    if tensor.numel() and n > 1 and fits(peers, "gather", tensor):
+    path = plan("gather", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    if path is Path.IN_FRAMES:
         others = others_for(n)
         result = header_round.one_round(
-            peers, header, tensor.device, lambda p: flat, combine=lambda pick, p: others(pick, p) if p == root else None
+            peers, head, device, lambda p: data, combine=lambda pick, p: others(pick, p) if p == root else None
         )
         if me == root:
             unpack(result, [flats[q] for q in range(n) if q != me])
-    else:
-        cached_rounds.header_then(peers, header, tensor.device)
-        if tensor.numel() and me != root:
-            peers.isend(flat, root).wait()
-        elif tensor.numel() and n > 1:
+    elif path is Path.HEADER_ONLY:
+        header_then(peers, head, device, None)
+    elif path is Path.DIRECT:
+        header_then(peers, head, device, None)
+        if me != root:
+            peers.isend(data, root).wait()
+        else:
             wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
     if me != root:
         return
-    flats[me].copy_(flat)
+    flats[me].copy_(data)
     for out, f in zip(targets, flats, strict=True):
         _write_back(out, f)

@@ -162,8 +162,8 @@ class GroupRunner:
 # Never traced by torch.compile (a compiled DDP forward reaches collectives): a collective is I/O on
 # shared buffers (its header slots are written through numpy views, which dynamo would turn into
 # writes on copies), so under a trace `submit` hands itself to this wrapper and dynamo breaks the
-# graph around it. Only then: the wrapper costs ~10 us per call on this VM, paid by every eager call
-# when `submit` itself was decorated.
+# graph around it. Only then: decorating `submit` itself would make every eager call pay the wrapper's
+# cost (docs/performance.md, "Per-call cost").
 _submit_eagerly = torch.compiler.disable(GroupRunner.submit)
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, header_round, pieces, plan
+from nanoddp.comm import ReduceOp, pieces, plan, wire
 from nanoddp.comm.runner import runner_for
 from nanoddp.env import new_group, subgroups_by
 
@@ -405,7 +405,7 @@ def _pair_mismatches(env) -> list[str]:
         still_right()
 
     still_right()
-    bufs = header_round.buffers(runner_for(None).peers, torch.device("cpu"))
+    bufs = wire.buffers(runner_for(None).peers, torch.device("cpu"))
     assert len(bufs.rounds) == 2, "the calls above must run as prepared rounds"
     assert len(bufs.repeats) == 2, "and be remembered: from here on, one rank's side is a repeat"
     expect_error(lambda: comm.all_reduce(torch.ones(5 if r == 1 else 4)))  # numel, both prepared
@@ -471,7 +471,7 @@ def _repeated_calls(env) -> None:
             _same(mine, ref, f"repeated all_gather_into_tensor {out_shape}")
 
     calls(async_op=False)
-    repeats = header_round.buffers(peers, torch.device("cpu")).repeats
+    repeats = wire.buffers(peers, torch.device("cpu")).repeats
     remembered = len(repeats)
     # broadcast: 2 numels x n roots; at 2 ranks also 3 all_reduces and 1 all_gather (both output
     # shapes hold 2 x 6 elements: one signature, as the key holds dtype and numel, not the shape)
@@ -489,7 +489,7 @@ def _repeated_calls(env) -> None:
     plan.INLINE_SEND_BYTES = plan.INLINE_MAX_BYTES = 0  # nothing rides in the frames: all take the bulk path
     try:
         calls(async_op=False)
-        assert not header_round.buffers(peers, torch.device("cpu")).repeats
+        assert not wire.buffers(peers, torch.device("cpu")).repeats
     finally:
         plan.INLINE_SEND_BYTES, plan.INLINE_MAX_BYTES = saved
     calls(async_op=False)
