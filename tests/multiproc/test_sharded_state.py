@@ -3,7 +3,7 @@ and a manifest says where every piece lies, so each rank gets its own pieces bac
 the same world size), another world size gets them resharded from the pieces that overlap, and
 a damaged shard file is one clear error on every rank instead of a hang or a silent swap.
 
-Engines: torch's `fully_shard` (DTensor parameters, AdamW state as DTensors), `zero2` (flat
+Engines: torch's and nanoddp's `fully_shard` (DTensor parameters, AdamW state as DTensors), `zero2` (flat
 element shards), our ZeRO-1 optimizer. The ws=3 references are the ws=2 run's whole tensors
 (`full_tensor()`, `full_state_dict()`, a consolidated ZeRO-1 state, and optimizer pieces glued
 by hand from each rank's element range), never the code under test.
@@ -22,10 +22,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import nanoddp
+import nanoddp.fsdp
 from nanoddp.parallel.sharded.zero2 import zero2
 from nanoddp.train.checkpoint import snapshot
 
-ENGINES = ("fsdp", "zero2", "zero1")
+ENGINES = ("fsdp", "nanoddp_fsdp", "zero2", "zero1")
 
 
 def _net(seed: int) -> nn.Module:
@@ -37,9 +38,10 @@ def _net(seed: int) -> nn.Module:
 def _build(engine: str, seed: int):
     """(model as trained, module whose state we read, optimizer) for `engine`, from seed `seed`."""
     net = _net(seed)
-    if engine == "fsdp":
+    if engine in ("fsdp", "nanoddp_fsdp"):  # torch's FSDP2, ours: DTensor parameters alike
+        shard = fully_shard if engine == "fsdp" else nanoddp.fsdp.fully_shard
         for layer in (net[0], net[2], net):
-            fully_shard(layer)
+            shard(layer)
         return net, net, torch.optim.AdamW(net.parameters(), lr=1e-2)
     if engine == "zero2":
         model = zero2(net, bucket_cap_mb=40 * 4 / 2**20)  # two buckets
@@ -72,7 +74,7 @@ def _locals(module: nn.Module, optimizer) -> dict[str, torch.Tensor]:
 
 def _wholes(engine: str, model, module: nn.Module, optimizer, env) -> dict:
     """Whole tensors (collective): model and optimizer state; zero2's optimizer as pieces to glue."""
-    if engine == "fsdp":
+    if engine in ("fsdp", "nanoddp_fsdp"):
         out = {f"model {k}": v.full_tensor() for k, v in module.state_dict().items()}
         for i, per_param in optimizer.state_dict()["state"].items():
             out.update(
