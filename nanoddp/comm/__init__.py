@@ -23,7 +23,7 @@ from nanoddp.comm.collectives import (
     reduce_scatter_tensor,
 )
 from nanoddp.comm.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
-from nanoddp.comm.plan import INLINE_MAX_BYTES, INLINE_SEND_BYTES
+from nanoddp.comm.plan import INLINE_MAX_BYTES, INLINE_SEND_BYTES  # values at import; set them in `plan`
 from nanoddp.comm.rooted import broadcast, gather, reduce, scatter
 from nanoddp.comm.runner import Work
 from nanoddp.comm.runner import runner_for as runner_for  # not torch's: the group's runner (tests, bench)

@@ -4,7 +4,8 @@ src/dst are *global* ranks, as in torch.distributed; the group may be a subgroup
 travel inside the header round (`nanoddp.comm.header_round`), which at 3+ ranks is a star through group
 rank 0: the check and the data share its two hops, and no pair of non-root ranks exchanges
 anything. Larger ones follow the header round with a pipelined chain (broadcast, reduce) or
-direct sends to or from the root (scatter, gather).
+direct sends to or from the root (scatter, gather). Each is check -> plan -> run, as the
+collectives in `nanoddp.comm.collectives`; `nanoddp.comm.plan` decides which.
 """
 
 from __future__ import annotations
