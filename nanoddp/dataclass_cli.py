@@ -14,19 +14,23 @@ import dataclasses
 import inspect
 import json
 import re
+import sys
 import textwrap
 import types
 import typing
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # Python 3.10
+else:  # Python 3.10
     import tomli as tomllib
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a dataclass type: build_config reads its fields
 
 
 @cache

@@ -72,9 +72,9 @@ def bucket_layout(model: nn.Module, clock: GradClock) -> list[list[int]] | None:
         index = {name: i for i, name in enumerate(clock.names)}
         return [[index[name] for name in bucket] for bucket in model.bucket_param_names] or None
     if isinstance(model, TorchDDP):
-        index = {id(p): i for i, p in enumerate(clock.params)}
+        by_id = {id(p): i for i, p in enumerate(clock.params)}
         buckets = model.reducer._get_zeros_like_grad_buckets()  # the reducer's buckets, in order
-        return [[index[id(p)] for p in bucket.parameters()] for bucket in buckets] or None
+        return [[by_id[id(p)] for p in bucket.parameters()] for bucket in buckets] or None
     return None
 
 

@@ -90,7 +90,7 @@ def _row(engine: str, n: int, ranks: list[dict], meta: dict) -> dict:
         **{k: statistics.median(s[k] for s in steps) for k in ("forward_s", "backward_s", "sync_s", "optimizer_s")},
         "comm_time_s": comm / len(steps), "exposed_comm_s": exposed / len(steps),
         "overlap_fraction": (1.0 - exposed / comm) if comm > 0 else None,
-        "bytes_sent_per_step": None if None in sent else sum(sent) / len(sent),
+        "bytes_sent_per_step": _mean(sent),  # None unless every step counted its bytes
         "peak_mem_bytes_per_rank": max(r["base_bytes"] + r["persistent_bytes"] + r["transient_bytes"]
                                        for r in ranks),
         "engine_resident_bytes_per_rank": max(r["persistent_bytes"] for r in ranks),
@@ -324,9 +324,10 @@ def write_memory_plot(path: str, data: dict) -> dict[str, dict[str, float]]:
     bottom = [0.0] * len(rows)
     names = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state",
              "transient_peak": "transient peak (RSS above the held tensors)"}  # fmt: skip
+    containers = {}
     for part in MEMORY_PARTS:
         heights = [r["memory_bytes_per_rank"][part] / MB for r in rows]
-        ax.bar(labels, heights, bottom=bottom, label=names[part])
+        containers[part] = ax.bar(labels, heights, bottom=bottom, label=names[part])
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set(ylabel="MiB per rank (largest rank)", title="per-rank memory by engine")
     ax.tick_params(axis="x", labelsize=7, labelrotation=40)
@@ -337,7 +338,7 @@ def write_memory_plot(path: str, data: dict) -> dict[str, dict[str, float]]:
     fig.tight_layout()
     drawn = {
         part: {label: patch.get_height() for label, patch in zip(labels, container.patches, strict=True)}
-        for part, container in zip(MEMORY_PARTS, ax.containers, strict=True)
+        for part, container in containers.items()
     }
     save_figure(path, fig)
     return drawn

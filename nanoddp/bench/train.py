@@ -32,6 +32,7 @@ import math
 import os
 import time
 from datetime import datetime, timezone
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ class _Runner:
             _forward_loss(self.engine)
         params = [p for p in module.parameters() if p.requires_grad]
         if name in ENGINE_REGISTRY and ENGINE_REGISTRY[name].zero_optimizer:
-            self.optimizer = nanoddp.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-4)
+            self.optimizer: torch.optim.Optimizer = nanoddp.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-4)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=3e-4)
         batch = spec["global_batch"] // (1 if name == "dp" else env.world_size)
@@ -135,8 +136,8 @@ class _Runner:
         base = "single" if name == ALLCORES else name
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
-        ddp = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
-        return engine, ddp
+        ours = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
+        return engine, ours
 
     def step(self) -> dict:
         """One training step; returns its phase times in seconds."""
@@ -163,9 +164,10 @@ class _Runner:
         t4 = time.perf_counter()
         sent1 = bytes_written()
         torch.set_num_threads(threads)
+        sent = None if sent0 is None or sent1 is None or self.env.device.type == "cuda" else sent1 - sent0
         sample = {"step_s": t4 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "sync_s": t3 - t2,
                   "optimizer_s": t4 - t3, **self._comm(t2, t3),
-                  "bytes_sent": None if sent0 is None or self.env.device.type == "cuda" else sent1 - sent0}  # fmt: skip
+                  "bytes_sent": sent}  # fmt: skip
         return {k: v if isinstance(v, int) or v is None else round(v, 7) for k, v in sample.items()}
 
     def _comm(self, backward_end: float, sync_end: float) -> dict:
@@ -179,9 +181,10 @@ class _Runner:
         if self.engine.sync_grads is not None:  # manual: handed over when the sync call starts
             start, end = backward_end, sync_end
         else:  # DDP: bucket 0 handed over from its last gradient's hook; done when backward returns
-            start, end = self.clock.first_handoff(self.layout or []), backward_end
-            if start is None:  # no bucket layout known for this wrapper (yet): not measured
+            handoff = self.clock.first_handoff(self.layout or [])
+            if handoff is None:  # no bucket layout known for this wrapper (yet): not measured
                 return {"comm_s": None, "exposed_comm_s": None}
+            start, end = handoff, backward_end
         return {"comm_s": end - start, "exposed_comm_s": end - last_grad}
 
 
@@ -312,6 +315,7 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
     _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
     # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
     backend = backend or nanoddp.env.default_backend(max(nprocs))
+    spec: dict[str, Any]  # read by every rank's _Runner; its values are of many types
     spec = {"engines": list(engines), "model": model, "overrides": dict(overrides or {}),
             "global_batch": global_batch, "steps": steps, "warmup": max(warmup, 2), "block": block,
             "threads_per_rank": threads_per_rank, "allcores_threads": os.cpu_count() or 1,

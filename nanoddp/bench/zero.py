@@ -19,6 +19,7 @@ import platform
 import resource
 import statistics
 import time
+from typing import Any
 
 import psutil
 import torch
@@ -62,7 +63,7 @@ def _bench_worker(
     cfg = gpt_config(preset)
     model = _wrap(GPT(cfg).to(env.device), ddp)
     if variant == "ddp_zero":
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(env.rank)
@@ -129,7 +130,13 @@ def run_benchmark(
                 seen[variant].append(_measure(variant, n, preset, ddp, batch_size, steps, warmup))
         by_variant = {}
         for variant, runs in seen.items():
-            row = {"model": preset, "world_size": n, "variant": variant, "rounds": rounds, "steps": steps}
+            row: dict[str, Any] = {
+                "model": preset,
+                "world_size": n,
+                "variant": variant,
+                "rounds": rounds,
+                "steps": steps,
+            }
             row["samples_per_s"] = statistics.median(m["samples_per_s"] for m in runs)
             for key in runs[0]:
                 if key != "samples_per_s":

