@@ -47,7 +47,7 @@ MUTATIONS = (
     ),
     Mutation(
         "ring reduction: fp16/bf16 accumulated in their own dtype",
-        "nanoddp/comm/ring.py",
+        "nanoddp/comm/reduce.py",
         "acc_dtype = torch.float32 if out.dtype in LOW_PRECISION else out.dtype",
         "acc_dtype = out.dtype",
         ("tests/multiproc/test_comm_precision.py", "-k", "low_precision"),
@@ -171,6 +171,27 @@ MUTATIONS = (
         "            _loopback_rendezvous(call)",
         "            pass",
         ("tests/reliability/test_loopback.py", "-k", "single_node"),
+    ),
+    Mutation(
+        "star broadcast: the hub skips the last rank's header",
+        "nanoddp/comm/cached_rounds.py",
+        "if rows != self._expected:",
+        "if rows[:-1] != self._expected[:-1]:",
+        ("tests/multiproc/test_comm_paths.py", "-k", "star_hub"),
+    ),
+    Mutation(
+        "remembered calls: kept after a threshold change",
+        "nanoddp/comm/wire.py",
+        "bufs.repeats.clear()",
+        "pass",
+        ("tests/multiproc/test_comm_paths.py", "-k", "dropped"),
+    ),
+    Mutation(
+        "plan: the exchange limit off by one",
+        "nanoddp/comm/plan.py",
+        "nbytes <= EXCHANGE_MAX_BYTES",
+        "nbytes < EXCHANGE_MAX_BYTES",
+        ("tests/unit/test_plan.py",),
     ),
 )
 
