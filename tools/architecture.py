@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("env", "launch", "tempdirs", "dataclass_cli")),
     ("models", ("models",)),
     ("comm", ("comm",)),
-    ("parallel", ("parallel",)),
+    ("parallel", ("parallel", "fsdp")),  # `nanoddp.fsdp` is the face of parallel/sharded's FSDP2
     ("train", ("train",)),
     ("apps", ("bench", "notebook", "run", "cli", "__main__", "")),
 )
