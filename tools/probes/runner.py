@@ -22,7 +22,18 @@ from .registry import PROBES, Probe, Row
 
 DESCRIPTION = "Reliability probes: nanoddp used the way a careless or unlucky user would use it."
 # The probe families, in table order: each registers its probes when imported.
-FAMILIES = ("run_dir", "interrupts", "collectives", "before_workers", "private", "no_leftovers")
+FAMILIES = (
+    "run_dir",
+    "interrupts",
+    "collectives",
+    "before_workers",
+    "private",
+    "no_leftovers",
+    "run_lifecycle",
+    "saved_state",
+    "sharded_state",
+    "trainer_ownership",
+)
 for family in FAMILIES:
     importlib.import_module(f"{__package__}.{family}")
 
