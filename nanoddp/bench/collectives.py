@@ -139,6 +139,13 @@ _ALGORITHM = {
     Path.CHAIN: "pipelined chain",
     Path.DIRECT: "straight from the root to every rank",
     Path.HEADER_ONLY: "no data",
+    Path.HALVING_DOUBLING: {
+        "all_reduce": "recursive halving + doubling (Rabenseifner)",
+        "all_gather": "recursive doubling",
+        "reduce_scatter": "recursive halving",
+    },
+    Path.TREE: "binomial tree",
+    Path.SCATTER_ALLGATHER: "scatter + all-gather by doubling (van de Geijn)",
 }
 
 

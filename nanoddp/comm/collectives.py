@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, header_round, wire
+from nanoddp.comm import cached_rounds, halving_doubling, header_round, wire
 from nanoddp.comm.cached_rounds import header_then
 from nanoddp.comm.checks import Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
 from nanoddp.comm.exchange import start_exchange_reduce
@@ -88,6 +88,9 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) 
     elif path is Path.RING:
         chunks = [data[a:b] for a, b in balanced_bounds(data.numel(), peers.size)]
         header_then(peers, head, device, start_ring(peers, chunks, op, peers.size - 1, peers.size - 1, shift=0))
+    elif path is Path.HALVING_DOUBLING:
+        bounds = balanced_bounds(data.numel(), peers.size)
+        header_then(peers, head, device, halving_doubling.start_all_reduce(peers, data, bounds, op))
     elif path is Path.PAIR:
         pair = cached_rounds.pair_round(peers, head, data.dtype, device, data.numel(), data.numel())
         run = _pair_all_reduce(pair, op, peers.rank)
@@ -136,7 +139,7 @@ def all_gather(
 
         def body() -> None:
             flats = [flat(t) for t in outputs]
-            _all_gather(runner.peers, flats, tensor, None)
+            _all_gather(runner.peers, flats, tensor, None, None)
             for out, f in zip(outputs, flats, strict=True):
                 write_back(out, f)
 
@@ -172,7 +175,7 @@ def all_gather_into_tensor(
 
         def body() -> None:
             out = flat(output_tensor)
-            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, key)
+            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, key, out)
             write_back(output_tensor, out)
 
         return m, body, [output_tensor]
@@ -180,8 +183,11 @@ def all_gather_into_tensor(
     return submit(runner, "all_gather", "all_gather_into_tensor", prepare, async_op)
 
 
-def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, key: tuple | None) -> None:
-    """outputs: one 1-D contiguous tensor per group rank; `key`: the call to remember (None: none)."""
+def _all_gather(
+    peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, key: tuple | None, whole: torch.Tensor | None
+) -> None:
+    """outputs: one 1-D contiguous tensor per group rank; `key`: the call to remember (None: none);
+    `whole`: the outputs as one 1-D tensor, where they are (None: they are separate tensors)."""
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = flat(tensor), header("all_gather", tensor)
     path = plan("all_gather", nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
@@ -199,6 +205,14 @@ def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor,
     elif path is Path.IN_FRAMES:
         result = header_round.one_round(peers, head, device, lambda p: data, combine=others_for(n))
         unpack(result, [outputs[q] for q in range(n) if q != me])
+    elif path is Path.HALVING_DOUBLING:  # doubling sends whole ranges of blocks: one buffer
+        m = data.numel()
+        buf = whole if whole is not None else peers.scratch("halving_gather", n * m, data.dtype, device)
+        buf[me * m : (me + 1) * m].copy_(data)
+        header_then(peers, head, device, halving_doubling.start_all_gather(peers, buf, m))
+        if whole is None:
+            for q in range(n):
+                outputs[q].copy_(buf[q * m : (q + 1) * m])
 
 
 def _pair_all_gather(pair: cached_rounds.PairRound, rank: int):
@@ -294,6 +308,11 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
             combine=combine,
         )
         land(out_flat, result)
+    elif path is Path.HALVING_DOUBLING:
+        work = peers.scratch("reduce_scatter", n * m, output.dtype, device)
+        work.copy_(in_flat)  # reduce in a scratch copy: the caller's input must survive
+        header_then(peers, head, device, halving_doubling.start_reduce_scatter(peers, work, m, op))
+        out_flat.copy_(work[me * m : (me + 1) * m])
     else:  # RING
         work = peers.scratch("reduce_scatter", n * m, output.dtype, device).view(n, m)
         work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive

@@ -16,6 +16,9 @@ and scatter; its output for reduce_scatter.
 from __future__ import annotations
 
 import enum
+import os
+
+from nanoddp.comm import cost_model
 
 # --- the table ----------------------------------------------------------------------------------
 # Largest frame payload on nccl, and the floor on gloo: nccl frames travel whole (exact receive
@@ -43,17 +46,27 @@ DIRECT_BROADCAST_MAX_BYTES = 8 * 1024 * 1024
 # two within these bounds; below the floor the copies it saves are not what costs.
 EARLY_MIN_BYTES = 64 * 1024
 EARLY_MAX_BYTES = 4 * 1024 * 1024
+# Halving/doubling, the binomial tree and scatter + all-gather are considered on gloo from this
+# many ranks: at 2-4 ranks the measured old paths were as fast or faster at every size
+# (docs/comm.md, "How plan() chooses: the α–β model"); above, `cost_model` picks by size.
+MODEL_FROM_WORLD_SIZE = 5
+# An explicit path per op, for tests and for benchmarking a path where plan() would not choose it
+# (gloo only; e.g. NANODDP_COMM_FORCE="all_reduce=HALVING_DOUBLING,broadcast=TREE").
+FORCED: dict[str, Path] = {}
 
 _LIMIT_NAMES = (
     "INLINE_MAX_BYTES", "INLINE_SEND_BYTES", "BULK_FROM_BYTES", "PIECE_MIN_BYTES", "PIECE_MAX_BYTES",
     "EXCHANGE_MAX_BYTES", "DIRECT_BROADCAST_MAX_BYTES", "EARLY_MIN_BYTES", "EARLY_MAX_BYTES",
+    "MODEL_FROM_WORLD_SIZE",
 )  # fmt: skip
 
 
-def limits() -> tuple[int, ...]:
-    """Every threshold above, as now set: what a remembered call's path choice was valid for."""
+def limits() -> tuple:
+    """Every threshold above, as now set (and the forced paths, and the model's α and β): what a
+    remembered call's path choice was valid for."""
     here = globals()
-    return tuple(here[name] for name in _LIMIT_NAMES)
+    forced = tuple(sorted((op, path.name) for op, path in FORCED.items()))
+    return (*(here[name] for name in _LIMIT_NAMES), forced, cost_model.ALPHA_S, cost_model.BETA_S_PER_BYTE)
 
 
 # --- the paths ----------------------------------------------------------------------------------
@@ -71,6 +84,9 @@ class Path(enum.Enum):
     RING = "header round, then the pipelined ring (ring.py)"
     CHAIN = "header round, then the pipelined chain from or to the root (chain.py)"
     DIRECT = "header round, then the root sends to or receives from every rank itself (chain.py, rooted.py)"
+    HALVING_DOUBLING = "header round, then recursive halving and/or doubling (halving_doubling.py)"
+    TREE = "broadcast: header round, then a binomial tree from the root (tree.py)"
+    SCATTER_ALLGATHER = "broadcast: header round, then scatter + all-gather by doubling (van_de_geijn.py)"
 
     @property
     def in_frames(self) -> bool:
@@ -93,6 +109,13 @@ _BULK = {
 # Which collectives have a cached round for their frames, by group size (2: PAIR; 3+: STAR).
 _CACHED_PAIR = ("all_reduce", "all_gather", "broadcast")
 _CACHED_STAR = ("broadcast",)
+# What the α–β model may choose instead, on gloo from MODEL_FROM_WORLD_SIZE ranks.
+_MODEL = {
+    "all_reduce": (Path.HALVING_DOUBLING,),
+    "all_gather": (Path.HALVING_DOUBLING,),
+    "reduce_scatter": (Path.HALVING_DOUBLING,),
+    "broadcast": (Path.TREE, Path.SCATTER_ALLGATHER),
+}
 
 
 def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = True) -> Path:
@@ -109,6 +132,20 @@ def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = Tru
         return Path.LOCAL
     if nbytes == 0:
         return Path.HEADER_ONLY
+    if gloo and op in FORCED:
+        return FORCED[op]
+    old = _old_plan(op, nbytes, world_size, gloo, cpu)
+    if not gloo or world_size < MODEL_FROM_WORLD_SIZE or op not in _MODEL:
+        return old
+    best, best_cost = old, cost_model.cost(old.name, op, nbytes, world_size)
+    for path in _MODEL[op]:
+        if (c := cost_model.cost(path.name, op, nbytes, world_size)) < best_cost:
+            best, best_cost = path, c
+    return best
+
+
+def _old_plan(op: str, nbytes: int, world_size: int, gloo: bool, cpu: bool) -> Path:
+    """The frames, or the bulk algorithm that the fixed thresholds pick."""
     if rides_in_frames(op, nbytes, world_size, gloo):
         if gloo and cpu and world_size == 2 and op in _CACHED_PAIR:
             return Path.PAIR
@@ -120,6 +157,15 @@ def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = Tru
     if op == "broadcast" and gloo and world_size > 2 and nbytes <= DIRECT_BROADCAST_MAX_BYTES:
         return Path.DIRECT
     return _BULK[op]
+
+
+def _forced_from_env() -> dict[str, Path]:
+    spec = os.environ.get("NANODDP_COMM_FORCE", "")
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    return {op.strip(): Path[name.strip()] for op, name in pairs}
+
+
+FORCED.update(_forced_from_env())
 
 
 def header_round_path(world_size: int, backend: str, *, cpu: bool = True) -> Path:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, chain, header_round
+from nanoddp.comm import cached_rounds, chain, header_round, tree, van_de_geijn
 from nanoddp.comm.cached_rounds import header_then
 from nanoddp.comm.checks import Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
@@ -120,6 +120,10 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None)
         header_then(peers, head, device, chain.start_direct_broadcast(peers, data, root))
     elif path is Path.CHAIN:
         header_then(peers, head, device, chain.start_chain_broadcast(peers, data, root))
+    elif path is Path.TREE:
+        header_then(peers, head, device, tree.start_tree_broadcast(peers, data, root))
+    elif path is Path.SCATTER_ALLGATHER:
+        header_then(peers, head, device, van_de_geijn.start_scatter_allgather_broadcast(peers, data, root))
     elif path is Path.STAR:
         star = cached_rounds.star_broadcast(peers, head, data, root)
         cached_rounds.remember(peers, key, star.run)
