@@ -73,7 +73,13 @@ class TrainConfig:
     """Seed for weights, data order and per-rank RNG streams."""
     amp: Literal["off", "bf16", "fp16"] = "off"
     """Mixed precision: forward/backward under bfloat16 or float16 autocast (fp16 with a
-    torch.amp.GradScaler, whose state is in every snapshot; not with the sharded engines)."""
+    GradScaler, whose state is in every snapshot; sharded engines all-reduce its overflow check
+    so every rank skips the same steps). fsdp also gathers and computes its units in that dtype
+    and reduces gradients in float32 (MixedPrecisionPolicy)."""
+    fsdp_wrap: str = ""
+    """--engine fsdp: comma-separated module class names to shard as units before the root
+    (default: the model's layers: GPT blocks, a Hugging Face model's _no_split_modules, else
+    children holding >= 5% of the parameters)."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False
@@ -209,11 +215,8 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
         )
     if config.amp not in ("off", "bf16", "fp16"):
         raise ValueError(f"amp must be off, bf16 or fp16, got {config.amp!r}")
-    if config.amp == "fp16" and config.engine in SHARDED_ENGINES:
-        raise ValueError(
-            f"--amp fp16 needs every rank to see every gradient to skip overflowed steps alike; engine "
-            f"{config.engine!r} shards them: use --amp bf16 (no loss scaling needed)"
-        )
+    if config.fsdp_wrap and config.engine != "fsdp":
+        raise ValueError(f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp")
     if config.resume not in ("auto", "never") and not Path(config.resume).exists():
         raise FileNotFoundError(
             f"--resume {config.resume!r}: no such snapshot file or run directory (or use auto / never)"

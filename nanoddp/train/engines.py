@@ -9,7 +9,7 @@
 | `single`    | nothing (one process)               | none                                   |
 | `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
 | `zero2`     | ZeRO-2 hooks on the module (`parallel.sharded.zero2`) | bucketed reduce-scatter into gradient shards |
-| `fsdp`      | `fully_shard` on each block, then the root | all-gather params per block, reduce-scatter grads |
+| `fsdp`      | `nanoddp.fsdp.fully_shard` per unit, then the root | all-gather params per unit, reduce-scatter grads |
 
 Gradient accumulation differs by kind: the DDP engines run the non-final micro-steps inside
 `no_sync()` so that backward skips the all-reduce; the manual engines simply do not call their
@@ -141,15 +141,23 @@ class Engine:
         self.sharded = name in SHARDED_ENGINES
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the averaged gradients by their global norm (summed over shards when sharded)."""
-        if self.sharded:
-            from nanoddp.parallel.sharded.fsdp import clip_grad_norm_
+        """Clip the averaged gradients by their global norm (summed over shards when sharded).
+
+        fsdp: the gradients are DTensors, so torch's own `clip_grad_norm_` reduces the norm over
+        the mesh (a collective) and returns it as a DTensor; zero2's are plain flat pieces."""
+        if self.name == "zero2":
+            from nanoddp.parallel.sharded.clip import clip_grad_norm_
 
             return clip_grad_norm_(self.module, max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's plain state_dict. Collective for sharded engines: call on every rank."""
+        if self.name == "fsdp":  # DTensor parameters, nanoddp's fully_shard or torch's
+            from nanoddp.parallel.sharded.dtensor_state import full_state
+
+            return full_state(self.module)
         if self.sharded:
             return self.module.full_state_dict()
         return self.module.state_dict()
@@ -226,33 +234,36 @@ def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]
 
 
 # --- sharded engines (ZeRO-2, FSDP) ----------------------------------------------------------
-# The trainer builds its optimizer before the engine: both keep the parameter objects (their
-# data becomes this rank's 1-D shard piece), so that optimizer steps on shards only.
+# The trainer builds its optimizer before the engine. zero2 keeps the parameter objects (their
+# data becomes this rank's 1-D shard piece); fsdp (`nanoddp.fsdp.fully_shard`) registers new
+# DTensor parameters, so the trainer shards the model and moves the optimizer onto them before
+# resume (train/fsdp_engine.py), and the engine takes the sharded model as it is.
 # What the trainer still needs for them (not here: train/trainer.py): gradient clipping over
-# ranks (`nanoddp.parallel.sharded.fsdp.clip_grad_norm_`), snapshots and model.pt from every rank
-# (`module.full_state_dict()` is collective, or per-rank sharded state), and the same number
-# of eval forwards on every rank (fsdp all-gathers in every forward).
+# ranks (`Engine.clip_grad_norm_`), snapshots and model.pt from every rank (`Engine.state_dict`
+# is collective, or per-rank sharded state), and the same number of eval forwards on every rank
+# (fsdp all-gathers in every forward).
 
 
 def _zero2(module: nn.Module, env: DistEnv) -> Engine:
     from nanoddp.comm.backend import collectives_for
     from nanoddp.parallel.replicas import broadcast_coalesced
-    from nanoddp.parallel.sharded.zero2 import zero2
+    from nanoddp.parallel.sharded.zero2 import Zero2Module, zero2
 
+    if isinstance(module, Zero2Module):  # installed by the user: used as is
+        return Engine("zero2", module, module)
     broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
     return Engine("zero2", zero2(module), module)
 
 
 def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
-    """`fully_shard` each transformer block (a module's `blocks`, if it has them), then the root."""
-    from nanoddp.comm.backend import collectives_for
-    from nanoddp.parallel.replicas import broadcast_coalesced
-    from nanoddp.parallel.sharded.fsdp import fully_shard
+    """A model sharded already (the trainer's `fsdp_engine.prepare_model`, or the user's own
+    `fully_shard`) as is; a plain one sharded by the default auto-wrap rule, then the root."""
+    from nanoddp.parallel.sharded.detect import sharded_by
+    from nanoddp.train.fsdp_engine import shard_model
 
-    broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
-    for block in getattr(module, "blocks", []):
-        fully_shard(block)
-    return Engine("fsdp", fully_shard(module), module)
+    if sharded_by(module) != "fsdp":
+        shard_model(module, env)
+    return Engine("fsdp", module, module)
 
 
 # Engines whose ranks hold shards: their optimizer state is saved per rank (see the trainer).

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
+from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import optim_state, rundir, snapshot
@@ -40,7 +41,8 @@ from nanoddp.train.config import TrainConfig, build_model, check_data, threads_p
 from nanoddp.train.data.batches import batch_len, batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
-from nanoddp.train.engines import build_engine
+from nanoddp.train.engines import SHARDED_ENGINES, build_engine
+from nanoddp.train.fsdp_engine import load_model_state, prepare_model
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
 from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master, distributed
@@ -60,8 +62,8 @@ class Trainer:
     script made one. `nanoddp train` builds its own model and data, then runs this very loop
     (`Trainer.from_config`).
 
-    An `optimizer` built before the Trainer is fine for every engine, the sharded ones too: they
-    keep the parameter objects. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer` (with
+    An `optimizer` built before the Trainer is fine for every engine: zero2 keeps the parameter
+    objects, fsdp moves it onto the sharded ones. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer` (with
     `engine="zero1"`, or any replicated engine).
     """
 
@@ -132,9 +134,11 @@ class Trainer:
         self.threads = threads_per_rank(config, env.world_size)
         torch.set_num_threads(self.threads)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        prepare_model(config, module, optimizer, env)  # fsdp: shard now; refuse a model sharded otherwise
         self.batch_loss, self.collate_fn = batch_loss, collate_fn or default_collate
         self._tokens_per_sample = getattr(self.train_set, "tokens_per_sample", None)
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=config.amp == "fp16")
+        scaler = ShardedGradScaler if config.engine in SHARDED_ENGINES else torch.amp.GradScaler  # same skips
+        self.scaler = scaler(env.device.type, enabled=config.amp == "fp16")
         self.sampler = ResumableDistributedSampler(
             self.train_set, env.world_size, env.rank, shuffle=True, seed=config.seed
         )
@@ -226,7 +230,7 @@ class Trainer:
         logger.debug("snapshot %s", path)
 
     def _load_snapshot(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
+        load_model_state(self.module, state["model"])
         self._load_optimizer_state(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])

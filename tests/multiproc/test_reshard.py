@@ -3,7 +3,8 @@ ws=2 are resharded for ws=3 and ws=1.
 
 The reference is built by hand, independently of `optim_state`'s layout arithmetic: each ws=2
 rank reports the optimizer state of its live shard pieces together with the elements of the
-parameter each piece holds (the engine's own `unit.pieces`), the test glues those into whole
+parameter each piece holds (zero2: the engine's own `unit.pieces`; fsdp: the DTensor's rows,
+from torch's `compute_local_shape_and_global_offset`), the test glues those into whole
 per-parameter tensors, and at the new world size (1) every rank's restored state must be the
 whole tensors' slice at that rank's new piece, bitwise, and (2) a run that resumes from the
 snapshot must end bitwise where a fresh run does into which the test loaded the same whole
@@ -21,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import TINY, run_on_ranks
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nanoddp.env import DistEnv
 from nanoddp.parallel.sharded.flat import FlatLayout
@@ -41,18 +44,33 @@ def _trainer(config, env: DistEnv) -> Trainer:
     return make(config, env) if make is not None else Trainer(config, env)
 
 
+def _rows(p: DTensor) -> tuple[int, int]:
+    """The flat element range of a DTensor parameter's rows on this rank."""
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = p[0].numel()
+    return offset[0] * row, (offset[0] + local_shape[0]) * row
+
+
+def _flat_local(v):
+    """A state tensor as this rank holds it, flat (a DTensor's local rows)."""
+    return v.to_local().reshape(-1).clone() if isinstance(v, DTensor) else v.clone()
+
+
 def _pieces(trainer: Trainer) -> dict[str, tuple[int, int, torch.Size, dict]]:
-    """name -> (start, stop, whole shape, optimizer state) of this rank's piece of each parameter."""
-    where = {
-        id(p): (piece, shape)
-        for unit in trainer.engine.module._units()
-        for p, piece, shape in zip(unit.params, unit.pieces, unit.shapes, strict=True)
-    }
+    """name -> (start, stop, whole shape, flat optimizer state) of this rank's piece of each parameter."""
+    if trainer.config.engine == "fsdp":
+        where = {id(p): (*_rows(p), p.shape) for p in trainer.module.parameters()}
+    else:
+        where = {
+            id(p): (piece.start, piece.stop, shape)
+            for unit in trainer.engine.module._units()
+            for p, piece, shape in zip(unit.params, unit.pieces, unit.shapes, strict=True)
+        }
     out = {}
     for name, p in trainer.module.named_parameters():
-        piece, shape = where[id(p)]
-        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in trainer.optimizer.state.get(p, {}).items()}
-        out[name] = (piece.start, piece.stop, shape, state)
+        start, stop, shape = where[id(p)]
+        state = {k: _flat_local(v) if torch.is_tensor(v) else v for k, v in trainer.optimizer.state.get(p, {}).items()}
+        out[name] = (start, stop, shape, state)
     return out
 
 
@@ -91,15 +109,24 @@ def _load_by_hand(trainer: Trainer, saved: dict, whole: dict[str, dict[str, torc
     for name, (start, stop, _, _) in _pieces(trainer).items():
         p = dict(trainer.module.named_parameters())[name]
         trainer.optimizer.state[p] = {
-            key: value.clone() if value.dim() == 0 else value.reshape(-1)[start:stop].clone()
+            key: value.clone() if value.dim() == 0 else _as_held(value.reshape(-1)[start:stop].clone(), p)
             for key, value in whole[name].items()
         }
-    saved_groups = saved["optimizer"]["per_rank"][0]["param_groups"]
+    optimizer = saved["optimizer"]
+    saved_groups = (optimizer["full"] if "full" in optimizer else optimizer["per_rank"][0])["param_groups"]
     for group, saved_group in zip(trainer.optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     trainer.scheduler.load_state_dict(saved["scheduler"])
     trainer.sampler.load_state_dict(saved["sampler"])
     trainer.step = saved["step"]
+
+
+def _as_held(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A flat piece as the optimizer keeps state for `p`: for a DTensor, a DTensor of its rows."""
+    if not isinstance(p, DTensor):
+        return flat
+    local = flat.view(-1, *p.shape[1:])
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _resume_worker(env: DistEnv, tmp: str, wholes: dict) -> dict:

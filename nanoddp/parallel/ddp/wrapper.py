@@ -41,6 +41,7 @@ from nanoddp.parallel.ddp.join import DDPJoinHook, broadcast_buffers_from_traine
 from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
 from nanoddp.parallel.ddp.reducer import CommHook, Reducer
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+from nanoddp.parallel.sharded.detect import refuse_sharded
 from nanoddp.parallel.tensors import move_to, tensors_in
 
 
@@ -111,6 +112,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
+        # A sharded model holds pieces: the start-up broadcast would copy rank 0's over the others'.
+        refuse_sharded(module, "DistributedDataParallel")
         args = resolve_args(
             module, device_ids, bucket_cap_mb, comm_backend, broadcast_buffers, forward_sync_buffers,
             process_group, device_mesh, check_reduction, delay_all_reduce_named_params,

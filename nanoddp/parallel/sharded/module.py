@@ -1,10 +1,11 @@
-"""What every sharded module can do, whichever way its parameters are sharded.
+"""What a flat-sharded module can do, whatever cut its flat units.
 
-`zero2` and `fully_shard` both turn a module into one whose registered parameters are this
-rank's pieces of flat units (nanoddp.parallel.sharded.flat). The user-facing methods that follow
-from that alone (gradient accumulation, whole-tensor state dicts, memory accounting) are the
-same for both; they live here once, and each kind only says which units it has and how its
-gradient reduction is switched off.
+`zero2` turns a module into one whose registered parameters are this rank's pieces of flat
+units (nanoddp.parallel.sharded.flat). The user-facing methods that follow from that alone
+(gradient accumulation, whole-tensor state dicts, memory accounting) live here, apart from how
+the units are cut and reduced, so another flat kind would only say which units it has and how
+its gradient reduction is switched off. (FSDP, `fully_shard`, shards DTensor rows instead:
+`fsdp_module.FSDPModule` has the same methods for it.)
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from nanoddp.parallel.sharded.flat import FlatParamUnit
 
 
 class ShardedModule:
-    """Mixed into a module's class (before the module's own class) by `zero2` or `fully_shard`."""
+    """Mixed into a module's class (before the module's own class) by `zero2`."""
 
     def _units(self) -> list[FlatParamUnit]:
-        """The flat units whose pieces this module (and, for FSDP, its sharded tree) holds."""
+        """The flat units whose pieces this module holds."""
         raise NotImplementedError
 
     def set_requires_gradient_sync(self, sync: bool) -> None:

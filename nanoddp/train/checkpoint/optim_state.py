@@ -1,9 +1,13 @@
 """The optimizer's part of a snapshot: whole for replicated engines, per rank for sharded ones.
 
 A replicated optimizer (or a consolidated ZeRO-1 one) is the same on every rank, so rank 0's
-`state_dict()` is the snapshot. A sharded engine's (zero2, fsdp) optimizer state is about this
-rank's shard only, so rank 0 collects every rank's and restores give each rank its own back.
+`state_dict()` is the snapshot. A sharded engine's optimizer state is about this rank's shard.
 
+fsdp: parameters and state are DTensors (rows of each tensor), so the snapshot keeps the whole
+state (`full_tensor()` of each, `{"full": state_dict, "layout": {"engine": "fsdp", ...}}`); a
+restore at any world size loads it and keeps this rank's rows (`dtensor_state`), bitwise.
+
+zero2: rank 0 collects every rank's state and restores give each rank its own back.
 Resharding: next to the per-rank states the snapshot keeps the flat layout that cut them, the
 engine's units as lists of (optimizer parameter index, numel, shape) in flat order. Which
 parameters share a unit does not depend on the world size (zero2: buckets by size; fsdp: one
@@ -55,6 +59,11 @@ def collect(optimizer: torch.optim.Optimizer, engine, env: DistEnv) -> dict[str,
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):  # engine zero1, or the deprecated --zero
         optimizer.consolidate_state_dict(to=0)
+    if engine.name == "fsdp":  # whole tensors, any world size can cut its rows
+        from nanoddp.parallel.sharded.dtensor_state import full_optimizer_state
+
+        full = full_optimizer_state(optimizer)  # collective
+        return {"full": full, "layout": {"engine": "fsdp", "world_size": env.world_size}} if env.is_master else None
     if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
         states = [optimizer.state_dict()]
         if distributed():
@@ -74,22 +83,31 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str
     """
     sharded = engine in SHARDED_ENGINES
     per_rank = saved.get("per_rank") if isinstance(saved, dict) else None
-    if sharded != (per_rank is not None):
-        kind = "a sharded engine (zero2/fsdp)" if per_rank is not None else "an unsharded engine"
+    full = saved.get("full") if isinstance(saved, dict) and "layout" in saved else None
+    if sharded != (per_rank is not None or full is not None):
+        kind = "an unsharded engine" if sharded else "a sharded engine (zero2/fsdp)"
         raise ValueError(
             f"the snapshot's optimizer state was saved by {kind}; resume with the engine it was "
             f"saved with, not --engine {engine}"
         )
-    if per_rank is None:
+    if not sharded:
         optimizer.load_state_dict(saved)
         return
     layout = saved.get("layout")
     saved_by = (layout or {}).get("engine", engine)
-    if saved_by != engine:  # zero2 buckets and fsdp units cut the parameters differently
+    if saved_by != engine:  # zero2 buckets and fsdp rows cut the parameters differently
         raise ValueError(
             f"the snapshot's optimizer shards were cut by --engine {saved_by}; resume with --engine "
             f"{saved_by}, not --engine {engine}"
         )
+    if full is not None:  # fsdp: whole state; this rank keeps its rows of each DTensor parameter's
+        from nanoddp.parallel.sharded.dtensor_state import shard_optimizer_state
+
+        optimizer.load_state_dict(full)
+        shard_optimizer_state(optimizer)
+        return
+    if per_rank is None:
+        raise ValueError(f"the snapshot's {saved_by} optimizer state holds no shards: it is damaged")
     if len(per_rank) == env.world_size:
         optimizer.load_state_dict(per_rank[env.rank])
         return
