@@ -12,8 +12,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nanoddp.notebook.handshake import PoolError
-
 
 class DistributedCellError(RuntimeError):
     """A distributed cell failed on at least one rank; shows each failing rank's traceback."""
@@ -36,13 +34,6 @@ class CellInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self}"]
-
-
-def _render_pool_error(self: PoolError) -> list[str]:
-    return [f"PoolError: {self}"]
-
-
-PoolError._render_traceback_ = _render_pool_error  # a one-line error, not our stack frames
 
 
 def prefix_lines(text: str, rank: int) -> str:

@@ -15,9 +15,10 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import suppress
+from multiprocessing import AuthenticationError  # what multiprocessing.connection raises (the same class)
 from multiprocessing.connection import (
-    AuthenticationError,
     Client,
     Connection,
     Listener,
@@ -25,6 +26,7 @@ from multiprocessing.connection import (
     deliver_challenge,
     wait,
 )
+from typing import cast
 
 from nanoddp import tempdirs
 
@@ -37,6 +39,18 @@ DIR_PREFIX = "nanoddp-nb-"
 
 class PoolError(RuntimeError):
     """The pool cannot do what was asked (not started, a worker is dead, startup failed)."""
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows a one-line error, not our stack frames."""
+        return [f"PoolError: {self}"]
+
+
+def wait_connections(conns: Iterable[Connection], timeout: float) -> list[Connection]:
+    """`multiprocessing.connection.wait` on connections: the ones ready to read (or at EOF).
+
+    It returns some of the objects it was given, so only connections here; its stub widens
+    its result to every kind of object it accepts (sockets, file descriptors)."""
+    return cast("list[Connection]", wait(list(conns), timeout=timeout))
 
 
 def authenticate(conn: Connection, authkey: bytes, accepted: queue.Queue) -> None:
@@ -145,7 +159,7 @@ def wait_ready(workers: list, deadline: float) -> None:
     pending = set(range(len(workers)))
     while pending:
         conns = {workers[r].conn: r for r in pending}
-        for conn in wait(list(conns), timeout=POLL_S):
+        for conn in wait_connections(conns, POLL_S):
             rank = conns[conn]
             try:
                 kind, payload = conn.recv()

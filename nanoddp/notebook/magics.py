@@ -73,7 +73,7 @@ class DistributedMagics(Magics):
         super().__init__(shell)
         self.pool: WorkerPool | None = None
         self.cell_timeout_s: float | None = None
-        self.dist_mode = False
+        self.distributed_mode = False
 
     # ------------------------------------------------------------ pool lifecycle
     @line_magic
@@ -111,7 +111,7 @@ class DistributedMagics(Magics):
         print(f"Stopped {len(pids)} workers (pids {', '.join(map(str, pids))}).")
 
     def _stop_pool(self) -> None:
-        pool, self.pool, self.dist_mode = self.pool, None, False
+        pool, self.pool, self.distributed_mode = self.pool, None, False
         if pool is not None:
             pool.shutdown()
 
@@ -126,7 +126,7 @@ class DistributedMagics(Magics):
             print("No workers running; start them with %dist_init --num-processes N.")
             return
         print(format_status(self.pool.status(CellRenderer(display_rank=0))))
-        print(f"distributed mode: {'on' if self.dist_mode else 'off'}")
+        print(f"distributed mode: {'on' if self.distributed_mode else 'off'}")
 
     # ------------------------------------------------------------ running cells
     @cell_magic
@@ -168,10 +168,10 @@ class DistributedMagics(Magics):
         choice = line.strip().lower()
         if choice not in ("", "on", "off"):
             raise UsageError(f"%dist_mode takes on, off or nothing (toggle), got {line.strip()!r}")
-        wanted = (not self.dist_mode) if not choice else choice == "on"
+        wanted = (not self.distributed_mode) if not choice else choice == "on"
         if wanted:
             self._require_pool()
-        self.dist_mode = wanted
+        self.distributed_mode = wanted
         if wanted:
             print("Distributed mode on: plain cells run on every rank (%magics still run here).")
         else:
@@ -179,7 +179,7 @@ class DistributedMagics(Magics):
 
     def transform_input(self, lines: list[str]) -> list[str]:
         """IPython input transformer: in distributed mode, a plain cell becomes %%distributed."""
-        if not self.dist_mode:
+        if not self.distributed_mode:
             return lines
         text = "".join(lines).strip()
         if not text or text[0] in "%!" or text.endswith("?"):
@@ -195,6 +195,7 @@ class DistributedMagics(Magics):
         pool = self._require_pool()
         renderer = CellRenderer(display_rank=min(ranks))
         timeout_s = timeout_s or self.cell_timeout_s
+        assert self.shell is not None  # registered by load_ipython_extension, with the kernel's shell
         outcome = pool.run(code, ranks, renderer, cell=self.shell.execution_count, timeout_s=timeout_s)
         renderer.results(outcome.reports)
         self._raise_failures(outcome, ranks, renderer, timeout_s)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import psutil
@@ -40,6 +40,7 @@ from nanoddp.notebook.handshake import (
     accept_workers,
     remove_stale_dirs,
     socket_dir_parent,
+    wait_connections,
     wait_ready,
 )
 from nanoddp.notebook.outcome import DROP, CellOutcome, Sink
@@ -187,10 +188,13 @@ class WorkerPool:
         Returns the reports of cells that only ended because of the abort. Raises PoolError
         (and the next request tries again) when a rank does not leave its cell or join."""
         self._require_alive(range(self.num_processes))
+        directory = self._dir
+        if directory is None:  # workers, hence a dir (shutdown clears both): not reached
+            raise PoolError("no workers: run %dist_init first")
         self._needs_rebuild = True
         pids = self.pids()
         for worker in self.workers:  # read by each worker's inbox thread, even mid-collective
-            worker.conn.send(("abort", pids))
+            worker.connection.send(("abort", pids))
         busy = [w.rank for w in self.workers if w.busy]
         late = self._collect(busy, sink, ABORT_WAIT_S) if busy else CellOutcome()
         still_busy = [w.rank for w in self.workers if w.busy]
@@ -202,11 +206,11 @@ class WorkerPool:
         self.generation += 1
         request = {
             "generation": self.generation,
-            "init_method": f"file://{os.path.join(self._dir, f'store-g{self.generation}')}",
+            "init_method": f"file://{os.path.join(directory, f'store-g{self.generation}')}",
             "peer_pids": pids,
         }
         for worker in self.workers:
-            worker.conn.send(("recover", request))
+            worker.connection.send(("recover", request))
         replies = self._await_replies(("recovered", "recover_failed"), REBUILD_TIMEOUT_S, sink, self.generation)
         failed = {r: m for r, m in replies.items() if m[0] != "recovered"}
         missing = sorted(set(range(self.num_processes)) - set(replies))
@@ -250,7 +254,7 @@ class WorkerPool:
 
     def _send(self, rank: int, message: tuple) -> None:
         worker = self.workers[rank]
-        worker.conn.send(message)
+        worker.connection.send(message)
         worker.busy = True
 
     def _collect(self, ranks: Sequence[int], sink: Sink, timeout_s: float | None) -> CellOutcome:
@@ -285,8 +289,8 @@ class WorkerPool:
     def _pump(self, pending: set[int], outcome: CellOutcome, sink: Sink) -> None:
         """Handle whatever the pending ranks have sent within POLL_S (reports go into `outcome`,
         control replies into `_replies`; the caller decides which ranks are finished)."""
-        conns = {self.workers[r].conn: r for r in pending}
-        for conn in wait(list(conns), timeout=POLL_S):
+        conns = {self.workers[r].connection: r for r in pending}
+        for conn in wait_connections(conns, POLL_S):
             rank = conns[conn]
             worker = self.workers[rank]
             try:
@@ -330,7 +334,7 @@ class WorkerPool:
         for worker in self.workers:
             if worker.alive:
                 with suppress(OSError):
-                    worker.conn.send(("status",))
+                    worker.connection.send(("status",))
         replies = self._await_replies(("status",), STATUS_TIMEOUT_S, sink or DROP)
         rows = []
         for worker in self.workers:
@@ -386,9 +390,9 @@ class WorkerPool:
 
     def _drain_until_exit(self, deadline: float) -> None:
         """Read and drop late output while waiting, so no worker blocks on a full socket."""
-        open_conns = [w.conn for w in self.workers if w.conn is not None and w.alive]
+        open_conns: list[Connection] = [w.conn for w in self.workers if w.conn is not None and w.alive]
         while time.monotonic() < deadline and any(w.process.poll() is None for w in self.workers):
-            for conn in wait(open_conns, timeout=POLL_S) if open_conns else []:
+            for conn in wait_connections(open_conns, POLL_S) if open_conns else []:
                 try:
                     conn.recv()
                 except (EOFError, OSError):

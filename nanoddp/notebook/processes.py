@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nanoddp.notebook.handshake import PoolError
+
 
 @dataclass
 class WorkerHandle:
@@ -26,6 +28,13 @@ class WorkerHandle:
     busy: bool = False  # the kernel's protocol view (a request is out); %dist_status asks the worker
     generation: int = 1  # of its default process group, as confirmed by its last rebuild
     death: str | None = None  # why it is dead, once it is
+
+    @property
+    def connection(self) -> Connection:
+        """`conn`, once the worker has connected (every worker of a started pool has)."""
+        if self.conn is None:
+            raise PoolError(f"worker rank {self.rank} has not connected")
+        return self.conn
 
     @property
     def alive(self) -> bool:
@@ -68,6 +77,7 @@ def spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
         stdin=subprocess.PIPE,
         start_new_session=True,  # the kernel's SIGINT to its process group must not hit us
     )
+    assert process.stdin is not None  # stdin=PIPE
     process.stdin.write(json.dumps(settings).encode())
     process.stdin.close()
     return process

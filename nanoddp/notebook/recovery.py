@@ -45,7 +45,7 @@ def peer_sockets(peer_pids: Iterable[int]) -> list[int]:
     connection counts when its far end is a socket another worker of the pool owns. Anything
     else this process has open (a download, a Jupyter client) is left alone."""
     me = os.getpid()
-    peer_ends = set()
+    peer_ends: set[tuple[str, int]] = set()  # (ip, port) of the peers' own ends
     for pid in set(peer_pids) - {me}:
         with suppress(psutil.Error):
             peer_ends.update(c.laddr for c in _tcp_connections(psutil.Process(pid)) if c.raddr)

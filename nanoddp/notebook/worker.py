@@ -103,9 +103,7 @@ class RankStream(io.TextIOBase):
         self._pending: list[str] = []
         self._lock = threading.Lock()
 
-    @property
-    def encoding(self) -> str:
-        return "utf-8"
+    encoding = "utf-8"  # shadows TextIOBase's (None) getter
 
     def writable(self) -> bool:
         return True
@@ -143,8 +141,9 @@ def run_source(source: str, namespace: dict, filename: str) -> Any:
     """
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     # dont_inherit: this module's `from __future__` imports must not leak into user code.
     exec(compile(tree, filename, "exec", dont_inherit=True), namespace)
@@ -327,7 +326,7 @@ class Worker:
         """Run `body` as a cell: busy while it runs, then flush output and report how it went."""
         report: dict[str, Any] = {"status": "ok", "result": None, "error": None}
         started = time.perf_counter()
-        failure = None
+        failure: BaseException | None = None
         self.channel.busy, self.state = True, "busy"
         try:
             value = body()

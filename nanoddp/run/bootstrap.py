@@ -33,7 +33,7 @@ import os
 import runpy
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -98,16 +98,16 @@ def _loopback_interface() -> str:
     return "lo"
 
 
-def single_node_loopback(environ: dict[str, str] | None = None) -> bool:
+def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> bool:
     """Point a torchrun worker of a single-node job at loopback only; return whether it did.
 
     Every rank on this node (LOCAL_WORLD_SIZE == WORLD_SIZE): MASTER_ADDR=127.0.0.1 and gloo on
     the loopback interface. Otherwise nothing changes: other nodes must reach this one."""
-    environ = os.environ if environ is None else environ
-    if not nd.inside_torchrun(environ) or environ.get("LOCAL_WORLD_SIZE") != environ.get("WORLD_SIZE"):
+    env = os.environ if environ is None else environ
+    if not nd.inside_torchrun(env) or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
         return False
-    environ["MASTER_ADDR"] = "127.0.0.1"
-    environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     return True
 
 

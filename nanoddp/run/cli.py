@@ -160,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(args, "verbose", False):
         _quiet_torchrun_logs()  # its warnings on a stop or a failure: this function prints one line instead
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    scratch = None if args.log_dir else make_private_dir("nanoddp-run-")  # swept by the next start if killed
+    log_dir: str = args.log_dir or make_private_dir("nanoddp-run-")  # swept by the next start if killed
+    scratch = None if args.log_dir else log_dir  # ours to remove
     # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
-    argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, args.log_dir or scratch))
+    argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, log_dir))
     print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
     try:
         with watched_agent(args.finished_grace, args.fail_on_early_exit):

@@ -99,9 +99,12 @@ def watched_agent(grace_s: float, fail: bool) -> Iterator[None]:
     builds a `WatchedAgent`; it names its agent class in one place, its module's global."""
     from torch.distributed.launcher import api
 
-    original = api.LocalElasticAgent
-    api.LocalElasticAgent = functools.partial(WatchedAgent, watch=FinishedRanksWatch(grace_s, fail))
+    # Replaced through the module's dict: the global is a class to the checker, and a factory of
+    # `WatchedAgent`s takes its place here (launch_agent only calls it).
+    module_globals = vars(api)
+    original = module_globals["LocalElasticAgent"]
+    module_globals["LocalElasticAgent"] = functools.partial(WatchedAgent, watch=FinishedRanksWatch(grace_s, fail))
     try:
         yield
     finally:
-        api.LocalElasticAgent = original
+        module_globals["LocalElasticAgent"] = original
