@@ -79,7 +79,7 @@ class TrainConfig:
     fsdp_wrap: str = ""
     """--engine fsdp: comma-separated module class names to shard as units before the root
     (default: the model's layers: GPT blocks, a Hugging Face model's _no_split_modules, else
-    children holding >= 5% of the parameters)."""
+    children holding at least 5 percent of the parameters)."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False

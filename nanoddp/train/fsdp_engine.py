@@ -31,7 +31,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def mp_policy(amp: str):
     """FSDP's mixed precision for `--amp`: compute in the half dtype, reduce in float32."""
-    from nanoddp.fsdp import MixedPrecisionPolicy
+    from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
 
     if amp == "off":
         return MixedPrecisionPolicy()
@@ -41,9 +41,9 @@ def mp_policy(amp: str):
 def shard_model(module: nn.Module, env: DistEnv, wrap: str = "", amp: str = "off") -> nn.Module:
     """Rank 0's values everywhere, then `fully_shard` on each unit `auto_wrap` picks, then the root."""
     from nanoddp.comm.backend import collectives_for
-    from nanoddp.fsdp import fully_shard
     from nanoddp.parallel.replicas import broadcast_coalesced
     from nanoddp.parallel.sharded.auto_wrap import modules_to_shard
+    from nanoddp.parallel.sharded.fsdp_init import fully_shard
 
     broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
     units = modules_to_shard(module, wrap)

@@ -70,11 +70,8 @@ def modules_to_shard(model: nn.Module, names: str = "", min_fraction: float = MI
         wanted = declared_classes(model)
     if not wanted:
         return _by_size(model, min_fraction)
-    depth = {id(model): 0}
-    order: list[tuple[int, int, nn.Module]] = []
+    order: list[tuple[int, int, nn.Module]] = []  # (-depth, module order, module): innermost first
     for i, (name, m) in enumerate(model.named_modules()):
-        if m is not model:
-            depth[id(m)] = name.count(".") + 1
-            if type(m).__name__ in wanted and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-                order.append((-depth[id(m)], i, m))
+        if m is not model and type(m).__name__ in wanted and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            order.append((-name.count("."), i, m))
     return [m for _, _, m in sorted(order, key=lambda t: t[:2])]
