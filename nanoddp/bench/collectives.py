@@ -167,7 +167,8 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
         algorithm = algorithm[op]
     ring_chunk = path is Path.RING and op == "all_reduce"
     first_piece = share // n if ring_chunk else share  # the ring's chunk, else the whole message
-    early = plan.early_bytes(first_piece, gloo)
+    sends_early = path in (Path.RING, Path.EXCHANGE, Path.CHAIN, Path.DIRECT)  # the new paths send nothing early
+    early = plan.early_bytes(first_piece, gloo) if sends_early else 0
     timing = f"with its first {_human(early)} early" if early else "then"
     return f"header round ({round_shape}), {timing}: {algorithm}"
 

@@ -8,8 +8,9 @@ signatures and results, built from point-to-point send/recv only. Each is the sa
    word (with `async_op=True`, from `wait()`), and the group stays usable.
 2. **plan** the path from the message size, group size and backend (`nanoddp.comm.plan`): data in
    the header round's frames (one round; the check costs nothing extra), or the header round and
-   then a bulk algorithm: the pipelined ring (`ring.py`), or at 2 gloo ranks one exchange of whole
-   tensors (`exchange.py`).
+   then a bulk algorithm: the pipelined ring (`ring.py`), at 2 gloo ranks one exchange of whole
+   tensors (`exchange.py`), or from 5 gloo ranks, where the α–β model (`cost_model.py`) says the
+   ring's 2(n-1) steps cost more, recursive halving and doubling (`halving_doubling.py`).
 3. **run** it. Every path starts with the header round (`nanoddp.comm.header_round`): each rank's
    header (collective, numel, dtype, op, root) reaches a place where all are checked, so
    mismatched calls raise the same ValueError on every rank instead of hanging. The rounds a

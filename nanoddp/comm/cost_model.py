@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-ALPHA_S = 300e-6  # seconds per dependent step
-BETA_S_PER_BYTE = 0.4e-9  # seconds per byte through the busiest rank (in + out)
+ALPHA_S = 228e-6  # seconds per dependent step (fitted, docs/comm.md)
+BETA_S_PER_BYTE = 0.48e-9  # seconds per byte through the busiest rank, in + out (fitted)
 
 
 def _log2(n: int) -> int:

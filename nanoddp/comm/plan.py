@@ -6,7 +6,10 @@ and the backend only, and must be made the same way on every rank, by the collec
 anything that reports what they do (`nanoddp bench collectives` prints `plan()`'s answer). So
 every switch point is a constant below, each with the reason it exists; the measurements behind
 the values are in docs/performance.md ("Collectives: where the thresholds come from" and "The
-header round and the bulk phase"). Tests shrink them by setting these module attributes; the
+header round and the bulk phase"). Between the algorithms that cost depends on the group size
+(halving/doubling, the binomial tree, scatter + all-gather) the α–β model in `cost_model` chooses,
+so the choice is explained rather than tuned (docs/comm.md, "How plan() chooses: the α–β model").
+Tests shrink them by setting these module attributes; the
 frames and remembered calls follow (`limits()`).
 
 `nbytes` is one rank's share: its tensor for all_reduce, broadcast, reduce, all_gather, gather

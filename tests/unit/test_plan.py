@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import pytest
 
-from nanoddp.comm import plan
+from nanoddp.comm import cost_model, plan
 from nanoddp.comm.plan import Path
 
 KB, MB = 1024, 1024 * 1024
 ALL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "scatter", "gather")
+MODEL_FROM = plan.MODEL_FROM_WORLD_SIZE
+NEW = (Path.HALVING_DOUBLING, Path.TREE, Path.SCATTER_ALLGATHER)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_thresholds(monkeypatch):
+    """The fixed table's rules, at every world size: the α–β model's choices (from
+    MODEL_FROM_WORLD_SIZE ranks) are tested below with the model switched back on."""
+    monkeypatch.setattr(plan, "MODEL_FROM_WORLD_SIZE", 10**9)
 
 
 def gloo(op: str, nbytes: int, ws: int, cpu: bool = True) -> Path:
@@ -159,3 +168,97 @@ def test_early_bytes():
     assert plan.early_bytes(3 * MB, gloo=True) == 2 * MB  # the largest power of two within
     assert plan.early_bytes(64 * MB, gloo=True) == 4 * MB
     assert plan.early_bytes(64 * MB, gloo=False) == 0  # nccl matches by order: nothing goes early
+
+
+# --- the α–β model's choices (cost_model) ---------------------------------------------------------
+
+SIZES = [1 << e for e in range(2, 27)] + [3 << e for e in range(1, 25)]
+
+
+def test_the_model_is_off_up_to_4_ranks_and_on_nccl(monkeypatch):
+    """At 2-4 ranks the measured old paths were as fast or faster (docs/comm.md): never a new path."""
+    monkeypatch.setattr(plan, "MODEL_FROM_WORLD_SIZE", MODEL_FROM)
+    assert MODEL_FROM == 5
+    for op in ALL_OPS:
+        for nbytes in SIZES:
+            for ws in (2, 3, 4):
+                assert gloo(op, nbytes, ws) not in NEW
+            for ws in (5, 8, 16, 64):
+                assert nccl(op, nbytes, ws) not in NEW
+
+
+@pytest.mark.parametrize("ws", [5, 6, 7, 8, 12, 16])
+def test_from_5_ranks_plan_takes_the_models_cheapest(monkeypatch, ws):
+    monkeypatch.setattr(plan, "MODEL_FROM_WORLD_SIZE", MODEL_FROM)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        for nbytes in SIZES:
+            path = gloo(op, nbytes, ws)
+            with monkeypatch.context() as m:
+                m.setattr(plan, "MODEL_FROM_WORLD_SIZE", 10**9)
+                old = gloo(op, nbytes, ws)
+            options = [old, *({"broadcast": (Path.TREE, Path.SCATTER_ALLGATHER)}.get(op, (Path.HALVING_DOUBLING,)))]
+            costs = {p: cost_model.cost(p.name, op, nbytes, ws) for p in options}
+            assert costs[path] == min(costs.values()), (op, nbytes, path, costs)
+            assert path is old or costs[path] < costs[old]  # a tie keeps the old path
+
+
+def test_the_models_crossovers(monkeypatch):
+    """Sizes spelled out (the fitted α = 228 µs, β = 0.48 ns/B): a changed fit or formula fails here."""
+    monkeypatch.setattr(plan, "MODEL_FROM_WORLD_SIZE", MODEL_FROM)
+    assert gloo("all_reduce", 256 * KB, 8) is Path.IN_FRAMES
+    assert gloo("all_reduce", 384 * KB, 8) is Path.HALVING_DOUBLING  # the star's hub moves 14 shares
+    assert gloo("all_reduce", 64 * MB, 8) is Path.HALVING_DOUBLING  # same bytes as the ring, 8 steps fewer
+    assert gloo("all_reduce", 768 * KB, 6) is Path.HALVING_DOUBLING
+    assert gloo("all_reduce", 1536 * KB, 6) is Path.RING  # the fold's extra bytes outweigh 4 steps
+    assert gloo("all_reduce", 1 * MB, 5) is Path.RING
+    assert gloo("all_gather", 32 * KB, 8) is Path.IN_FRAMES
+    assert gloo("all_gather", 48 * KB, 8) is Path.HALVING_DOUBLING
+    assert gloo("all_gather", 192 * KB, 6) is Path.RING
+    assert gloo("reduce_scatter", 32 * KB, 8) is Path.HALVING_DOUBLING
+    assert gloo("reduce_scatter", 24 * KB, 8) is Path.IN_FRAMES
+    assert gloo("broadcast", 256 * KB, 8) is Path.STAR
+    assert gloo("broadcast", 384 * KB, 8) is Path.SCATTER_ALLGATHER
+    assert gloo("broadcast", 64 * MB, 8) is Path.SCATTER_ALLGATHER
+    assert gloo("broadcast", 192 * KB, 16) is Path.TREE
+    assert gloo("broadcast", 768 * KB, 5) is Path.TREE
+    assert gloo("broadcast", 1 * MB, 5) is Path.SCATTER_ALLGATHER
+    assert gloo("broadcast", 12 * MB, 5) is Path.CHAIN
+    for op in ("reduce", "scatter", "gather"):  # no new path for these
+        assert gloo(op, 64 * MB, 16) not in NEW
+
+
+def test_forced_paths_and_the_environment(monkeypatch):
+    monkeypatch.setattr(plan, "FORCED", {"all_reduce": Path.HALVING_DOUBLING})
+    before = plan.limits()
+    assert gloo("all_reduce", 4, 2) is Path.HALVING_DOUBLING
+    assert gloo("all_reduce", 0, 2) is Path.HEADER_ONLY  # no data, or one rank: nothing to force
+    assert gloo("all_reduce", 4, 1) is Path.LOCAL
+    assert nccl("all_reduce", 4, 8) is Path.IN_FRAMES  # gloo only
+    plan.FORCED["broadcast"] = Path.TREE
+    assert plan.limits() != before  # remembered calls are dropped
+    monkeypatch.setenv("NANODDP_COMM_FORCE", "all_gather=HALVING_DOUBLING, broadcast=SCATTER_ALLGATHER")
+    assert plan._forced_from_env() == {"all_gather": Path.HALVING_DOUBLING, "broadcast": Path.SCATTER_ALLGATHER}
+
+
+def test_the_fit_recovers_alpha_and_beta():
+    alpha, beta = 123e-6, 0.7e-9
+    samples = [
+        (path, op, nbytes, n, cost_model.cost(path, op, nbytes, n, alpha, beta))
+        for path, op in (("RING", "all_reduce"), ("HALVING_DOUBLING", "all_gather"), ("TREE", "broadcast"))
+        for nbytes in (4 * KB, MB, 16 * MB)
+        for n in (2, 4)
+    ]
+    fitted = cost_model.fit(samples)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-9)
+
+
+def test_the_cost_shapes():
+    assert cost_model.shape("RING", "all_reduce", 1000, 8) == (2 + 14, 4 * 7 / 8 * 1000)
+    assert cost_model.shape("HALVING_DOUBLING", "all_reduce", 1000, 8) == (2 + 6, 4 * 7 / 8 * 1000)
+    assert cost_model.shape("HALVING_DOUBLING", "all_reduce", 1000, 6) == (2 + 4 + 2, 3000 + 2000)  # p = 4, fold
+    assert cost_model.shape("TREE", "broadcast", 1000, 5) == (2 + 3, 3000)
+    assert cost_model.shape("SCATTER_ALLGATHER", "broadcast", 1000, 8) == (2 + 1 + 3, 2 * 7 / 8 * 1000)
+    assert cost_model.shape("IN_FRAMES", "all_reduce", 1000, 8) == (2, 14000)
+    assert cost_model.shape("PAIR", "all_reduce", 1000, 2) == (1, 2000)
+    with pytest.raises(ValueError, match="no cost"):
+        cost_model.shape("LOCAL", "all_reduce", 1, 2)
