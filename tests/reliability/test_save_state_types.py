@@ -132,3 +132,10 @@ def test_refusal_is_the_same_error_on_every_rank(on_ranks, tmp_path):
     assert errors[0] is not None and errors == [errors[0]] * 2, errors
     assert "meta['when'] is a datetime.datetime" in errors[0]
     assert not list(tmp_path.glob("step-*"))
+
+
+def test_a_numpy_step_names_the_file_in_a_directory(tmp_path):
+    """`step=np.int64(k)` (a step counted with numpy) names step-<k>.pt like an int does."""
+    written = nanoddp.save_state(tmp_path, step=np.int64(7), note="numpy step")
+    assert written == tmp_path / "step-00000007.pt"
+    assert nanoddp.load_state(tmp_path)["step"] == 7

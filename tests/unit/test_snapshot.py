@@ -129,3 +129,18 @@ def test_a_kill_during_a_snapshot_write_never_leaves_a_readable_half_file(tmp_pa
             assert snapshot.load(target)["blob"].numel() == 6_000_000
     snapshot.prune(directory, keep=2)  # the dead writers' temp files go with the pruning
     assert not list(directory.glob(".step-*"))
+
+
+class _NotAWeight:
+    """A pickled class: the checksum is fine, but weights_only loading refuses it."""
+
+
+def test_checksummed_but_unloadable_snapshot_is_skipped_for_the_older_one(tmp_path, caplog):
+    older = snapshot.save(snapshot.snapshot_path(tmp_path, 1), {"step": 1, "x": torch.ones(2)})
+    snapshot.save(snapshot.snapshot_path(tmp_path, 2), {"step": 2, "x": torch.ones(2), "odd": _NotAWeight()})
+    with pytest.raises(snapshot.SnapshotError, match="weights_only"):
+        snapshot.load(snapshot.snapshot_path(tmp_path, 2))
+    with caplog.at_level("WARNING"):
+        path, state = snapshot.find_latest_valid(tmp_path)
+    assert path == older and state["step"] == 1
+    assert any("step-" in r.getMessage() and "weights_only" in r.getMessage() for r in caplog.records)

@@ -96,7 +96,20 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
         raise SnapshotError(f"{path} is truncated: {len(payload)} of {length} payload bytes")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise SnapshotError(f"{path} is corrupted: checksum mismatch")
-    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    try:
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except Exception as exc:  # intact bytes that are not ours to unpickle: another program or torch
+        raise SnapshotError(
+            f"{path} cannot be loaded with weights_only=True ({unpickling_reason(exc)}); it was written by "
+            "another program or torch version, or by a save_state that did not check its values"
+        ) from None
+
+
+def unpickling_reason(exc: BaseException) -> str:
+    """One line saying why a payload did not unpickle (weights_only's own message spans a page)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
+    return f"{type(exc).__name__}: {reason.replace('WeightsUnpickler error: ', '')}"
 
 
 def list_snapshots(directory: str | Path) -> list[tuple[int, Path]]:

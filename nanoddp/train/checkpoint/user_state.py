@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -197,12 +198,12 @@ def _target_file(path: str | Path, objects: dict[str, Any]) -> Path:
     if not _names_directory(path):
         return Path(path)
     step = objects.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # np.int64 too
         raise ValueError(
             f"save_state({str(path)!r}) names a directory, so the file is step-<N>.pt and needs "
             f"step=N (an int >= 0), got step={step!r}; pass step=..., or a file path such as state.pt"
         )
-    return snapshot.snapshot_path(path, step)
+    return snapshot.snapshot_path(path, int(step))
 
 
 def save_state(path: str | Path, **objects: Any) -> Path:
@@ -302,33 +303,13 @@ def _check_reports(reports: list[Any]) -> None:
                 )
 
 
-def _why(exc: BaseException) -> str:
-    """One line saying why a file did not load (weights_only's own message spans a page)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
-    return f"{type(exc).__name__}: {reason.replace('WeightsUnpickler error: ', '')}"
-
-
-def _load(file: Path) -> dict[str, Any]:
-    """`snapshot.load`, with a file weights_only refuses reported as one SnapshotError line."""
-    try:
-        return snapshot.load(file)
-    except snapshot.SnapshotError:
-        raise
-    except Exception as exc:
-        raise snapshot.SnapshotError(
-            f"{file} cannot be loaded with weights_only=True ({_why(exc)}); it was not written by this "
-            "version of save_state, which checks every value"
-        ) from None
-
-
 def _newest_loadable(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest `step-<N>.pt` in `directory` that loads; one warning line per file skipped."""
     for _, path in snapshot.list_snapshots(directory):
         try:
-            return path, _load(path)
+            return path, snapshot.load(path)
         except Exception as exc:  # checksum, truncation, unpickling: any reason, the next one may do
-            logger.warning("load_state: skipping %s: %s", path, _why(exc))
+            logger.warning("load_state: skipping %s: %s", path, snapshot.unpickling_reason(exc))
     return None
 
 
@@ -367,7 +348,7 @@ def _read(path: str | Path, objects: dict[str, Any]) -> tuple[Path, dict[str, An
     if resolved is None:
         return None
     file, state = resolved
-    state = state if state is not None else _load(file)
+    state = state if state is not None else snapshot.load(file)
     if state.get("format") not in (FORMAT, FORMAT_SHARDED):
         raise ValueError(f"{file} was not written by nanoddp.save_state (format {state.get('format')!r})")
     missing = sorted(set(objects) - set(state["objects"]))
