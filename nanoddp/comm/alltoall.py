@@ -18,7 +18,8 @@ import datetime
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,13 @@ import torch.distributed as dist
 from nanoddp.comm import cached_rounds, header_round, watchdog, wire
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.transport import Peers, posted, wait_all
 from nanoddp.comm.wire import DTYPE_CODES
 
 TAG_ARRIVE = 0x6E6411  # monitored_barrier: rank -> group rank 0
 TAG_RELEASE = 0x6E6412  # monitored_barrier: group rank 0 -> rank
 DEFAULT_BARRIER_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo
+T = TypeVar("T")
 
 
 def all_to_all_single(
@@ -139,6 +141,7 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
         combine=lambda pick, p: torch.cat([wire.as_bytes(pick(q)) for q in range(n)]),
         same_for_all=True,
     )
+    assert every is not None  # combine gives every rank the table
     table = wire.as_bytes(every).view(torch.int64).view(n, 2 * n).tolist()  # (n, 2n): every rank's counts
     wrong = [(i, j) for i in range(n) for j in range(n) if table[i][j] != table[j][n + i]]
     if wrong:
@@ -178,6 +181,7 @@ def barrier(
     work = submit(runner, "barrier", "barrier", prepare, async_op=async_op or timeout is not None)
     if async_op or timeout is None:
         return work
+    assert work is not None  # submitted with async_op=True: a handle
     work.wait(timeout.total_seconds())
     return None
 
@@ -186,10 +190,10 @@ def _header_round(peers: Peers, kind: str) -> None:
     cached_rounds.header_then(peers, [KIND[kind], 0, -1, -1, -1], default_device(peers))
 
 
-def agree(runner: GroupRunner, kind: str, check_call) -> object:
+def agree(runner: GroupRunner, kind: str, check_call: Callable[[], T]) -> T:
     """Run `check_call()` (local checks), then a header round as collective `kind`: if the call
     raised on any rank, every rank raises that error; else return its value."""
-    box = {}
+    box: dict[str, T] = {}
 
     def prepare() -> Prepared:
         box["value"] = check_call()
@@ -290,7 +294,7 @@ def _answer_late(peers: Peers, p: int, late: torch.Tensor, arrived: threading.Ev
     peers.isend(late, p, TAG_RELEASE).wait()
 
 
-def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
+def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[_WatchedP2P]:
     """Post a list of `torch.distributed.P2POp`s as one round and return their works, in order.
 
     On gloo every receive is posted before any send (a gloo send waits for the receiver to
@@ -312,14 +316,14 @@ def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
             for w, p in zip(works, p2p_op_list, strict=True)
         ]
     order = sorted(range(len(p2p_op_list)), key=lambda i: p2p_op_list[i].op is not dist.irecv)  # receives first
-    works: list = [None] * len(p2p_op_list)
+    watched: dict[int, _WatchedP2P] = {}
     for i in order:
         p = p2p_op_list[i]
         token = watchdog.begin("batch_isend_irecv", p.tensor.numel(), ranks)
         post = dist.irecv if p.op in (dist.irecv, dist.recv) else dist.isend
         peer = {"group_src" if post is dist.irecv else "group_dst": p.group_peer}
-        works[i] = _WatchedP2P(post(p.tensor, group=p.group, tag=p.tag, **peer), token)
-    return works
+        watched[i] = _WatchedP2P(posted(post(p.tensor, group=p.group, tag=p.tag, **peer)), token)
+    return [watched[i] for i in range(len(p2p_op_list))]
 
 
 class _WatchedP2P:

@@ -22,6 +22,7 @@ when any of `plan`'s thresholds changes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch
 from torch.distributed import ReduceOp
@@ -79,13 +80,16 @@ class PairRound:
         wire.raise_payload_mismatch(collective, self._expected[SLOT_NBYTES], theirs[SLOT_NBYTES])
 
 
-def _cached(bufs: FrameBuffers, key: tuple, make):
+Prepared = TypeVar("Prepared", "PairRound", "StarBroadcast")
+
+
+def _cached(bufs: FrameBuffers, key: tuple[int | str, ...], make: Callable[[], Prepared]) -> Prepared:
     prepared_round = bufs.rounds.get(key)
     if prepared_round is None:
         if len(bufs.rounds) >= MAX_ROUNDS:
             bufs.rounds.clear()
         prepared_round = bufs.rounds[key] = make()
-    return prepared_round
+    return cast(Prepared, prepared_round)  # the key names the kind: only star_broadcast's end in "star"
 
 
 def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torch.device, out_numel: int,
@@ -177,7 +181,7 @@ class StarBroadcast:
             flat.view(torch.uint8).copy_(self._from_root)
 
 
-def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -> None:
+def _check_star(table: list[list[int]], payload_of: Callable[[int], torch.Tensor], expected: list[list[int]]) -> None:
     """Raise what the general path raises for this table; if it passes (same calls, other payload
     sizes: the ranks' frame limits differ), raise that."""
     wire.check_table(table, payload_of)
@@ -189,7 +193,7 @@ def _check_star(table: list[list[int]], payload_of, expected: list[list[int]]) -
 def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: int) -> StarBroadcast:
     """The prepared broadcast for this signature (`plan.Path.STAR`: 3+ gloo ranks, frames on CPU)."""
     bufs = wire.buffers(peers, flat.device)
-    key = (*header, "star")
+    key: tuple[int | str, ...] = (*header, "star")
     return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
 
 
@@ -204,13 +208,13 @@ _CPU = torch.device("cpu")
 _PLAIN_ARGS = (int, type(ReduceOp.SUM), type(None))  # root, ReduceOp member, no argument
 
 
-def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple | None:
+def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple[object, ...] | None:
     """What identifies a repeat of a call: the collective, its root or op (`arg`) and each tensor's
     dtype and numel; None where no repeat is looked up (a tensor that is not a contiguous CPU one,
     an op object other than a plain ReduceOp, or under torch.compile, whose trace the runner breaks)."""
     if type(arg) not in _PLAIN_ARGS or torch.compiler.is_compiling():
         return None
-    key = [name, arg]
+    key: list[object] = [name, arg]
     for t in tensors:
         if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
             return None
@@ -218,14 +222,14 @@ def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple | None:
     return tuple(key)
 
 
-def repeat_of(peers: Peers, key: tuple | None):
+def repeat_of(peers: Peers, key: tuple[object, ...] | None) -> Callable[..., None] | None:
     """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
     if key is None or not peers.gloo:
         return None
     return wire.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
 
 
-def remember(peers: Peers, key: tuple | None, body) -> None:
+def remember(peers: Peers, key: tuple[object, ...] | None, body: Callable[..., None]) -> None:
     """Keep `body` (what the general path just chose for this call) for the call's repeats."""
     if key is not None:
         repeats = wire.buffers(peers, _CPU).repeats

@@ -18,11 +18,13 @@ from nanoddp.comm import header_round, wire
 from nanoddp.comm.runner import GroupRunner, Work
 from nanoddp.comm.transport import Peers
 
-_OP_NAMES = {
+_OP_NAMES: dict[object, str] = {
     ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.PRODUCT: "PRODUCT",
     ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX",
 }  # fmt: skip
 KIND = {name: code for code, name in enumerate(wire.COLLECTIVES)}
+# A reduction op as callers pass it: a member (`ReduceOp.SUM`, a RedOpType) or a ReduceOp object.
+Op = ReduceOp | ReduceOp.RedOpType
 # What a prepared call hands `submit`: (numel for the watchdog, the body, the output tensors).
 Prepared = tuple[int, Callable[[], None], list[torch.Tensor]]
 
@@ -54,7 +56,7 @@ def default_device(peers: Peers) -> torch.device:
     return torch.device("cpu") if peers.gloo else torch.device("cuda", torch.cuda.current_device())
 
 
-def op_name(op: ReduceOp, tensor: torch.Tensor) -> str:
+def op_name(op: Op, tensor: torch.Tensor) -> str:
     key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)
     name = _OP_NAMES.get(key)
     if name is None:
@@ -95,6 +97,7 @@ def list_on_root(peers: Peers, root: int, tensors: Sequence[torch.Tensor] | None
     if peers.rank != root:
         return None
     check_list(tensors, peers.size, what, like)
+    assert tensors is not None  # check_list raised for None
     return list(tensors)
 
 
@@ -133,7 +136,8 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
         tensor.copy_(flat.view(tensor.shape))
 
 
-def land(flat: torch.Tensor, result: torch.Tensor) -> None:
+def land(flat: torch.Tensor, result: torch.Tensor | None) -> None:
     """Copy a one-round result into `flat`, unless it was computed there."""
+    assert result is not None, "the round gave this rank no result"  # its combine makes one for every caller
     if result.data_ptr() != flat.data_ptr():
         flat.copy_(result.view(flat.dtype))

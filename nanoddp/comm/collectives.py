@@ -42,7 +42,7 @@ from torch.distributed import ReduceOp
 
 from nanoddp.comm import cached_rounds, halving_doubling, header_round, wire
 from nanoddp.comm.cached_rounds import header_then
-from nanoddp.comm.checks import Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
+from nanoddp.comm.checks import Op, Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
 from nanoddp.comm.exchange import start_exchange_reduce
 from nanoddp.comm.header_round import others_for, unpack
 from nanoddp.comm.pieces import balanced_bounds
@@ -57,7 +57,7 @@ from nanoddp.comm.transport import Peers
 
 def all_reduce(
     tensor: torch.Tensor,
-    op: ReduceOp = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
@@ -233,7 +233,7 @@ def _pair_all_gather(pair: cached_rounds.PairRound, rank: int):
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
-    op: ReduceOp = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
@@ -255,7 +255,7 @@ def reduce_scatter_tensor(
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: ReduceOp = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:

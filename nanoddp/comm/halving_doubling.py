@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nanoddp.comm.reduce import finish_avg, reduce_into
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.transport import Peers, Waitable, wait_all
 
 REDUCE, GATHER = 0, 1  # which of the call's two tags a step uses: fold-in and halving; doubling and fold-back
 
@@ -149,9 +149,10 @@ def start_steps(
     them in order. Peers are relative ranks: group rank = (peer + offset) mod n."""
     n = peers.size
     tags = peers.call_tags()
-    scratch_numel = sum(s.recv[2] - s.recv[1] for s in steps if s.reduce)
+    scratch_numel = sum(s.recv[2] - s.recv[1] for s in steps if s.reduce and s.recv is not None)
     scratch = peers.scratch("halving", scratch_numel, buf.dtype, buf.device) if scratch_numel else None
-    posted, at = [], 0
+    posted: list[tuple[torch.Tensor, Waitable] | None] = []
+    at = 0
     for s in steps:
         if s.recv is None or s.recv[2] == s.recv[1]:  # empty ranges are never sent
             posted.append(None)
@@ -159,6 +160,7 @@ def start_steps(
         peer, a, b = s.recv
         target = buf[a:b]
         if s.reduce:
+            assert scratch is not None  # sized for every reducing step's receive
             target, at = scratch[at : at + b - a], at + b - a
         posted.append((target, peers.irecv(target, (peer + offset) % n, tags[s.tag])))
 
@@ -171,8 +173,10 @@ def start_steps(
                 incoming, work = landed
                 work.wait()
                 if s.reduce:
+                    assert op is not None and s.recv is not None  # reducing steps: a reduction, a receive
                     reduce_into(op, buf[s.recv[1] : s.recv[2]], incoming)
             if s.finish is not None:
+                assert op is not None  # only a reduction's steps finish
                 finish_avg(op, buf[s.finish[0] : s.finish[1]], n)
         wait_all(sends)
 

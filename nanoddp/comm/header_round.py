@@ -31,6 +31,7 @@ rounds cached per call signature (`nanoddp.comm.cached_rounds`), so either may m
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -40,7 +41,14 @@ from nanoddp.comm.wire import SLOT_NBYTES, TAG_FRAME, FrameBuffers, as_bytes, bu
 
 Part = Callable[[int | None], torch.Tensor | None]
 Select = Callable[[torch.Tensor, int], torch.Tensor]
-Combine = Callable[[Callable[[int], torch.Tensor], int], torch.Tensor | None]
+Pick = Callable[[int], torch.Tensor]  # rank q's share for the rank being combined for
+Combine = Callable[[Pick, int], torch.Tensor | None]
+
+
+def _picks(shares: Callable[[int], torch.Tensor | None]) -> Pick:
+    """`shares` as `combine` sees it: a combine picks only ranks that contributed a share (a rank
+    whose `part` gives None sends no payload, and no combine asks for it), which no checker can see."""
+    return cast(Pick, shares)
 
 
 def one_round(
@@ -77,8 +85,9 @@ def others_for(size: int) -> Combine:
     return combine
 
 
-def unpack(result: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+def unpack(result: torch.Tensor | None, outputs: list[torch.Tensor]) -> None:
     """Copy equal consecutive pieces of a one-round result's bytes into `outputs`."""
+    assert result is not None, "the round gave this rank no result"  # its combine makes one for every caller
     data = as_bytes(result)
     size = data.numel() // max(len(outputs), 1)
     for i, out in enumerate(outputs):
@@ -96,7 +105,7 @@ def _nbytes(payload: torch.Tensor | None) -> int:
 def _alone(header: Sequence[int], part: Part | None, combine: Combine | None, error: int) -> torch.Tensor | None:
     """One rank: no frames, but an invalid call still raises what it raises in a group."""
     wire.raise_invalid([wire.up_slots(header, 0, error)], lambda q: part(0) if part else None)
-    return combine(lambda q: part(0), 0) if combine else None
+    return combine(_picks(lambda q: part(0) if part else None), 0) if combine else None
 
 
 def _exchange(
@@ -116,7 +125,7 @@ def _exchange(
     if combine is None:
         return None
     own = part(me) if part else None
-    return combine(lambda q: own if q == me else received, me)
+    return combine(_picks(lambda q: own if q == me else received), me)
 
 
 def _star(
@@ -147,6 +156,7 @@ def _star(
     table = [mine] + [bufs.slots(p) for p in range(1, n)]
     wholes = [whole] + [bufs.payload(p, table[p][SLOT_NBYTES]) for p in range(1, n)]
     check_at_hub(peers, bufs, lambda: check_table(table, wholes.__getitem__), device)
+    contributed = cast(list[torch.Tensor], wholes)  # past the check: a combine picks contributing ranks only
     if combine is None:
         _send_down(peers, bufs, [None] * n, 0, exact)
         return None
@@ -155,9 +165,14 @@ def _star(
         if same_for_all and p > 0:
             results.append(results[0])
             continue
-        results.append(combine(lambda q, p=p: select(wholes[q], p), p))
+        results.append(combine(_share_for(select, contributed, p), p))
     _send_down(peers, bufs, results, 0, exact)
     return results[0]
+
+
+def _share_for(select: Select, wholes: list[torch.Tensor], p: int) -> Pick:
+    """Rank p's pick in the star: rank q's share for p, cut from q's whole contribution."""
+    return lambda q: select(wholes[q], p)
 
 
 def check_at_hub(peers: Peers, bufs: FrameBuffers, check: Callable[[], None], device: torch.device) -> None:

@@ -102,6 +102,7 @@ def gather_object(
     slots = [torch.empty_like(padded) for _ in range(peers.size)] if peers.rank == root else None
     gather(padded, slots, dst=peers.global_ranks[root], group=group)
     if peers.rank == root:
+        assert object_gather_list is not None and slots is not None  # the root's list passed _check_slots
         object_gather_list[:] = [_unpickle(s[:n]) for s, n in zip(slots, sizes.tolist(), strict=True)]
 
 
@@ -126,6 +127,7 @@ def scatter_object_list(
         if peers.rank != root:
             return root, None
         _check_slots(scatter_object_input_list, peers.size, "scatter_object_input_list")
+        assert scatter_object_input_list is not None  # _check_slots raised for anything but a list
         return root, [_pickle(o) for o in scatter_object_input_list]
 
     root, pickles = agree(runner, "scatter_object_list", local)

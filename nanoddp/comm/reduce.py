@@ -10,7 +10,7 @@ result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,4 +57,10 @@ def reduce_in_rank_order(op: str, parts: Sequence[torch.Tensor], out: torch.Tens
     out.copy_(acc.view_as(out))
 
 
-_FIRST_PAIR = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
+_FIRST_PAIR: dict[str, Callable[..., torch.Tensor]] = {
+    "SUM": torch.add,
+    "AVG": torch.add,
+    "PRODUCT": torch.mul,
+    "MIN": torch.minimum,
+    "MAX": torch.maximum,
+}

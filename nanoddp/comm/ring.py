@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nanoddp.comm import plan
 from nanoddp.comm.pieces import balanced_bounds, piece_numel, pieces_after
 from nanoddp.comm.reduce import finish_avg, reduce_into
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.transport import Peers, Waitable, wait_all
 
 __all__ = ["balanced_bounds", "ring", "start_ring"]
 
@@ -94,7 +94,7 @@ def _start_pipelined_ring(
     early_tag = peers.early_tag(early * itemsize) if early else None
 
     def tag_of(j: int, i: int) -> int:  # piece i of step j
-        return early_tag if early and j == 0 and i == 0 else tag_at[j]
+        return early_tag if early_tag is not None and j == 0 and i == 0 else tag_at[j]
 
     def post_recvs(j: int) -> list[dist.Work]:
         c = chunk_at[j]
@@ -107,7 +107,7 @@ def _start_pipelined_ring(
     early_send = [peers.send_early(chunks[first][:early], right)] if early else []
 
     def run() -> None:
-        sends = early_send + [
+        sends: list[Waitable] = early_send + [
             peers.post_send(chunks[first][a:b], right, tag_at[0]) for a, b in pieces[first][len(early_send) :]
         ]
         for j in range(steps):
@@ -118,6 +118,7 @@ def _start_pipelined_ring(
                 work.wait()
                 piece = chunks[c][a:b]
                 if j < reduce_steps:
+                    assert op is not None  # reduce steps belong to a reduction
                     reduce_into(op, piece, scratch[j % 2, a:b])
                     if j == reduce_steps - 1:
                         finish_avg(op, piece, n)
@@ -142,6 +143,7 @@ def _lockstep_ring(
         target = incoming[: chunks[c].numel()] if j < reduce_steps else chunks[c]
         wait_all(peers.exchange([(sent, right)], [(target, left)]))
         if j < reduce_steps:
+            assert op is not None  # reduce steps belong to a reduction
             reduce_into(op, chunks[c], target)
             if j == reduce_steps - 1:
                 finish_avg(op, chunks[c], n)

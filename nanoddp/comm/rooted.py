@@ -16,7 +16,7 @@ from torch.distributed import ReduceOp
 
 from nanoddp.comm import cached_rounds, chain, header_round, tree, van_de_geijn
 from nanoddp.comm.cached_rounds import header_then
-from nanoddp.comm.checks import Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
+from nanoddp.comm.checks import Op, Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
 from nanoddp.comm.checks import write_back as _write_back
 from nanoddp.comm.header_round import others_for, unpack
@@ -32,7 +32,7 @@ _submit, _header, _nbytes = submit, header, nbytes
 def reduce(
     tensor: torch.Tensor,
     dst: int,
-    op: ReduceOp = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
@@ -171,7 +171,7 @@ def scatter(
 def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | None, root: int) -> None:
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("scatter", tensor, root=root)
-    flats = [_flat(t) for t in sources] if sources is not None else [None] * n
+    flats = [_flat(t) for t in sources] if sources is not None else []  # the root's only (list_on_root)
     path = plan("scatter", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
     if path is Path.HEADER_ONLY:
         header_then(peers, head, device, None)
@@ -223,7 +223,7 @@ def gather(
 def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | None, root: int) -> None:
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("gather", tensor, root=root)
-    flats = [_flat(t) for t in targets] if me == root else None
+    flats = [_flat(t) for t in targets] if targets is not None else []  # the root's only (list_on_root)
     path = plan("gather", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
     if path is Path.IN_FRAMES:
         others = others_for(n)
@@ -242,6 +242,7 @@ def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | No
             wait_all([peers.irecv(flats[p], p) for p in range(n) if p != me])
     if me != root:
         return
+    assert targets is not None  # list_on_root gives the root its list
     flats[me].copy_(data)
     for out, f in zip(targets, flats, strict=True):
         _write_back(out, f)

@@ -173,6 +173,7 @@ _RUNNERS_LOCK = threading.Lock()
 def runner_for(group: dist.ProcessGroup | None) -> GroupRunner | None:
     """This group's runner, or None (with a warning, like torch) on a rank outside the group."""
     group = group if group is not None else dist.group.WORLD
+    assert group is not None, "the default process group is not initialised"
     runner = _RUNNERS.get(group)  # the hot path: a runner exists only for a group this rank is in
     if runner is not None:
         return runner

@@ -15,11 +15,15 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from nanoddp.env import group_ranks
+
+if TYPE_CHECKING:
+    from nanoddp.comm.wire import FrameBuffers
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
 # The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
@@ -47,7 +51,7 @@ class Peers:
         # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
         self.gloo = dist.get_backend(group) == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self.cache: dict[object, object] = {}  # per-group state of other modules (header_round.buffers)
+        self.cache: dict[torch.device, FrameBuffers] = {}  # this group's frames per device (`wire.buffers`)
         self.calls = 0  # header rounds run on this group: the same count on every rank
 
     @property
@@ -83,12 +87,12 @@ class Peers:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
             return self.group.send([tensor], peer, tag)
-        return dist.isend(tensor, group=self.group, group_dst=peer)
+        return posted(dist.isend(tensor, group=self.group, group_dst=peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
             return self.group.recv([tensor], peer, tag)
-        return dist.irecv(tensor, group=self.group, group_src=peer)
+        return posted(dist.irecv(tensor, group=self.group, group_src=peer))
 
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
         """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo
@@ -120,6 +124,18 @@ class Peers:
         return buf[:nbytes].view(dtype)
 
 
+def posted(work: dist.Work | None) -> dist.Work:
+    """torch's isend/irecv give None only on a rank outside the group, and a `Peers` is made by a member."""
+    assert work is not None, "isend/irecv posted nothing: this rank is not in the group"
+    return work
+
+
+class Waitable(Protocol):
+    """What `wait_all` waits on: torch's Work, a `BackgroundSend`, nanoddp's own `Work`."""
+
+    def wait(self) -> object: ...
+
+
 class BackgroundSend:
     """A send handed to the background sender: `wait()` returns once it was posted and is done."""
 
@@ -134,10 +150,12 @@ class BackgroundSend:
         self._posted.wait()
         if self._error is not None:
             raise self._error
+        assert self._work is not None  # posted without an error: the sender set it
         self._work.wait()
 
 
-_SENDS: queue.SimpleQueue | None = None  # one sender thread per process, for every group
+_QueuedSend = tuple[BackgroundSend, dist.ProcessGroup, torch.Tensor, int, int]  # (handle, group, tensor, peer, tag)
+_SENDS: queue.SimpleQueue[_QueuedSend] | None = None  # one sender thread per process, for every group
 _SENDS_LOCK = threading.Lock()
 
 
@@ -152,7 +170,7 @@ def _background_send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, 
     return handle
 
 
-def _send_loop(sends: queue.SimpleQueue) -> None:
+def _send_loop(sends: queue.SimpleQueue[_QueuedSend]) -> None:
     """Post queued sends in order (FIFO keeps each pair's messages in the order they were made)."""
     while True:
         handle, group, tensor, peer, tag = sends.get()
@@ -164,6 +182,6 @@ def _send_loop(sends: queue.SimpleQueue) -> None:
             handle._posted.set()
 
 
-def wait_all(works: Sequence[dist.Work]) -> None:
+def wait_all(works: Sequence[Waitable]) -> None:
     for work in works:
         work.wait()

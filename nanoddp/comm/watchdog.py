@@ -196,7 +196,7 @@ def track(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Iterat
         _active.end(token)
 
 
-def _release_on_completion(work: dist.Work, token: int | None) -> dist.Work:
+def _release_on_completion(work: dist.Work, token: int | None) -> dist.Work | _ReleasedAtWait:
     """Release `token` when `work` completes, however the caller learns of it: `wait()`, polling
     `is_completed()`, or a future callback (DDP comm hooks never call wait). A Work without a
     future (rare, backend-specific) is released at its `wait()` instead."""

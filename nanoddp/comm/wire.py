@@ -20,12 +20,15 @@ speak exactly the same wire, and this module is that wire, once:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from nanoddp.comm import plan
 from nanoddp.comm.transport import Peers
+
+if TYPE_CHECKING:
+    from nanoddp.comm.cached_rounds import PairRound, StarBroadcast
 
 TAG_FRAME = 0x6E6401  # our own tag: a user's send/recv on the same group cannot steal a frame
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
@@ -102,8 +105,10 @@ class FrameBuffers:
         # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
         # training loop sends the same few sizes over and over. Cleared when it grows large.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.rounds: dict[tuple[int, ...], object] = {}  # nanoddp.comm.cached_rounds's rounds on these frames
-        self.repeats: dict[tuple, object] = {}  # nanoddp.comm.cached_rounds's remembered calls (valid for `limits`)
+        # nanoddp.comm.cached_rounds's rounds on these frames, by signature (a star's key ends in "star")
+        self.rounds: dict[tuple[int | str, ...], PairRound | StarBroadcast] = {}
+        # nanoddp.comm.cached_rounds's remembered calls (valid for `limits`): call key -> body
+        self.repeats: dict[tuple[object, ...], Callable[..., None]] = {}
 
     def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
@@ -126,6 +131,7 @@ class FrameBuffers:
         nbytes = slots[SLOT_NBYTES]
         room, frame, _ = self._views_for(peer, nbytes)
         if nbytes:
+            assert payload is not None  # the slots announce payload bytes only for a payload
             room.copy_(as_bytes(payload))
         return self.out_rows[peer] if exact else frame
 
@@ -213,7 +219,9 @@ def raise_invalid(table: list[list[int]], payload_of: Callable[[int], torch.Tens
         return
     bad = [r for r, row in enumerate(table) if row[SLOT_ERROR] != 0]
     first = bad[0]
-    name, _, message = bytes(payload_of(first).tolist()).decode(errors="replace").partition("\n")
+    message_bytes = payload_of(first)
+    assert message_bytes is not None  # an invalid call's frame carries its error message
+    name, _, message = bytes(message_bytes.tolist()).decode(errors="replace").partition("\n")
     others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
     raise ERRORS[table[first][SLOT_ERROR]](
         f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "
