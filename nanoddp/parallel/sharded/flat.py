@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.comm.transport import Waitable
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class FlatParamUnit:
         return all(u.grad is not None or not u.requires_grad for u in self.unsharded)
 
     @torch.no_grad()
-    def reduce_scatter_grads(self):
+    def reduce_scatter_grads(self) -> tuple[Waitable | None, torch.Tensor]:
         """Launch the sum of the full gradients into this rank's grad shard; frees them.
 
         Returns (work or None, input buffer to keep alive until the work is done).
@@ -232,6 +233,7 @@ class FlatParamUnit:
     def finish_grads(self) -> None:
         """After the reduce-scatter: average and hand each shard piece its gradient."""
         shard_grad = self.grad_shard
+        assert shard_grad is not None  # made by reduce_scatter_grads
         self.grad_shard = None
         shard_grad.div_(self.world_size)
         for p, piece in zip(self.params, self.pieces, strict=True):

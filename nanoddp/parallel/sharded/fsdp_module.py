@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from nanoddp.parallel.sharded.fsdp_state import ModuleState
+
+# A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
+# a plain class at runtime (the module's class comes after it in the MRO).
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
 
 
 class UnshardHandle:
@@ -27,11 +35,12 @@ class UnshardHandle:
     def wait(self) -> None:
         if self._state is not None:
             self._state.unshard()
+            assert self._state.unit is not None  # unshard() hands out a state handle only for a unit
             self._state.unit.register(unsharded=True)
             self._state = None
 
 
-class FSDPModule:
+class FSDPModule(_ModuleBase):
     """Mixed in before the module's own class by `fully_shard`."""
 
     _fsdp_state: ModuleState

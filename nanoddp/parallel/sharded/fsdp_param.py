@@ -15,6 +15,7 @@ unit's all-gather and reduce-scatter move equal-sized pieces (`padded_numel` per
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -62,7 +63,11 @@ class ShardedParam:
 
     def local(self) -> torch.Tensor:
         """This rank's rows (local_rows, *shape[1:]): the DTensor's local tensor, no copy."""
-        return self.sharded._local_tensor
+        return self._dtensor()._local_tensor
+
+    def _dtensor(self) -> DTensor:
+        """The shard as the DTensor it is (nn.Parameter keeps a DTensor's class; torch's stubs say Parameter)."""
+        return cast(DTensor, self.sharded)
 
     def padded_local(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's rows flat, zero-padded to `padded_numel`, in `dtype` (the all-gather input)."""
@@ -80,10 +85,12 @@ class ShardedParam:
             u = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device), requires_grad=self.requires_grad)
             self.unsharded, self._unsharded_data = u, u.data
             self.nbytes = u.untyped_storage().nbytes()
-        storage = self._unsharded_data.untyped_storage()
+        data = self._unsharded_data
+        assert data is not None  # made with self.unsharded
+        storage = data.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.nbytes)
-        return self._unsharded_data
+        return data
 
     def free_unsharded(self) -> None:
         """Give back the whole tensor's memory; the object stays valid for autograd's references."""
@@ -129,11 +136,11 @@ class ShardedParam:
         if grad is None:
             self.sharded.grad = DTensor.from_local(
                 local,
-                self.sharded.device_mesh,
-                self.sharded.placements,
+                self._dtensor().device_mesh,
+                self._dtensor().placements,
                 run_check=False,
                 shape=self.shape,
                 stride=_contiguous_stride(self.shape),
             )
         else:
-            grad._local_tensor.add_(local)
+            cast(DTensor, grad)._local_tensor.add_(local)  # the DTensor made above, a step ago

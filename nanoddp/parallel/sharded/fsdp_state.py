@@ -25,8 +25,8 @@ bytes gathered earlier, so results do not change. `set_modules_to_forward_prefet
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,8 @@ def cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(cast_floats(x, dtype) for x in obj)
     if isinstance(obj, Mapping):
-        return type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
+        mapping_type: Any = type(obj)  # built from (key, value) pairs, as dict is
+        return mapping_type((k, cast_floats(v, dtype)) for k, v in obj.items())
     if is_dataclass_instance(obj):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         return dataclasses.replace(obj, **{n: cast_floats(getattr(obj, n), dtype) for n in names})
@@ -93,11 +94,13 @@ class ModuleState:
     def unshard(self) -> None:
         """Whole tensors ready (gathered now, or a prefetch waited for) and hooked for grads."""
         unit = self.unit
+        assert unit is not None  # called for states with a unit only
         if unit.unsharded and unit.stale():
             unit.reshard()
         unit.finish_unshard()
         for p in unit.trainable():
             if id(p.unsharded) not in self._hooked:
+                assert p.unsharded is not None  # finish_unshard allocated it
                 self._hooked.add(id(p.unsharded))
                 p.unsharded.register_post_accumulate_grad_hook(lambda _, p=p: self._on_grad(p))
 
@@ -113,12 +116,14 @@ class ModuleState:
     def _on_grad(self, p: ShardedParam) -> None:
         self.tree.queue_final_callback()
         self._fired.add(id(p.unsharded))
+        assert self.unit is not None  # its hooks are on the unit's whole tensors
         ready = all(id(q.unsharded) in self._fired for q in self.unit.trainable())
         if self.requires_gradient_sync and not self._launched and ready:
             self._launch()
 
     def _launch(self) -> None:
         self._launched = True
+        assert self.unit is not None  # launched for states with a unit only
         self.tree.pending.append(self.unit.start_reduce())
         if self.reshard_after_backward:
             self.unit.reshard()
@@ -151,7 +156,7 @@ class TreeState:
         self.backward_order: list[ModuleState] | None = None
         self._recording: list[ModuleState] | None = None
         self._backward_recording: list[ModuleState] = []
-        self.pending: list = []  # finishers of launched reduce-scatters, in launch order
+        self.pending: list[Callable[[], None]] = []  # finishers of launched reduce-scatters, in launch order
         self._callback_queued = False
         self.is_last_backward = True  # set_is_last_backward: every backward waits anyway
 
@@ -215,8 +220,13 @@ class TreeState:
 # --- the hooks -----------------------------------------------------------------------------------
 
 
+def _state_of(module: nn.Module) -> ModuleState:
+    """What `fully_shard` attached (`FSDPModule._fsdp_state`; nn.Module types attributes as tensors/modules)."""
+    return cast(ModuleState, module._fsdp_state)
+
+
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    state: ModuleState = module._fsdp_state
+    state = _state_of(module)
     if state.mp.cast_forward_inputs and state.mp.param_dtype is not None:
         args, kwargs = cast_floats(args, state.mp.param_dtype), cast_floats(kwargs, state.mp.param_dtype)
     if _in_backward():  # a checkpoint recompute: the whole tensors must be there
@@ -235,7 +245,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    state: ModuleState = module._fsdp_state
+    state = _state_of(module)
     if _in_backward():
         if state.unit is not None:
             state.unit.register(unsharded=False)

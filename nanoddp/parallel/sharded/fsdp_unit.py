@@ -14,10 +14,13 @@ States: sharded (only DTensors exist) -> gathering (an all-gather in flight, e.g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.comm.transport import Waitable
 from nanoddp.parallel.sharded.fsdp_param import ShardedParam
 from nanoddp.parallel.sharded.mesh import MeshInfo
 from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
@@ -33,11 +36,11 @@ class ShardedUnit:
         self.mp = mp
         self.numel = sum(p.padded_numel for p in params)
         self.unsharded = False
-        self._gather: tuple[object, torch.Tensor] | None = None  # (work, output) in flight
+        self._gather: tuple[Waitable | None, torch.Tensor] | None = None  # (work, output) in flight
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the dp size
         self.all_reduce = True  # HSDP: False skips the all-reduce across replicas (accumulation)
         self._partial: torch.Tensor | None = None  # HSDP gradients reduce-scattered, not all-reduced yet
-        self._gathered_versions: tuple = ()
+        self._gathered_versions: tuple[tuple[int, int], ...] = ()
 
     def compute_dtype(self) -> torch.dtype:
         return self.mp.param_dtype or self.params[0].sharded.dtype
@@ -71,6 +74,7 @@ class ShardedUnit:
         if self.unsharded:
             return
         self.start_unshard()
+        assert self._gather is not None  # start_unshard launched it (not unsharded)
         work, output = self._gather
         self._gather = None
         if work is not None:
@@ -86,7 +90,7 @@ class ShardedUnit:
         self.unsharded = True
         self._gathered_versions = self._versions()
 
-    def _versions(self) -> tuple:
+    def _versions(self) -> tuple[tuple[int, int], ...]:
         return tuple((id(p.local()), p.local()._version) for p in self.params)
 
     def stale(self) -> bool:
@@ -120,7 +124,7 @@ class ShardedUnit:
         return [p for p in self.params if p.requires_grad]
 
     @torch.no_grad()
-    def start_reduce(self):
+    def start_reduce(self) -> Callable[[], None]:
         """Launch the reduce-scatter of the whole gradients (which it frees). Returns a finisher:
         call it (after backward) to wait and accumulate into the sharded `.grad`s."""
         params = self.trainable()
@@ -129,12 +133,13 @@ class ShardedUnit:
         ws, dtype = self.mesh.shard_size, self.reduce_dtype()
         columns = [p.padded_grad(dtype, ws) for p in params]  # each (ws, padded_numel)
         for p in params:
-            p.unsharded.grad = None
+            if p.unsharded is not None:  # as padded_grad: never gathered, no whole gradient to free
+                p.unsharded.grad = None
         flat = torch.cat(columns, dim=1).reshape(-1)  # (ws * trainable numel,): rank r's row r
         output = torch.empty(flat.numel() // ws, dtype=dtype, device=flat.device)
         factor = self.divide_factor
         op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM
-        work = None
+        work: Waitable | None = None
         if ws == 1:
             output.copy_(flat)
         else:

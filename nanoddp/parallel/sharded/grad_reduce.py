@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoddp.comm.transport import Waitable
 from nanoddp.parallel.sharded.flat import FlatParamUnit
 
 
@@ -31,7 +32,7 @@ class GradReduceScatter:
         self._after_unit = after_unit  # (unit) -> None, right after its launch (FSDP frees it)
         self._after_backward = after_backward  # () -> None, when backward ends
         self._fired: list[set[int]] = [set() for _ in units]
-        self._launched: list[tuple[FlatParamUnit, object, torch.Tensor]] = []
+        self._launched: list[tuple[FlatParamUnit, Waitable | None, torch.Tensor]] = []
         self._callback_queued = False
         for k, unit in enumerate(units):
             for i, u in enumerate(unit.unsharded):

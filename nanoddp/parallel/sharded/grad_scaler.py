@@ -27,6 +27,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         # One flag per rank (a rank may hold no gradient on some device, or none at all).
+        assert self._scale is not None  # made by the enabled scaler's first scale()
         flag = torch.zeros(1, dtype=torch.float32, device=self._scale.device)  # (1,)
         for value in found.values():
             flag = torch.maximum(flag, value.to(flag.device).reshape(1))

@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from nanoddp.parallel.sharded.flat import FlatParamUnit
 
+# A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
+# a plain class at runtime (the module's class comes after it in the MRO).
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
 
-class ShardedModule:
+
+class ShardedModule(_ModuleBase):
     """Mixed into a module's class (before the module's own class) by `zero2`."""
 
     def _units(self) -> list[FlatParamUnit]:

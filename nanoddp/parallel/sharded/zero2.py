@@ -72,14 +72,14 @@ class Zero2Module(ShardedModule):
         return self._zero2_units
 
 
-def _pre_forward(module: nn.Module, args: Any) -> None:
+def _pre_forward(module: Zero2Module, args: Any) -> None:
     for unit in module._zero2_units:
         if unit.stale:
             unit.gather()
         unit.use_unsharded()
 
 
-def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+def _post_forward(module: Zero2Module, args: Any, output: Any) -> Any:
     """Outside autograd, register the shards again now; with a backward to come, keep the full
     views until it ends, so an activation-checkpoint recompute inside it still finds them."""
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors_in(output)):
@@ -87,7 +87,7 @@ def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-def _use_sharded(module: nn.Module) -> None:
+def _use_sharded(module: Zero2Module) -> None:
     for unit in module._zero2_units:
         unit.use_sharded()
 
@@ -116,8 +116,10 @@ def zero2(
     ]
     cls = module.__class__
     module.__class__ = type(f"Zero2{cls.__name__}", (Zero2Module, cls), {})
+    assert isinstance(module, Zero2Module)  # its class now derives from Zero2Module
+    zmodule = module  # narrowed, for the closure below
     module._zero2_units = units
-    module._zero2_reduce = GradReduceScatter(units, after_backward=lambda: _use_sharded(module))
+    module._zero2_reduce = GradReduceScatter(units, after_backward=lambda: _use_sharded(zmodule))
     module.register_forward_pre_hook(_pre_forward)
     module.register_forward_hook(_post_forward)
     logger.debug("zero2: %d buckets, %d elements", len(units), sum(u.layout.total for u in units))
