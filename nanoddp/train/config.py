@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch.nn as nn
 
@@ -130,6 +130,16 @@ MODEL_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 
+T = TypeVar("T")
+
+
+def filled(value: T | None) -> T:
+    """A field that is None only until filled: from MODEL_DEFAULTS by `__post_init__` (batch_size, lr,
+    warmup_steps, text_max_bytes, eval_samples) or, for `out`, by the launcher before any use."""
+    assert value is not None, "a config field that defaults from the model was None after construction"
+    return value
+
+
 def uses_zero_optimizer(config: TrainConfig) -> bool:
     """Whether the optimizer is a ZeroRedundancyOptimizer: engine zero1, or the deprecated `zero`."""
     return config.zero or ENGINE_REGISTRY[config.engine].zero_optimizer
@@ -191,15 +201,15 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
         _positive(name, getattr(config, name), minimum=0)
     if config.collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {config.collective_timeout}")
-    if config.lr <= 0:
+    if filled(config.lr) <= 0:
         raise ValueError(f"lr must be > 0, got {config.lr}")
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {config.min_lr_ratio}")
     if config.grad_clip < 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {config.grad_clip}")
-    per_step = world_size * config.grad_accum
-    if config.batch_size % per_step:
-        suggestion = max(per_step, round(config.batch_size / per_step) * per_step)
+    per_step, batch_size = world_size * config.grad_accum, filled(config.batch_size)
+    if batch_size % per_step:
+        suggestion = max(per_step, round(batch_size / per_step) * per_step)
         raise ValueError(
             f"batch_size={config.batch_size} (global) must be divisible by world_size x grad_accum = "
             f"{world_size} x {config.grad_accum} = {per_step}; use e.g. --batch-size {suggestion}"
@@ -265,7 +275,7 @@ def check_data(config: TrainConfig, world_size: int, train_len: int) -> None:
             f"the training set has {train_len} samples but the world size is {world_size}: every "
             "rank needs at least one sample; use more data, a shorter --seq-len, or fewer processes"
         )
-    micro_batch = config.batch_size // (world_size * config.grad_accum)
+    micro_batch = filled(config.batch_size) // (world_size * config.grad_accum)
     if train_len // world_size < micro_batch:
         raise ValueError(
             f"the training set has {train_len} samples, {train_len // world_size} per rank, fewer than "

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -116,6 +116,13 @@ def timed_comm_hook(hook: Callable, timer: CommTimer) -> Callable:
     return timed
 
 
+class _RecordsTimeline(Protocol):
+    """nanoddp's DDP with `record_timeline` on (what `Engine.micro_step` checks for, by attribute)."""
+
+    @property
+    def last_timeline(self) -> list[tuple[str, float, object]]: ...
+
+
 class Engine:
     """A model plus the rule for syncing its gradients.
 
@@ -158,7 +165,10 @@ class Engine:
             from nanoddp.parallel.sharded.dtensor_state import full_state
 
             return full_state(self.module)
-        if self.sharded:
+        if self.sharded:  # zero2: the module gained ShardedModule's methods
+            from nanoddp.parallel.sharded.module import ShardedModule
+
+            assert isinstance(self.module, ShardedModule)
             return self.module.full_state_dict()
         return self.module.state_dict()
 
@@ -174,7 +184,7 @@ class Engine:
         with context:
             yield
         if sync and self.comm is not None and getattr(self.model, "record_timeline", False):
-            self.comm.add_timeline(self.model.last_timeline)
+            self.comm.add_timeline(cast(_RecordsTimeline, self.model).last_timeline)
         if sync and self.sync_grads is not None:
             if self.comm is not None:
                 self.comm.compute_done()  # the sync starts after backward: all of it is exposed
@@ -301,7 +311,10 @@ ENGINE_REGISTRY: dict[str, EngineKind] = {
     "fsdp": EngineKind(_fsdp, "FSDP: parameters sharded too, per block"),
 }
 ENGINES = tuple(ENGINE_REGISTRY)
-EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
+if TYPE_CHECKING:  # the checker needs the names spelled out; keep them in ENGINE_REGISTRY's order
+    EngineName = Literal["nanoddp", "torch", "allreduce", "rs_ag", "single", "zero1", "zero2", "fsdp"]
+else:
+    EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
 
 
 def engine_help() -> str:

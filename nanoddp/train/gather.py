@@ -50,7 +50,7 @@ def _gather_tensor(tensor: torch.Tensor, dataset_len: int | None) -> torch.Tenso
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)  # a per-rank scalar is one "sample"
     world_size = dist.get_world_size()
-    meta = [None] * world_size
+    meta: list[Any] = [None] * world_size  # filled by all_gather_object: (n, row shape, dtype) per rank
     dist.all_gather_object(meta, (tensor.shape[0], tuple(tensor.shape[1:]), str(tensor.dtype)))
     counts = [m[0] for m in meta]
     if len({m[1:] for m in meta}) != 1:  # every rank sees the same meta, so raises the same error
@@ -91,7 +91,8 @@ def gather_for_metrics(value: Any, dataset_len: int | None = None) -> Any:
     rank. Without a process group (one process) it only trims to `dataset_len`.
     """
     if isinstance(value, Mapping):
-        return type(value)({k: gather_for_metrics(v, dataset_len) for k, v in value.items()})
+        mapping_type: Any = type(value)  # a Mapping subclass built from a dict, as dict is
+        return mapping_type({k: gather_for_metrics(v, dataset_len) for k, v in value.items()})
     if isinstance(value, tuple):
         gathered = [gather_for_metrics(v, dataset_len) for v in value]
         return type(value)(*gathered) if hasattr(value, "_fields") else tuple(gathered)

@@ -75,7 +75,9 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
     check_optimizer(model, optimizer)
     return TrainConfig(
         **{"eval_samples": 0, **options},  # the whole eval set unless asked
-        model=_class_name(model),  # recorded in config.json and the snapshot's fingerprint
+        # recorded in config.json and the snapshot's fingerprint; TrainConfig.model's Literal lists
+        # `nanoddp train`'s built-in --model choices, a user model's config holds its class name
+        model=_class_name(model),  # type: ignore[arg-type]
         data=_class_name(dataset),
         zero=isinstance(optimizer, ZeroRedundancyOptimizer),
     )

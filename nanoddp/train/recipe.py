@@ -34,7 +34,7 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    kwargs = {"lr": config.lr, "betas": (0.9, 0.95)}
+    kwargs: dict[str, Any] = {"lr": config.lr, "betas": (0.9, 0.95)}
     if uses_zero_optimizer(config):
         from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 

@@ -106,6 +106,7 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     one); manual engines get a "gradient sync" span around their after-backward sync.
     """
     from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
     if name == "torch":
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -116,6 +117,7 @@ def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     engine = build_engine(name, module, env)
     if name in NANODDP_DDP_ENGINES and env.world_size > 1:
         engine.comm = CommTimer()
+        assert isinstance(engine.model, DistributedDataParallel)  # what build_engine wraps these in
         engine.model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), engine.comm))
     elif engine.sync_grads is not None:  # a manual engine: draw its after-backward sync
         engine.sync_grads = _traced_sync(engine.sync_grads)
@@ -185,7 +187,8 @@ class TraceSession:
         self._skip, self._steps = skip, steps
 
     def __enter__(self) -> TraceSession:
-        if self.path is None:
+        path = self.path
+        if path is None:
             return self
         schedule = torch.profiler.schedule(
             wait=max(self._skip - 1, 0), warmup=min(self._skip, 1), active=self._steps, repeat=1
@@ -197,7 +200,7 @@ class TraceSession:
             activities=activities,
             schedule=schedule,
             experimental_config=_profiler_config(),
-            on_trace_ready=lambda prof: _write_trace(prof, self.path),
+            on_trace_ready=lambda prof: _write_trace(prof, path),
         )
         self._profiler.__enter__()
         return self
@@ -211,5 +214,6 @@ class TraceSession:
         if self._profiler is not None:
             self._profiler.__exit__(*exc)
             self._profiler = None
+            assert self.path is not None  # a profiler runs only with a path
             if not self.path.exists():
                 logger.warning("no timeline written: the loop ended within the %d skipped steps", self._skip)

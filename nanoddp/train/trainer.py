@@ -37,7 +37,7 @@ from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import optim_state, rundir, snapshot
-from nanoddp.train.config import TrainConfig, build_model, check_data, threads_per_rank, validate
+from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
 from nanoddp.train.data.batches import batch_len, batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
@@ -111,13 +111,13 @@ class Trainer:
         if config.out is None:  # every rank must agree on one directory: rank 0 picks it
             config = replace(config, out=broadcast_from_master(rundir.default_run_dir(), env))
         train_set, val_set, spec = build_datasets(
-            config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
+            config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
         )
         torch.manual_seed(config.seed)  # identical initial weights on every rank
         module = build_model(config, spec).to(env.device)
         optimizer = make_optimizer(module, config)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
+            optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
         )
         trainer = cls.__new__(cls)
         trainer._lock_fd = None  # the launcher's agent holds the run directory
@@ -201,7 +201,7 @@ class Trainer:
         """Collective: every rank contributes its RNG state; rank 0 writes the file.
         `interrupted` is the signal that stopped the run here (0: a regular snapshot)."""
         rng = snapshot.capture_rng_state()
-        rng_per_rank = [rng]
+        rng_per_rank: list[Any] | None = [rng]
         if distributed():
             rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
             dist.gather_object(rng, rng_per_rank, dst=0)

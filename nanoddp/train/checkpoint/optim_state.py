@@ -65,7 +65,7 @@ def collect(optimizer: torch.optim.Optimizer, engine, env: DistEnv) -> dict[str,
         full = full_optimizer_state(optimizer)  # collective
         return {"full": full, "layout": {"engine": "fsdp", "world_size": env.world_size}} if env.is_master else None
     if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
-        states = [optimizer.state_dict()]
+        states: list[Any] | None = [optimizer.state_dict()]
         if distributed():
             states = [None] * env.world_size if env.is_master else None
             dist.gather_object(optimizer.state_dict(), states, dst=0)
@@ -170,7 +170,7 @@ def _reshard_param(index: int, old_states: list[dict | None], old: list[Piece], 
         raise ValueError(f"optimizer parameter #{index} has state on some ranks only: the snapshot is inconsistent")
     out: dict[str, Any] = {}
     for key, value in held[0].items():
-        values = [s.get(key) for s in held]
+        values: list[Any] = [s.get(key) for s in held]
         if torch.is_tensor(value) and value.dim() == 1 and _shaped_like(values, old):
             parts = [v for v, piece in zip(values, old, strict=True) if piece.numel]
             whole = torch.cat(parts) if parts else value.new_empty(0)  # (numel,)

@@ -92,6 +92,7 @@ def _open_lock_file(path: Path) -> int:
             f"the run directory's lock {path} is {kind}, not a regular file, and is never followed or "
             "written through: remove it (nanoddp creates it) or choose another --out"
         )
+    assert fd is not None  # None is "a symbolic link", raised above
     return fd
 
 

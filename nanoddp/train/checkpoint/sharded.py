@@ -108,8 +108,13 @@ def capture(name: str, obj: Any, module: nn.Module | None, kind: str, registry: 
     """(this rank's file part, this rank's pieces {key: piece}, the manifest's layout; None off rank 0)."""
     if kind == "zero1":
         return {"rest": obj.sharded_state_dict()}, {}, ({} if is_master else None)
-    tensors, found, specs, whole = {}, {}, {}, {}
+    # keyed by state_dict key (a sharded module) or (parameter index, state key) (an optimizer)
+    tensors: dict[str | tuple[int, str], torch.Tensor] = {}
+    found: dict[str | tuple[int, str], Any] = {}
+    specs: dict[str | tuple[int, str], dict[str, Any]] = {}
+    whole: dict[str, torch.Tensor] = {}
     if kind == "sharded_module":
+        assert module is not None  # a sharded module's kind comes with its module
         for key, value in module.state_dict(keep_vars=True).items():
             if _is_piece(value, registry):
                 found[key], shape = _piece_of(f"{name}: {key}", value, registry)
@@ -246,6 +251,7 @@ def apply(obj: Any, module: nn.Module | None, kind: str, prepared: Any) -> None:
         how, state = prepared
         (obj.load_sharded_state_dict if how == "sharded" else obj.load_state_dict)(state)
     elif kind == "sharded_module":
+        assert module is not None  # a sharded module's kind comes with its module
         module.load_state_dict(prepared)
     else:
         obj.load_state_dict(prepared)

@@ -87,8 +87,8 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
         raise SnapshotError(f"{path} is not a nanoddp snapshot (bad header)")
     header_end = raw.find(b"\n", len(MAGIC))
     try:
-        digest, length = raw[len(MAGIC) : header_end].decode().split()
-        length = int(length)
+        digest, length_text = raw[len(MAGIC) : header_end].decode().split()
+        length = int(length_text)
     except ValueError:
         raise SnapshotError(f"{path} has a damaged header") from None
     payload = raw[header_end + 1 :]
@@ -164,7 +164,9 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state()  # legacy=True, the default: MT19937's 5-tuple, never the dict
+        assert isinstance(legacy, tuple)
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
     except ImportError:
         pass

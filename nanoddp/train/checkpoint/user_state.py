@@ -232,9 +232,11 @@ def save_state(path: str | Path, **objects: Any) -> Path:
     if distributed():
         reports = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, reports, dst=0)
-    outcome, error = [None], None
+    outcome: list[tuple[str, str] | None] = [None]
+    error: Exception | None = None
     if rank == 0:
         try:
+            assert reports is not None  # rank 0 gathered every rank's report
             _check_reports(reports)
             for name in shards:
                 sharded.merge(name, layouts[name], [r[2]["pieces"][name] for r in reports])
@@ -242,7 +244,12 @@ def save_state(path: str | Path, **objects: Any) -> Path:
             for name, entry in saved.items():
                 where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
                 entry["state"] = _loadable(entry["state"], where)
-            state = {"format": FORMAT, "objects": saved, "rng": [r[0] for r in reports], "world_size": world_size}
+            state: dict[str, Any] = {
+                "format": FORMAT,
+                "objects": saved,
+                "rng": [r[0] for r in reports],
+                "world_size": world_size,
+            }
             if shards:
                 state["format"] = FORMAT_SHARDED
                 state["shards"] = [{"file": r[2]["file"], "sha256": r[2]["sha256"]} for r in reports]

@@ -150,15 +150,14 @@ def build_datasets(
         train, val = tokenized_text_splits(data, seq_len, val_fraction, max_bytes, tokenizer)
         return train, val, DataSpec("lm", len(tokenizer))
     if data == "digits":
-        train, val = digits_splits(val_fraction)
-        return train, val, DataSpec("classification", 10, in_features=train.features.shape[1])
+        digits_train, digits_val = digits_splits(val_fraction)
+        return digits_train, digits_val, DataSpec("classification", 10, in_features=digits_train.features.shape[1])
     if data in ("synthetic", "copy"):
         if data == "synthetic":
             rows = random_tokens(synthetic_samples, seq_len, BYTE_VOCAB)
         else:
             rows = copy_task(synthetic_samples, seq_len)
         split = int(len(rows) * (1.0 - val_fraction))
-        train, val = TokenRows(rows.rows[:split]), TokenRows(rows.rows[split:])
-        return train, val, DataSpec("lm", BYTE_VOCAB)
+        return TokenRows(rows.rows[:split]), TokenRows(rows.rows[split:]), DataSpec("lm", BYTE_VOCAB)
     train, val = byte_text_splits(data, seq_len, val_fraction, max_bytes)
     return train, val, DataSpec("lm", BYTE_VOCAB)

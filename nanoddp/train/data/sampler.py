@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils.data import Sampler, Subset
+from torch.utils.data import Dataset, Sampler, Subset
 
 logger = logging.getLogger(__name__)
 
@@ -168,4 +168,4 @@ def shard(dataset: Sized, rank: int, world_size: int, drop_last: bool = True) ->
     """
     _check_world(len(dataset), world_size, rank)
     stop = (len(dataset) // world_size) * world_size if drop_last else len(dataset)
-    return Subset(dataset, range(rank, stop, world_size))
+    return Subset(cast(Dataset[Any], dataset), range(rank, stop, world_size))  # Subset only indexes it

@@ -22,7 +22,7 @@ from nanoddp.comm.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import snapshot
-from nanoddp.train.config import TrainConfig
+from nanoddp.train.config import TrainConfig, filled
 
 AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main)
 MESSAGE_CHARS = 300
@@ -50,10 +50,10 @@ def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = Fal
         run(get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_argv]))
     except ChildFailedError as exc:
         for rank, failure in sorted(exc.failures.items()):
-            print(f"nanoddp: {failure_line(rank, failure, config.out)}", file=sys.stderr)
+            print(f"nanoddp: {failure_line(rank, failure, filled(config.out))}", file=sys.stderr)
         return 1
     except SignalException as exc:  # torchrun forwarded it; the workers stopped and snapshotted
-        print(f"nanoddp: {signals.interrupt_line(*newest_snapshot(config.out))}", file=sys.stderr)
+        print(f"nanoddp: {signals.interrupt_line(*newest_snapshot(filled(config.out)))}", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)

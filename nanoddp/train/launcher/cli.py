@@ -27,8 +27,10 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Sized
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
@@ -42,10 +44,13 @@ from nanoddp.dataclass_cli import (
 from nanoddp.launch import die_with_parent
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import rundir
-from nanoddp.train.config import TrainConfig, resolve_deprecated, validate
+from nanoddp.train.config import TrainConfig, filled, resolve_deprecated, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
 from nanoddp.train.launcher import agent, preflight
+
+if TYPE_CHECKING:  # torch is imported where it is used: `nanoddp --help` stays fast
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +89,19 @@ class _OwnUsageParser(argparse.ArgumentParser):
         return namespace, extras
 
 
+class _Generates(Protocol):
+    """The text models `sample` builds (GPT, SmolLM2): `build_model` types them as nn.Module."""
+
+    def generate(self, idx: torch.Tensor, new_tokens: int, **kwargs: Any) -> torch.Tensor: ...
+
+
 def _load_config(args: argparse.Namespace) -> TrainConfig:
     """The config from defaults, --config FILE and flags; a malformed file is named."""
     import json
 
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
+    else:  # Python 3.10
         import tomli as tomllib
     try:
         return resolve_deprecated(config_from_args(TrainConfig, args, args.config))
@@ -158,9 +169,9 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
     train_set, _, spec = build_datasets(
-        config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
+        config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )
-    check_data(config, world_size, len(train_set))
+    check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
     return config, nproc, spec
@@ -209,12 +220,13 @@ def run_train(args: argparse.Namespace) -> int:
     if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
         return worker_main(_worker_config(args))
     config, nproc, spec = prepare_launch(args)
-    created = not Path(config.out).exists()
-    preflight.check_out_dir(config.out)
+    out = filled(config.out)  # prepare_launch fixed it
+    created = not Path(out).exists()
+    preflight.check_out_dir(out)
     # Node 0's agent owns OUT (rank 0, which writes it, runs there on a single node; other
     # nodes' agents share the job, not the directory).
     owner = args.node_rank == 0
-    lock_fd = rundir.lock_run_dir(config.out) if owner else None
+    lock_fd = rundir.lock_run_dir(out) if owner else None
     started = False
     try:
         if owner:
@@ -225,7 +237,7 @@ def run_train(args: argparse.Namespace) -> int:
         if lock_fd is not None:
             os.close(lock_fd)
         if created and not started:  # refused before any worker: leave no empty run directory
-            rundir.remove_if_empty(config.out)
+            rundir.remove_if_empty(out)
 
 
 # --- worker -------------------------------------------------------------------------------
@@ -353,7 +365,9 @@ def run_sample(args: argparse.Namespace) -> int:
     model.eval()
     prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
     generator = torch.Generator().manual_seed(args.seed)
-    out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator)
+    out = cast(_Generates, model).generate(
+        prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator
+    )
     sys.stdout.write(decode(out[0].tolist()) + "\n")
     return 0
 

@@ -18,7 +18,7 @@ import torch
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.train.checkpoint import rundir
-from nanoddp.train.config import TrainConfig, build_model
+from nanoddp.train.config import TrainConfig, build_model, filled
 from nanoddp.train.data.datasets import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def prepare_run_dir(config: TrainConfig, spec: DataSpec, overwrite: bool) -> str
     --overwrite moves earlier outputs aside (never deletes them); then the resume decision the
     workers will take is made here too, so a refusal happens before they start.
     """
-    out = Path(config.out)
+    out = Path(filled(config.out))
     note = ""
     if overwrite and rundir.has_outputs(out):
         note = f"earlier outputs moved to {rundir.move_aside(out)}; "
