@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -173,12 +174,18 @@ def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
     return f"header round ({round_shape}), {timing}: {algorithm}"
 
 
-def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict:
+def _row(op: str, size: int, n: int, times: torch.Tensor) -> dict[str, Any]:
     """One (op, size, ws) result from its (iterations, contestants) times: medians, bandwidths,
     ours ÷ torch and, where the bare send/recv ran, bare ÷ torch (how close the transport alone
     gets to torch's built-in) and ours ÷ bare (what our algorithm and checks cost on top of it)."""
     factor = BUSBW_FACTOR[op](n)
-    row = {"op": op, "world_size": n, "size_bytes": size, "iters": times.shape[0], "path": comm_path(op, size, n)}
+    row: dict[str, Any] = {
+        "op": op,
+        "world_size": n,
+        "size_bytes": size,
+        "iters": times.shape[0],
+        "path": comm_path(op, size, n),
+    }
     columns = list(zip(CONTESTANTS[: times.shape[1]], times.unbind(1), strict=True))
     samples = {impl: [round(t * 1e6) for t in column.tolist()] for impl, column in columns}  # whole µs
     for impl, column in columns:

@@ -38,7 +38,9 @@ def bare_pattern(op: str, size: int, rank: int, world_size: int) -> tuple[Callab
     `buffers` are the tensors it sends from and receives into (so a test can check what arrived)."""
     if op not in PATTERNS:
         raise ValueError(f"no bare send/recv pattern for op {op!r}; choose from {list(PATTERNS)}")
-    peers = Peers(dist.group.WORLD)
+    world = dist.group.WORLD
+    assert world is not None, "bare_pattern runs in an initialised process group"
+    peers = Peers(world)
     others = [p for p in range(world_size) if p != rank]
     numel = max(1, size // 4)  # float32, as the bench
     part = max(1, numel // world_size)
