@@ -160,7 +160,7 @@ def test_resume_after_one_step_is_bitwise_equal_to_two_steps(tmp_path):
 def test_cache_install_replaces_an_incomplete_copy_and_keeps_a_complete_one(tmp_path):
     """The converted copy is renamed into place; a target without config.json (an interrupted
     or rank-gated older conversion) is set aside, a complete one (another rank won) is kept."""
-    from nanoddp.models import _install_cache
+    from nanoddp.models.smollm2 import _install_cache
 
     def copy(name: str, files: dict[str, str]) -> Path:
         path = tmp_path / name

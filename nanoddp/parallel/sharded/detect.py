@@ -20,6 +20,8 @@ def sharded_by(model: nn.Module) -> str | None:
     from nanoddp.parallel.sharded.fsdp_module import FSDPModule
     from nanoddp.parallel.sharded.zero2 import Zero2Module
 
+    if not isinstance(model, nn.Module):  # not a model at all: the caller's own type check says so
+        return None
     modules = list(model.modules())
     if any(isinstance(m, (FSDPModule, TorchFSDPModule)) for m in modules):
         return "fsdp"
