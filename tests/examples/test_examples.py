@@ -163,8 +163,12 @@ def test_torchrun_restart_resumes_from_snapshot(tmp_path):
     before, after = out.split("resumed from")
     first = dict(re.findall(r"^step (\d+) \| loss (\S+)", before, re.M))
     second = dict(re.findall(r"^step (\d+) \| loss (\S+)", after, re.M))
-    assert {"4", "5"} <= set(first) and set(second) == {str(s) for s in range(4, 9)}
-    assert first["4"] == second["4"] and first["5"] == second["5"]  # the same batches, the same weights
+    # Rank 0 prints step 4 before it joins step 5's gradient all-reduce, so step 4 is always
+    # logged; its step-5 line races rank 1's exit (torchrun may stop rank 0 before it prints).
+    assert "4" in first and set(first) <= {str(s) for s in range(1, 6)}
+    assert set(second) == {str(s) for s in range(4, 9)}
+    for step in {"4", "5"} & set(first):  # the same batches, the same weights
+        assert first[step] == second[step]
     final = snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", 8))
     assert final["step"] == 8 and final["sampler"]["position"] == 8 * 4 * 2
 
