@@ -36,7 +36,7 @@ from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import signals
-from nanoddp.train.checkpoint import optim_state, rundir, snapshot
+from nanoddp.train.checkpoint import companion, optim_state, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
 from nanoddp.train.data.batches import batch_len, batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
@@ -152,10 +152,12 @@ class Trainer:
             generator=torch.Generator().manual_seed(config.seed),
         )
         self.step = 0
+        self._companion: tuple[Path, dict] | None = None  # set by resume, loaded after the engine
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
         self.resumed_from = self._maybe_resume()
-
         self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
+        if self._companion is not None:  # the snapshot's sharded model and optimizer, now sharded
+            companion.load(*self._companion, self.module, self.optimizer)
         self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
@@ -182,7 +184,7 @@ class Trainer:
                 logger.info("no snapshot in %s: starting fresh at step 0", self.run_dir / "snapshots")
             return None
         state = found[1] if found else snapshot.load(value)
-        self._load_snapshot(state)
+        self._load_snapshot(state, Path(value))
         self.run_id = state.get("run_id") or broadcast_from_master(rundir.new_run_id(), self.env)
         if self.env.is_master:
             why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
@@ -191,30 +193,28 @@ class Trainer:
 
     # --- snapshots --------------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict[str, Any] | None:
-        return optim_state.collect(self.optimizer, self.engine, self.env)
-
-    def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
-        optim_state.restore(self.optimizer, saved, self.config.engine, self.env)
-
     def _save_snapshot(self, interrupted: int = 0) -> None:
-        """Collective: every rank contributes its RNG state; rank 0 writes the file.
-        `interrupted` is the signal that stopped the run here (0: a regular snapshot)."""
+        """Collective: every rank contributes its RNG state (and, for a sharded engine, writes
+        its shard file: `checkpoint.companion`); rank 0 writes the snapshot. `interrupted` is
+        the signal that stopped the run here (0: a regular snapshot)."""
         rng = snapshot.capture_rng_state()
         rng_per_rank: list[Any] | None = [rng]
         if distributed():
             rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
             dist.gather_object(rng, rng_per_rank, dst=0)
-        optimizer_state = self._optimizer_state()
-        model_state = self.engine.state_dict()  # collective for sharded engines
+        directory = self.run_dir / "snapshots"
+        path = snapshot.snapshot_path(directory, self.step)
+        sharded = companion.objects_for(self.config.engine, self.module, self.optimizer)
+        record = companion.save(path, sharded)  # collective, before the snapshot that names it
         if not self.env.is_master:
             return
         state = {
             "step": self.step,
             "epoch": self.sampler.epoch,
             "sampler": self.sampler.state_dict(),
-            "model": model_state,
-            "optimizer": optimizer_state,
+            "model": None if "model" in sharded else self.module.state_dict(),  # replicated: rank 0's
+            "optimizer": None if "optimizer" in sharded else self.optimizer.state_dict(),
+            "companion": record,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": rng_per_rank,
@@ -224,14 +224,18 @@ class Trainer:
             "fingerprint": rundir.fingerprint(to_dict(self.config)),
             "interrupted": interrupted,
         }
-        directory = self.run_dir / "snapshots"
-        path = snapshot.save(snapshot.snapshot_path(directory, self.step), state)
+        snapshot.save(path, state)
         snapshot.prune(directory, self.config.keep_snapshots)
         logger.debug("snapshot %s", path)
 
-    def _load_snapshot(self, state: dict[str, Any]) -> None:
-        load_model_state(self.module, state["model"])
-        self._load_optimizer_state(state["optimizer"])
+    def _load_snapshot(self, state: dict[str, Any], path: Path) -> None:
+        """All but a companion's objects; those load once the engine has sharded the model."""
+        record = state.get("companion")
+        self._companion = (path, record) if record else None
+        if state["model"] is not None:
+            load_model_state(self.module, state["model"])
+        if state["optimizer"] is not None:
+            optim_state.restore(self.optimizer, state["optimizer"], self.config.engine, self.env)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         saved_steps = int(state.get("config", {}).get("steps", self.config.steps))
@@ -437,11 +441,7 @@ class Trainer:
         model_state = self.engine.state_dict()
         if not self.env.is_master:
             return
-        import io
-
-        buffer = io.BytesIO()
-        torch.save(model_state, buffer)
-        snapshot.atomic_write_bytes(self.run_dir / "model.pt", buffer.getvalue())
+        snapshot.atomic_torch_save(self.run_dir / "model.pt", model_state)
         logger.info("saved %s", self.run_dir / "model.pt")
 
 

@@ -1,7 +1,7 @@
-"""Resuming a sharded engine (zero2, fsdp) at another world size: the optimizer shards saved at
-ws=2 are resharded for ws=3 and ws=1.
+"""Resuming a sharded engine (zero2, fsdp) at another world size: the model and optimizer shards
+each ws=2 rank wrote to its own file (the snapshot's companion) are resharded for ws=3 and ws=1.
 
-The reference is built by hand, independently of `optim_state`'s layout arithmetic: each ws=2
+The reference is built by hand, independently of the checkpoint's piece arithmetic: each ws=2
 rank reports the optimizer state of its live shard pieces together with the elements of the
 parameter each piece holds (zero2: the engine's own `unit.pieces`; fsdp: the DTensor's rows,
 from torch's `compute_local_shape_and_global_offset`), the test glues those into whole
@@ -96,26 +96,27 @@ def _ws2_worker(env: DistEnv, tmp: str) -> dict:
         split = _trainer(_config(engine, f"{tmp}/{engine}"), env)
         split.train(stop_after=STOP)
         out[engine] = _pieces(split)
+        out[f"{engine}-model"] = split.engine.state_dict()  # collective: the whole model at STOP
+        out[f"{engine}-groups"] = [{k: v for k, v in g.items() if k != "params"} for g in split.optimizer.param_groups]
         whole = _trainer(_config(engine, f"{tmp}/whole-{engine}"), env)
         whole.train()
         out[f"{engine}-whole"] = whole.engine.state_dict()  # collective
     return out
 
 
-def _load_by_hand(trainer: Trainer, saved: dict, whole: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Put the snapshot's whole state into a fresh trainer the long way round: whole model,
-    each optimizer state tensor sliced at this rank's piece, hyperparameters, schedule, data."""
-    trainer.engine.module.load_full_state_dict(saved["model"])
+def _load_by_hand(trainer: Trainer, saved: dict, whole: dict[str, dict[str, torch.Tensor]], at_stop: dict) -> None:
+    """Put the state at STOP into a fresh trainer the long way round: the whole model and the
+    hyperparameters the ws=2 run had there, each whole optimizer state tensor sliced at this
+    rank's piece, and the snapshot's schedule and data position."""
+    trainer.engine.module.load_full_state_dict(at_stop["model"])
     for name, (start, stop, _, _) in _pieces(trainer).items():
         p = dict(trainer.module.named_parameters())[name]
         trainer.optimizer.state[p] = {
             key: value.clone() if value.dim() == 0 else _as_held(value.reshape(-1)[start:stop].clone(), p)
             for key, value in whole[name].items()
         }
-    optimizer = saved["optimizer"]
-    saved_groups = (optimizer["full"] if "full" in optimizer else optimizer["per_rank"][0])["param_groups"]
-    for group, saved_group in zip(trainer.optimizer.param_groups, saved_groups, strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    for group, saved_group in zip(trainer.optimizer.param_groups, at_stop["groups"], strict=True):
+        group.update(saved_group)
     trainer.scheduler.load_state_dict(saved["scheduler"])
     trainer.sampler.load_state_dict(saved["sampler"])
     trainer.step = saved["step"]
@@ -129,7 +130,7 @@ def _as_held(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def _resume_worker(env: DistEnv, tmp: str, wholes: dict) -> dict:
+def _resume_worker(env: DistEnv, tmp: str, wholes: dict, at_stop: dict) -> dict:
     out = {}
     for engine in ENGINES:
         whole = wholes[engine]
@@ -145,7 +146,8 @@ def _resume_worker(env: DistEnv, tmp: str, wholes: dict) -> dict:
 
         saved = snapshot.load(snapshot.snapshot_path(f"{tmp}/{engine}/snapshots", STOP))
         by_hand = _trainer(_config(engine, f"{tmp}/by-hand-{engine}"), env)
-        _load_by_hand(by_hand, saved, whole)
+        assert saved["model"] is None and saved["optimizer"] is None  # in per-rank files, never gathered
+        _load_by_hand(by_hand, saved, whole, at_stop[engine])
         by_hand.train()
         reference = by_hand.engine.state_dict()
         for key, value in reference.items():  # bitwise, on every rank
@@ -160,10 +162,13 @@ def test_sharded_resume_at_another_world_size(tmp_path):
     match the hand-resharded reference bitwise."""
     results = run_on_ranks(_ws2_worker, 2, str(tmp_path / "ws2"), timeout=300)
     wholes = {engine: _glue([r[engine] for r in results]) for engine in ENGINES}
+    at_stop = {
+        engine: {"model": results[0][f"{engine}-model"], "groups": results[0][f"{engine}-groups"]} for engine in ENGINES
+    }
     for new_ws in (3, 1):
         for engine in ENGINES:
             shutil.copytree(tmp_path / "ws2" / engine, tmp_path / f"ws{new_ws}" / engine)
-        resumed = run_on_ranks(_resume_worker, new_ws, str(tmp_path / f"ws{new_ws}"), wholes, timeout=300)[0]
+        resumed = run_on_ranks(_resume_worker, new_ws, str(tmp_path / f"ws{new_ws}"), wholes, at_stop, timeout=300)[0]
         for engine in ENGINES:
             # against the run never interrupted at ws=2: the same samples and schedule, but
             # gradients are summed over 3 ranks (or 1) instead of 2, and the clip norm over

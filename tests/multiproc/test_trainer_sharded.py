@@ -11,6 +11,7 @@ import torch.distributed as dist
 from helpers import TINY, run_on_ranks, train_tiny, trainer_params
 
 from nanoddp.env import DistEnv
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.trainer import Trainer
 
 STOP, END = 5, 12  # TINY's clip (0.05) is active at every step: the global norm decides every update
@@ -24,7 +25,8 @@ def _sharded_worker(env: DistEnv, tmp: str) -> dict:
         dist.barrier()  # rank 0 writes model.pt after the collective gather
         out[engine] = {k: v for k, v in torch.load(f"{tmp}/whole-{engine}/model.pt", weights_only=True).items()}
         out[f"{engine}-val"] = whole.evaluate()  # 5 validation windows over 2 ranks: 3 and 2
-        train_tiny(replace(base, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
+        split = train_tiny(replace(base, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
+        _check_own_pieces_only(split, f"{tmp}/split-{engine}/snapshots", env)
         resumed = Trainer.from_config(replace(base, out=f"{tmp}/split-{engine}", resume="auto"), env)
         assert resumed.step == STOP
         resumed.train()
@@ -33,6 +35,22 @@ def _sharded_worker(env: DistEnv, tmp: str) -> dict:
         for key, value in out[engine].items():  # bitwise, on every rank
             assert torch.equal(value, resumed_model[key]), (engine, key)
     return out
+
+
+def _check_own_pieces_only(trainer: Trainer, directory: str, env: DistEnv) -> None:
+    """A sharded snapshot gathers nothing on rank 0: the snapshot holds no model or optimizer,
+    and each rank's file of its companion holds exactly this rank's pieces of the parameters."""
+    dist.barrier()  # rank 0 writes the snapshot after every rank's shard file
+    state = snapshot.load(snapshot.snapshot_path(directory, STOP))
+    assert state["model"] is None and state["optimizer"] is None
+    assert state["companion"]["objects"] == ["model", "optimizer"]
+    manifest = snapshot.companion_path(snapshot.snapshot_path(directory, STOP))
+    (mine,) = manifest.parent.glob(f"{manifest.name}.*.rank{env.rank}-of-{env.world_size}")
+    held = {k: v.numel() for k, v in snapshot.load(mine)["model"]["tensors"].items()}
+    local = {k: getattr(v, "_local_tensor", v).numel() for k, v in trainer.module.state_dict().items()}
+    assert held == {k: n for k, n in local.items() if k in held}  # this rank's piece of each, no more
+    whole = sum(p.numel() for p in trainer.engine.state_dict().values())  # collective
+    assert 0 < sum(held.values()) < whole  # a part of the model, not all of it
 
 
 def test_sharded_engines_match_one_process_and_resume_bitwise(tmp_path):

@@ -4,7 +4,7 @@ Why: the Trainer's snapshots and model.pt hold whole tensors, so that any world 
 plain model) can load them, while an FSDP model's parameters and its optimizer's state are
 DTensors holding this rank's rows (Shard(0), cut as `torch.chunk` cuts). Three moves:
 
-- `full_state(module)` / `full_optimizer_state(optimizer)`: every DTensor whole (collective);
+- `full_state(module)`: every DTensor whole (collective);
 - `load_full_state(module, state)`: whole tensors in, each rank keeps its rows (no comm);
 - `shard_optimizer_state(optimizer)`: after loading whole optimizer state (saved at any world
   size) into an optimizer over DTensor parameters, every state tensor shaped like its whole
@@ -57,17 +57,6 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
             target.to_local().copy_(rows_of(value, target).to_local())
         else:
             target.copy_(value)
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()` with every DTensor state whole (CPU). Collective: every rank
-    gathers the same tensors in the same order (state keys sorted)."""
-    saved = optimizer.state_dict()
-    state = {
-        i: {k: _whole(v).to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in saved["state"][i].items()}
-        for i in sorted(saved["state"])
-    }
-    return {"state": state, "param_groups": saved["param_groups"]}
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

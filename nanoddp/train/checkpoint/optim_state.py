@@ -1,22 +1,22 @@
-"""The optimizer's part of a snapshot: whole for replicated engines, per rank for sharded ones.
+"""The optimizer's part of a snapshot, inline: whole for replicated engines, and the sharded
+layouts earlier versions wrote.
 
-A replicated optimizer (or a consolidated ZeRO-1 one) is the same on every rank, so rank 0's
-`state_dict()` is the snapshot. A sharded engine's optimizer state is about this rank's shard.
+A replicated optimizer is the same on every rank, so rank 0's `state_dict()` is the snapshot.
+A sharded one (zero2, fsdp, our ZeRO-1) goes to per-rank files instead (`companion`). Before
+that, snapshots held sharded state inline, and `restore` still resumes them:
 
-fsdp: parameters and state are DTensors (rows of each tensor), so the snapshot keeps the whole
-state (`full_tensor()` of each, `{"full": state_dict, "layout": {"engine": "fsdp", ...}}`); a
+fsdp: `{"full": state_dict, "layout": {"engine": "fsdp", ...}}`, every DTensor state whole; a
 restore at any world size loads it and keeps this rank's rows (`dtensor_state`), bitwise.
 
-zero2: rank 0 collects every rank's state and restores give each rank its own back.
-Resharding: next to the per-rank states the snapshot keeps the flat layout that cut them, the
+zero2: `{"per_rank": [state_dict, ...], "layout": ...}`, every rank's state gathered on rank 0.
+Resharding: next to the per-rank states the snapshot kept the flat layout that cut them, the
 engine's units as lists of (optimizer parameter index, numel, shape) in flat order. Which
-parameters share a unit does not depend on the world size (zero2: buckets by size; fsdp: one
-unit per sharded module), and a unit's cut at any world size is `FlatLayout(numels, ws)`. So a
-restore at another world size glues each parameter's pieces back into its whole state
-tensors (exp_avg, exp_avg_sq: the old ranks' pieces in rank order) and slices out the piece
-this rank holds at the new world size; per-parameter scalars (Adam's `step`) are the same on
-every rank and are kept. At the saving world size the rank's own state is loaded untouched,
-so same-size resume stays bitwise.
+parameters share a unit does not depend on the world size (zero2: buckets by size), and a
+unit's cut at any world size is `FlatLayout(numels, ws)`. So a restore at another world size
+glues each parameter's pieces back into its whole state tensors (exp_avg, exp_avg_sq: the old
+ranks' pieces in rank order) and slices out the piece this rank holds at the new world size;
+per-parameter scalars (Adam's `step`) are the same on every rank and are kept. At the saving
+world size the rank's own state is loaded untouched, so same-size resume stays bitwise.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nanoddp.env import DistEnv
 from nanoddp.parallel.sharded.flat import FlatLayout, Piece
 from nanoddp.train.engines import SHARDED_ENGINES
-from nanoddp.train.ranks import distributed
 
 # A unit of the saved layout: (optimizer index or None for a frozen parameter, numel, shape)
 # for each of its parameters, in flat order.
@@ -41,42 +39,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def flat_layout(engine, optimizer: torch.optim.Optimizer, world_size: int) -> dict[str, Any]:
-    """How the sharded engine's units cut the optimizer's parameters (see the module docstring)."""
-    index = {id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
-    units: list[UnitLayout] = [
-        [(index.get(id(p)), n, tuple(shape)) for p, n, shape in zip(u.params, u.layout.numels, u.shapes, strict=True)]
-        for u in engine.module._units()
-    ]
-    return {"engine": engine.name, "world_size": world_size, "units": units}
-
-
-def collect(optimizer: torch.optim.Optimizer, engine, env: DistEnv) -> dict[str, Any] | None:
-    """The optimizer state for the snapshot, on rank 0 (None elsewhere). Collective for a
-    ZeroRedundancyOptimizer (consolidation) or when `engine.sharded` (a gather of every rank's
-    state): call on every rank."""
-    from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):  # engine zero1, or the deprecated --zero
-        optimizer.consolidate_state_dict(to=0)
-    if engine.name == "fsdp":  # whole tensors, any world size can cut its rows
-        from nanoddp.parallel.sharded.dtensor_state import full_optimizer_state
-
-        full = full_optimizer_state(optimizer)  # collective
-        return {"full": full, "layout": {"engine": "fsdp", "world_size": env.world_size}} if env.is_master else None
-    if engine.sharded:  # per rank even at world size 1, so that it can be resharded later
-        states: list[Any] | None = [optimizer.state_dict()]
-        if distributed():
-            states = [None] * env.world_size if env.is_master else None
-            dist.gather_object(optimizer.state_dict(), states, dst=0)
-        if not env.is_master:
-            return None
-        return {"per_rank": states, "layout": flat_layout(engine, optimizer, env.world_size)}
-    return optimizer.state_dict() if env.is_master else None
-
-
 def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str, env: DistEnv) -> None:
-    """Load `saved` (from `collect`) into this rank's optimizer, or say why it cannot be.
+    """Load a snapshot's inline optimizer state into this rank's optimizer, or say why it cannot be.
 
     Call before the engine shards the module (the trainer does): at another world size than
     the snapshot's, the parameters' whole shapes check the saved layout against this model.

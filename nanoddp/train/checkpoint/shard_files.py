@@ -54,16 +54,7 @@ def write_shard(path: Path, payload: dict[str, Any]) -> str:
     return payload_digest(path)
 
 
-def payload_digest(path: Path) -> str:
-    """The payload checksum a snapshot file's header records (reads the header only)."""
-    try:
-        with open(path, "rb") as fh:
-            magic, line = fh.readline(), fh.readline()
-    except OSError as exc:
-        raise snapshot.SnapshotError(f"cannot read shard file {path}: {exc.strerror or exc}") from None
-    if magic != snapshot.MAGIC or not line.split():
-        raise snapshot.SnapshotError(f"{path} is not a nanoddp snapshot (bad header)")
-    return line.split()[0].decode(errors="replace")
+payload_digest = snapshot.payload_digest
 
 
 class ShardReader:

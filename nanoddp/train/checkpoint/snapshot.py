@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"NANODDP-SNAPSHOT 1\n"
 SNAPSHOT_RE = re.compile(r"^step-(\d+)\.pt$")
+# a snapshot, its companion manifest, or one of the companion's shard files (`shard_files.shard_name`)
+STEP_FILE_RE = re.compile(r"^step-(\d+)\.(pt|shards\.pt|shards\.pt\.[0-9a-f]+\.rank\d+-of-\d+)$")
 
 
 class SnapshotError(RuntimeError):
@@ -64,6 +66,13 @@ def atomic_write_bytes(path: str | Path, data: bytes | list[bytes]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_torch_save(path: str | Path, obj: Any) -> None:
+    """`torch.save(obj, path)`, atomically: a plain file (no header) that `torch.load` reads."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def save(path: str | Path, state: dict[str, Any]) -> Path:
@@ -105,6 +114,38 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
         ) from None
 
 
+def payload_digest(path: str | Path) -> str:
+    """The payload checksum a snapshot file's header records (reads the header only)."""
+    try:
+        with open(path, "rb") as fh:
+            magic, line = fh.readline(), fh.readline()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read shard file {path}: {exc.strerror or exc}") from None
+    if magic != MAGIC or not line.split():
+        raise SnapshotError(f"{path} is not a nanoddp snapshot (bad header)")
+    return line.split()[0].decode(errors="replace")
+
+
+def companion_path(path: str | Path) -> Path:
+    """`step-N.shards.pt` beside snapshot `step-N.pt`: the manifest of a sharded engine's model
+    and optimizer, whose shards every rank wrote to its own file (`train/checkpoint/companion.py`)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.shards.pt")
+
+
+def check_companion(path: str | Path, state: dict[str, Any]) -> None:
+    """Raise SnapshotError unless the companion files snapshot `path` names are all there and
+    are the ones it was written with (manifest loads; each shard file's header checksum matches),
+    so that resume falls back to an older snapshot rather than fail on a missing shard."""
+    record = state.get("companion")
+    if record is None:
+        return
+    manifest = Path(path).with_name(record["file"])
+    for entry in load(manifest).get("shards", []):
+        if payload_digest(manifest.with_name(entry["file"])) != entry["sha256"]:
+            raise SnapshotError(f"{manifest.with_name(entry['file'])} is not the shard file {manifest} lists")
+
+
 def unpickling_reason(exc: BaseException) -> str:
     """One line saying why a payload did not unpickle (weights_only's own message spans a page)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -130,7 +171,9 @@ def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -
     `skipped` when given (the caller reports it, e.g. inside its one error line), else logged."""
     for _, path in list_snapshots(directory):
         try:
-            return path, load(path)
+            state = load(path)
+            check_companion(path, state)
+            return path, state
         except SnapshotError as exc:
             if skipped is None:
                 logger.warning("skipping snapshot: %s", exc)
@@ -140,14 +183,19 @@ def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` snapshots; return the deleted paths."""
+    """Delete all but the newest `keep` snapshots, with their companion files (and those of a
+    sharded save whose snapshot was never written); return the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    directory = Path(directory)
+    kept = {step for step, _ in list_snapshots(directory)[:keep]}
     removed = []
-    for _, path in list_snapshots(directory)[keep:]:
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    for tmp in Path(directory).glob(".step-*.pt.tmp-*"):  # left by a writer killed mid-write
+    for path in sorted(directory.glob("step-*.*")) if directory.is_dir() else []:
+        step = STEP_FILE_RE.match(path.name)
+        if step and int(step.group(1)) not in kept:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    for tmp in directory.glob(".step-*.pt*.tmp-*"):  # left by a writer killed mid-write
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or not psutil.pid_exists(int(pid)):
             tmp.unlink(missing_ok=True)

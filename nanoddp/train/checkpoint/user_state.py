@@ -215,7 +215,13 @@ def save_state(path: str | Path, **objects: Any) -> Path:
     """
     if not objects:
         raise ValueError("save_state needs at least one object to save, e.g. save_state(path, model=model)")
-    target = _target_file(path, objects)  # checked on every rank, before any collective
+    target = save_objects(_target_file(path, objects), objects)  # target checked on every rank first
+    logger.info("saved state %s (%s)", target, ", ".join(objects))
+    return target
+
+
+def save_objects(target: Path, objects: dict[str, Any]) -> Path:
+    """`save_state` into file `target`, without its log line (the Trainer's snapshot companions)."""
     rank, world_size = _rank(), _world_size()
     rng = snapshot.capture_rng_state()
     modules, registry, kinds = _classify(objects)
@@ -255,7 +261,6 @@ def save_state(path: str | Path, **objects: Any) -> Path:
                 state["shards"] = [{"file": r[2]["file"], "sha256": r[2]["sha256"]} for r in reports]
             snapshot.save(target, state)
             shard_files.remove_unlisted(target, {entry["file"] for entry in state.get("shards", [])})
-            logger.info("saved state %s (%s)", target, ", ".join(objects))
         except Exception as exc:  # every rank raises it, rather than wait for rank 0
             outcome, error = [(type(exc).__name__, str(exc))], exc
     if distributed():  # nobody returns (and maybe loads) before the file exists
@@ -374,6 +379,15 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     the newest valid `step-<N>.pt` is used, and None is returned if there is none yet (a first
     run). Each rank gets back its own RNG streams when the world size is the one that saved.
     """
+    loaded = load_objects(path, objects)
+    if loaded is not None:
+        logger.info("loaded state %s", path)
+    return loaded
+
+
+def load_objects(path: str | Path, objects: dict[str, Any], restore_rng: bool = True) -> dict[str, Any] | None:
+    """`load_state` without its log line; `restore_rng=False` leaves every RNG as it is (the
+    Trainer's snapshot companions: the snapshot restores the streams itself)."""
     found, error = None, None
     try:
         found = _read(path, objects)
@@ -416,13 +430,12 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
         error = exc
     shard_files.agree(error)
     rng = state["rng"]
-    if len(rng) == _world_size():
+    if restore_rng and len(rng) == _world_size():
         snapshot.restore_rng_state(rng[_rank()])
-    elif distributed() and _rank() == 0:  # one process reading a job's weights (eval, export) needs none
+    elif restore_rng and distributed() and _rank() == 0:  # one process reading a job's weights needs none
         logger.warning(
             "state saved at world size %d, loaded at %d: RNG streams not restored (reseed them)",
             len(rng),
             _world_size(),
         )
-    logger.info("loaded state %s", file)
     return result
