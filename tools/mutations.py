@@ -63,6 +63,27 @@ MUTATIONS = (
         ("tests/unit/test_snapshot.py", "-k", "corrupted"),
     ),
     Mutation(
+        "sharded snapshot: resume picks one whose shard files are missing",
+        "nanoddp/train/checkpoint/snapshot.py",
+        "            check_companion(path, state)\n",
+        "",
+        ("tests/unit/test_snapshot.py", "-k", "companion_is_incomplete"),
+    ),
+    Mutation(
+        "sharded snapshot: prune leaves the companion's shard files",
+        "nanoddp/train/checkpoint/snapshot.py",
+        r"|shards\.pt\.[0-9a-f]+\.rank\d+-of-\d+)$",
+        ")$",
+        ("tests/unit/test_snapshot.py", "-k", "prune_takes_companions"),
+    ),
+    Mutation(
+        "sharded snapshot: the trainer gathers the whole model on rank 0 again",
+        "nanoddp/train/trainer.py",
+        'None if "model" in sharded else self.module.state_dict()',
+        "self.engine.state_dict()",
+        ("tests/multiproc/test_trainer_sharded.py",),
+    ),
+    Mutation(
         "ZeRO broadcast: owners' updated parameters not sent",
         "nanoddp/parallel/zero/partition.py",
         "self.comm.broadcast(flat, src=self.global_ranks[owner], group=self.group)",
