@@ -46,6 +46,7 @@ from nanoddp.bench.report import format_markdown, summarise, write_memory_plot, 
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.train.engines import ENGINE_REGISTRY, CommTimer, Engine, build_engine
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
+from nanoddp.train.fsdp_engine import AMP_DTYPES, shard_model
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class _Runner:
         self.name, self.env, self.spec = name, env, spec
         self.active = name != "dp" or env.rank == 0  # DataParallel is one process: rank 0's
         self.samples: list[dict] = []
+        dtype = AMP_DTYPES.get(spec["amp"], torch.bfloat16)
+        self.autocast = torch.autocast(env.device.type, dtype=dtype, enabled=spec["amp"] != "off")  # as the trainer
         self.persistent_bytes = self.transient_bytes = 0
         self.held: dict[str, int] = {}
         if not self.active:
@@ -80,7 +83,7 @@ class _Runner:
         module = GPT(cfg).to(env.device)
         self.clock = GradClock(module)  # hooks registered before any wrapper's, so they fire first
         self.layout: list[list[int]] | None = None  # the wrapper's buckets, read after warm-up
-        self.engine, self.ddp = self._build(name, module, env, traced)
+        self.engine, self.ddp = self._build(name, module, env, traced, spec["amp"])
         if not traced:  # no engine times itself: the probes time every engine from outside
             self.engine.comm = None
             if self.ddp is not None:
@@ -114,8 +117,9 @@ class _Runner:
         self.layout = bucket_layout(self.engine.model, self.clock)
 
     @staticmethod
-    def _build(name: str, module, env: nanoddp.DistEnv, traced: bool):
-        """(engine, our DDP wrapper or None). `dp` and torch's FSDP2 are built here, the rest by engines.py."""
+    def _build(name: str, module, env: nanoddp.DistEnv, traced: bool, amp: str):
+        """(engine, our DDP wrapper or None). `dp` and torch's FSDP2 are built here, the rest by
+        engines.py. `amp`: the FSDPs all-gather and compute in it (fp32 reduce), as the trainer's."""
         if name == "dp":
             devices = [env.device] * env.world_size  # N replicas in threads of this one process
             wrapper = nanoddp.DataParallel(module, device_ids=devices)
@@ -126,14 +130,18 @@ class _Runner:
             ddp.record_timeline = env.world_size > 1
             return Engine(name, ddp, module, comm=CommTimer()), ddp
         if name == TORCH_FSDP:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+            policy = MixedPrecisionPolicy(AMP_DTYPES.get(amp), torch.float32 if amp != "off" else None)
             for block in module.blocks:
-                torch_fully_shard(block)
-            return Engine(name, torch_fully_shard(module), module), None
+                torch_fully_shard(block, mp_policy=policy)
+            return Engine(name, torch_fully_shard(module, mp_policy=policy), module), None
         if name == NOCOMM:  # the module itself, never synced (build_engine refuses `single` at ws > 1)
             return Engine(name, module, module), None
         base = "single" if name == ALLCORES else name
+        if name == "fsdp":
+            shard_model(module, env, amp=amp)  # the trainer's units; build_engine takes it as is
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
         ours = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
@@ -149,7 +157,7 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.reset()
         with self.engine.micro_step(sync=True):
-            with region("forward"):
+            with region("forward"), self.autocast:
                 loss = self.engine.forward_loss(self.x, self.y)
             t1 = time.perf_counter()
             with region("backward"):
@@ -310,7 +318,7 @@ def _trace_engines(env: nanoddp.DistEnv, spec: dict, names: list[str]) -> None:
 def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", global_batch: int = 32,
                   steps: int = 30, warmup: int = 3, block: int = 5, threads_per_rank: int = 1,
                   trace_dir: str | None = None, overrides: dict | None = None,
-                  backend: str | None = None) -> dict:  # fmt: skip
+                  backend: str | None = None, amp: str = "off") -> dict:  # fmt: skip
     """Measure every engine at every world size; returns {"meta": ..., "results": [row, ...]}."""
     _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
     # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
@@ -319,13 +327,13 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
     spec = {"engines": list(engines), "model": model, "overrides": dict(overrides or {}),
             "global_batch": global_batch, "steps": steps, "warmup": max(warmup, 2), "block": block,
             "threads_per_rank": threads_per_rank, "allcores_threads": os.cpu_count() or 1,
-            "trace_dir": trace_dir}  # fmt: skip
+            "trace_dir": trace_dir, "amp": amp}  # fmt: skip
     cfg = gpt_config(model, **spec["overrides"])
     meta = {**machine_description(), "model": model, "model_config": cfg.__dict__,
             "parameters": count_parameters(GPT(cfg)),
             "parameter_tensors": len(list(GPT(cfg).parameters())), "global_batch": global_batch, "steps": steps,
             "warmup": spec["warmup"], "block": block, "threads_per_rank": threads_per_rank,
-            "optimizer": "AdamW", "dtype": "float32", "date": datetime.now(timezone.utc).isoformat(),
+            "optimizer": "AdamW", "dtype": "float32", "amp": amp, "date": datetime.now(timezone.utc).isoformat(),
             "load_average_before": os.getloadavg(), "backend": backend, "command": command_line(),
             "git_commit": git_commit(),
             "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
@@ -375,6 +383,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (>= 2)")
     parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--amp", choices=["off", "bf16"], default="off", help=AMP_HELP)
     add_output_args(parser, plot_help="write a PNG (throughput, comm)")
     parser.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
     parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
@@ -397,7 +406,7 @@ def _run(args: argparse.Namespace) -> int:
     nprocs = parse_world_sizes(args.nproc)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     data = run_benchmark(nprocs, engines, args.model, args.global_batch, args.steps, args.warmup, args.block,
-                         args.threads_per_rank, args.trace, backend=args.backend)  # fmt: skip
+                         args.threads_per_rank, args.trace, backend=args.backend, amp=args.amp)  # fmt: skip
     print(format_markdown(data))
     if args.json:
         write_json(args.json, data)
@@ -418,6 +427,7 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+AMP_HELP = "bf16: every forward under autocast, both FSDPs all-gather in bf16 and reduce in fp32 (the trainer's --amp)"
 MEMORY_PLOT_HELP = "write a PNG of per-rank memory by engine: parameters, gradients, optimizer state, transient peak"
 
 
