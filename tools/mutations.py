@@ -134,13 +134,6 @@ MUTATIONS = (
         ("tests/reliability/test_save_state_types.py", "-k", "numpy or refused"),
     ),
     Mutation(
-        "load_state: a file weights_only refuses is not skipped",
-        "nanoddp/train/checkpoint/user_state.py",
-        "found = _newest_loadable(path) if _rank() == 0 else None",
-        "found = snapshot.find_latest_valid(path) if _rank() == 0 else None",
-        ("tests/reliability/test_save_state_types.py", "-k", "skips"),
-    ),
-    Mutation(
         "Trainer: an optimizer over another model's parameters accepted",
         "nanoddp/train/options.py",
         "if foreign == len(params) and params:",

@@ -109,6 +109,9 @@ def walk(env, fsdp_name: str, ckpt: str) -> dict:
     losses, norms = train_steps(env, model, optim, range(3))
 
     full = whole(model)  # the DTensor checkpoint: whole tensors out ...
+    probe = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        at_save = model(probe)  # what the saved weights compute
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{ckpt}/{fsdp_name}")
     more = train_steps(env, model, optim, range(3, 5))  # the uninterrupted run
@@ -121,6 +124,8 @@ def walk(env, fsdp_name: str, ckpt: str) -> dict:
     )
     for k, v in whole(restored).items():
         assert torch.equal(v, full[k]), k
+    with torch.no_grad():  # the assigned DTensors are what the units gather, not only what state_dict shows
+        assert torch.equal(restored(probe), at_save)
 
     resumed = sharded_meta_model(fsdp)  # DCP resume: model and Adam state
     resumed.to_empty(device="cpu")

@@ -315,16 +315,6 @@ def _check_reports(reports: list[Any]) -> None:
                 )
 
 
-def _newest_loadable(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest `step-<N>.pt` in `directory` that loads; one warning line per file skipped."""
-    for _, path in snapshot.list_snapshots(directory):
-        try:
-            return path, snapshot.load(path)
-        except Exception as exc:  # checksum, truncation, unpickling: any reason, the next one may do
-            logger.warning("load_state: skipping %s: %s", path, snapshot.unpickling_reason(exc))
-    return None
-
-
 def _resolve(path: str | Path) -> tuple[Path, dict[str, Any] | None] | None:
     """The file to load (with its state when already read): `path` itself, or the newest
     snapshot in directory `path` that loads (rank 0 decides; every rank loads that one)."""
@@ -332,7 +322,7 @@ def _resolve(path: str | Path) -> tuple[Path, dict[str, Any] | None] | None:
         if not Path(path).exists():
             raise FileNotFoundError(f"no saved state at {path}: pass the file save_state wrote, or its directory")
         return Path(path), None
-    found = _newest_loadable(path) if _rank() == 0 else None
+    found = snapshot.find_latest_valid(path) if _rank() == 0 else None  # a warning line per file skipped
     chosen = [str(found[0]) if found else None]
     if distributed():
         dist.broadcast_object_list(chosen, src=0)  # every rank loads the same file
