@@ -120,13 +120,22 @@ class ShardedParam:
 
     # --- gradients ------------------------------------------------------------------------------
 
-    def padded_grad(self, dtype: torch.dtype, world_size: int) -> torch.Tensor:
-        """The whole gradient as (ws, padded_numel) in `dtype`, zero rows past d0 (zeros if None)."""
-        out = torch.zeros(world_size * self.padded_numel, dtype=dtype, device=self.local().device)
+    @torch.no_grad()
+    def write_padded_grad(self, out: torch.Tensor) -> None:
+        """The whole gradient into `out` (ws, padded_numel), cast to its dtype: rank r's rows in
+        row r, zeros past d0 (all zeros when there is no gradient). `out` may be a column view."""
         g = self.unsharded.grad if self.unsharded is not None else None
-        if g is not None:
-            out[: g.numel()].copy_(g.reshape(-1))
-        return out.view(world_size, self.padded_numel)
+        if g is None:
+            out.zero_()
+            return
+        flat = g.reshape(-1)
+        full = flat.numel() // self.padded_numel  # ranks whose part is all rows
+        out[:full].copy_(flat[: full * self.padded_numel].view(full, self.padded_numel))
+        rest = flat.numel() - full * self.padded_numel
+        if full < out.shape[0]:
+            out[full, :rest].copy_(flat[full * self.padded_numel :])
+            out[full, rest:].zero_()
+            out[full + 1 :].zero_()
 
     def accumulate_grad(self, padded: torch.Tensor) -> None:
         """Hand this rank's reduced rows (padded_numel,) to the sharded parameter's `.grad`."""

@@ -131,11 +131,15 @@ class ShardedUnit:
         if not params:
             return lambda: None
         ws, dtype = self.mesh.shard_size, self.reduce_dtype()
-        columns = [p.padded_grad(dtype, ws) for p in params]  # each (ws, padded_numel)
-        for p in params:
-            if p.unsharded is not None:  # as padded_grad: never gathered, no whole gradient to free
+        total = sum(p.padded_numel for p in params)
+        rows = torch.empty(ws, total, dtype=dtype, device=params[0].local().device)  # rank r's parts: row r
+        offset = 0
+        for p in params:  # each whole gradient written into its column once, then freed
+            p.write_padded_grad(rows[:, offset : offset + p.padded_numel])
+            if p.unsharded is not None:
                 p.unsharded.grad = None
-        flat = torch.cat(columns, dim=1).reshape(-1)  # (ws * trainable numel,): rank r's row r
+            offset += p.padded_numel
+        flat = rows.view(-1)  # (ws * trainable numel,)
         output = torch.empty(flat.numel() // ws, dtype=dtype, device=flat.device)
         factor = self.divide_factor
         op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM
