@@ -114,7 +114,24 @@ def _wrap_worker(env: DistEnv, tmp: str) -> None:
     assert all(p.grad is not None for p in llama.parameters())
 
 
+def _prestepped_worker(env: DistEnv, tmp: str) -> None:
+    """An optimizer that stepped before the Trainer: fsdp moves its state onto the shards."""
+    model = _sequential()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _data().tensors
+    F.cross_entropy(model(x[:8]), y[:8]).backward()
+    optimizer.step()  # the same on every rank: same seed, same batch
+    before = {name: optimizer.state[p]["exp_avg"].clone() for name, p in model.named_parameters()}
+    trainer = nanoddp.Trainer(
+        model, optimizer, _data(), loss_fn=F.cross_entropy, env=env, out=tmp, engine="fsdp", steps=1, batch_size=8
+    )
+    for name, p in trainer.module.named_parameters():  # this rank's rows of the state it had
+        state = trainer.optimizer.state[p]["exp_avg"]
+        assert state.to_local().shape == p.to_local().shape and torch.equal(state.full_tensor(), before[name]), name
+
+
 def test_fsdp_engine_shards_any_model_per_block_plus_root(tmp_path):
+    run_on_ranks(_prestepped_worker, 2, str(tmp_path / "stepped"), timeout=240)
     run_on_ranks(_wrap_worker, 2, str(tmp_path), timeout=240)
 
 

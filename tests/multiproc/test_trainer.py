@@ -212,6 +212,24 @@ def test_sample_generates_text_from_a_run(tmp_path, capsys):
     assert "config.json not found" in capsys.readouterr().err
 
 
+def _train(env: DistEnv, config) -> None:
+    train_tiny(config, env)
+
+
+def test_sample_reads_a_sharded_runs_snapshot_without_model_pt(tmp_path, capsys):
+    """A sharded run's snapshot holds its model in per-rank files: `sample` reads them and
+    generates what the same weights in model.pt generate."""
+    config = replace(TINY, engine="fsdp", steps=2, snapshot_every=2, out=str(tmp_path))
+    run_on_ranks(_train, 2, config, timeout=120)  # sharded over 2 ranks; sample reads it in this process
+    args = ["sample", "--run", str(tmp_path), "--prompt", "import ", "--tokens", "20"]
+    assert cli.main(args) == 0
+    from_model_pt = capsys.readouterr().out
+    (tmp_path / "model.pt").unlink()
+    assert snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", 2))["model"] is None
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == from_model_pt
+
+
 def test_worker_module_is_runnable():
     """`torchrun -m nanoddp.train` needs the module to have a usable --help."""
     proc = subprocess.run(

@@ -48,13 +48,16 @@ def save(snapshot_file: Path, objects: dict[str, Any]) -> dict[str, Any] | None:
     return {"file": target.name, "objects": sorted(objects)}
 
 
-def load(snapshot_file: Path, record: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the companion `record` names (from `save`) into `module` and `optimizer` (collective).
+def load(
+    snapshot_file: Path, record: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Load the companion `record` names (from `save`) into `module` and `optimizer` (collective
+    when a process group is up; `optimizer=None`: the model only, e.g. `nanoddp sample`).
 
     The RNG streams are the snapshot's to restore, so they are left alone here."""
     objects = {"model": module, "optimizer": optimizer}
     user_state.load_objects(
         Path(snapshot_file).with_name(record["file"]),
-        {name: objects[name] for name in record["objects"]},
+        {name: objects[name] for name in record["objects"] if objects[name] is not None},
         restore_rng=False,
     )

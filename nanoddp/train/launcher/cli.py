@@ -332,7 +332,7 @@ def _worker_config(args: argparse.Namespace) -> TrainConfig:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from nanoddp.train.checkpoint import snapshot
+    from nanoddp.train.checkpoint import companion, snapshot
     from nanoddp.train.config import build_model
     from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
 
@@ -360,7 +360,11 @@ def run_sample(args: argparse.Namespace) -> int:
         found = snapshot.find_latest_valid(run_dir / "snapshots")
         if found is None:
             raise FileNotFoundError(f"no model.pt and no valid snapshot in {run_dir}")
-        state = found[1]["model"]
+        path, saved = found
+        state = saved["model"]
+        if state is None:  # a sharded run: the model is in the snapshot's per-rank files
+            companion.load(path, saved["companion"], model, None)
+            state = model.state_dict()
     model.load_state_dict(state)
     model.eval()
     prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
