@@ -1,0 +1,85 @@
+"""Planted faults in the collectives (`nanoddp/comm/`): reductions, rounds, plans, algorithms."""
+
+from __future__ import annotations
+
+from mutations.fault import Mutation
+
+FAULTS = (
+    Mutation(
+        "ring reduction: pipelined ring drops the received piece",
+        "nanoddp/comm/ring.py",
+        "reduce_into(op, piece, scratch[j % 2, a:b])",
+        "pass",
+        ("tests/multiproc/test_comm_precision.py", "-k", "ring"),
+    ),
+    Mutation(
+        "ring reduction: fp16/bf16 accumulated in their own dtype",
+        "nanoddp/comm/reduce.py",
+        "acc_dtype = torch.float32 if out.dtype in LOW_PRECISION else out.dtype",
+        "acc_dtype = out.dtype",
+        ("tests/multiproc/test_comm_precision.py", "-k", "low_precision"),
+    ),
+    Mutation(
+        "watchdog: a polled async torch collective is never released",
+        "nanoddp/comm/watchdog.py",
+        "future.add_done_callback(lambda _: end(token))",
+        "pass",
+        ("tests/multiproc/test_watchdog.py", "-k", "completes"),
+    ),
+    Mutation(
+        "star broadcast: the hub skips the last rank's header",
+        "nanoddp/comm/cached_rounds.py",
+        "if rows != self._expected:",
+        "if rows[:-1] != self._expected[:-1]:",
+        ("tests/multiproc/test_comm_paths.py", "-k", "star_hub"),
+    ),
+    Mutation(
+        "remembered calls: kept after a threshold change",
+        "nanoddp/comm/wire.py",
+        "bufs.repeats.clear()",
+        "pass",
+        ("tests/multiproc/test_comm_paths.py", "-k", "dropped"),
+    ),
+    Mutation(
+        "plan: the exchange limit off by one",
+        "nanoddp/comm/plan.py",
+        "nbytes <= EXCHANGE_MAX_BYTES",
+        "nbytes < EXCHANGE_MAX_BYTES",
+        ("tests/unit/test_plan.py",),
+    ),
+    Mutation(
+        "halving/doubling: no rank sits out when folding",
+        "nanoddp/comm/halving_doubling.py",
+        "        return None if rel % 2 else rel // 2",
+        "        return rel // 2",
+        ("tests/unit/test_halving_doubling.py",),
+    ),
+    Mutation(
+        "halving/doubling: AVG divides by the wrong count",
+        "nanoddp/comm/halving_doubling.py",
+        "finish_avg(op, buf[s.finish[0] : s.finish[1]], n)",
+        "finish_avg(op, buf[s.finish[0] : s.finish[1]], n - 1)",
+        ("tests/multiproc/test_comm_algorithms.py::test_new_paths_match_torch_on_every_rank[6]",),
+    ),
+    Mutation(
+        "binomial tree: the wrong parent",
+        "nanoddp/comm/tree.py",
+        "    return v - (1 << (v.bit_length() - 1))",
+        "    return v - 1",
+        ("tests/unit/test_halving_doubling.py",),
+    ),
+    Mutation(
+        "plan: the cost model picks the dearest path",
+        "nanoddp/comm/plan.py",
+        "        if (c := cost_model.cost(path.name, op, nbytes, world_size)) < best_cost:",
+        "        if (c := cost_model.cost(path.name, op, nbytes, world_size)) > best_cost:",
+        ("tests/unit/test_plan.py",),
+    ),
+    Mutation(
+        "cost model: halving/doubling's fold forgotten",
+        "nanoddp/comm/cost_model.py",
+        "            return h + 2 * lg + 2 * f, 4 * (p - 1) / p * m + 2 * f * m",
+        "            return h + 2 * lg, 4 * (p - 1) / p * m",
+        ("tests/unit/test_plan.py",),
+    ),
+)

@@ -1,0 +1,65 @@
+"""Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`) and the notebook test harness."""
+
+from __future__ import annotations
+
+from mutations.fault import Mutation
+
+FAULTS = (
+    Mutation(
+        "nanoddp run: the single-node store listens on every interface",
+        "nanoddp/run/bootstrap.py",
+        "            _loopback_rendezvous(call)",
+        "            pass",
+        ("tests/reliability/test_loopback.py", "-k", "single_node"),
+    ),
+    Mutation(
+        "nanoddp run: workers outlive a SIGKILLed launcher",
+        "nanoddp/run/bootstrap.py",
+        "    die_with_parent(int(os.environ.get(AGENT_PID_VAR, os.getppid())))"
+        "  # even a SIGKILLed launcher takes us along",
+        "    pass",
+        ("tests/reliability/test_run_lifecycle.py", "-k", "sigkilled"),
+    ),
+    Mutation(
+        "nanoddp run: Ctrl-C gives a traceback per rank",
+        "nanoddp/run/bootstrap.py",
+        "        sys.exit(128 + signal.SIGINT)",
+        "        raise",
+        ("tests/reliability/test_run_lifecycle.py", "-k", "SIGINT"),
+    ),
+    Mutation(
+        "nanoddp run: a signal stop exits 1",
+        "nanoddp/run/cli.py",
+        "        return 128 + sig",
+        "        return 1",
+        ("tests/reliability/test_run_lifecycle.py", "-k", "signal_stops"),
+    ),
+    Mutation(
+        "nanoddp run: temp dir not named by pid, never swept",
+        "nanoddp/run/cli.py",
+        'make_private_dir("nanoddp-run-")',
+        '__import__("tempfile").mkdtemp(prefix="nanoddp-run-")',
+        ("tests/reliability/test_run_lifecycle.py", "-k", "sigkilled"),
+    ),
+    Mutation(
+        "nanoddp run: --fail-on-early-exit ignored",
+        "nanoddp/run/finished.py",
+        "        if self.fail:",
+        "        if False:",
+        ("tests/reliability/test_run_lifecycle.py", "-k", "fail_on_early_exit"),
+    ),
+    Mutation(
+        "nanoddp run: an early-finished rank never reported",
+        "nanoddp/run/finished.py",
+        "        if self._reported or time.monotonic() - self._since < self.grace_s:",
+        "        if True:",
+        ("tests/reliability/test_run_lifecycle.py", "-k", "finished_early"),
+    ),
+    Mutation(
+        "notebook tests: next cell sent before the kernel is idle",
+        "tests/helpers.py",
+        "    reply = finish_cell(kc, msg_id, timeout)",
+        "    return finish_cell(kc, msg_id, timeout)",
+        ("tests/multiproc/test_notebook.py", "-k", "test_interrupt_then_kernel_death"),
+    ),
+)

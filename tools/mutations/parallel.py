@@ -1,0 +1,121 @@
+"""Planted faults in the engines (`nanoddp/parallel/`): DDP, ZeRO, ZeRO-2 and FSDP."""
+
+from __future__ import annotations
+
+from mutations.fault import Mutation
+
+FAULTS = (
+    Mutation(
+        "bucket averaging: DDP sums instead of averaging",
+        "nanoddp/parallel/ddp/reducer.py",
+        "bucket.buffer.mul_(1.0 / self.divisor)",  # the default path (gradients copied into buckets)
+        "pass",
+        ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
+    ),
+    Mutation(
+        "no_sync: DDP reduces inside no_sync too",
+        "nanoddp/parallel/ddp/wrapper.py",
+        "reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync",
+        "reducer.sync_this_backward = torch.is_grad_enabled()",
+        ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
+    ),
+    Mutation(
+        "ZeRO broadcast: owners' updated parameters not sent",
+        "nanoddp/parallel/zero/partition.py",
+        "self.comm.broadcast(flat, src=self.global_ranks[owner], group=self.group)",
+        "pass",
+        # the whole-parameter partition is the one that broadcasts; its suite case checks values
+        ("tests/multiproc/test_zero2_fsdp.py", "-k", "ws3 and zero1_parameter and not uneven"),
+    ),
+    Mutation(
+        "ZeRO all-gather: updated shards not gathered",
+        "nanoddp/parallel/zero/partition.py",
+        "self.comm.all_gather_into_tensor(full, shard, group=self.group)",
+        "pass",
+        ("tests/multiproc/test_zero.py", "-k", "matches_plain_optimizer and 2"),
+    ),
+    Mutation(
+        "sharded grads: ZeRO-2/FSDP sum instead of averaging",
+        "nanoddp/parallel/sharded/flat.py",
+        "shard_grad.div_(self.world_size)",
+        "pass",
+        ("tests/multiproc/test_zero2_fsdp.py", "-k", "average_of_the_ranks"),
+    ),
+    Mutation(
+        "fsdp: gradients summed instead of averaged",
+        "nanoddp/parallel/sharded/fsdp_unit.py",
+        "op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM",
+        "op = dist.ReduceOp.SUM",
+        ("tests/multiproc/test_fsdp2_parity.py", "-k", "2"),
+    ),
+    Mutation(
+        "fsdp: backward prefetch never happens",
+        "nanoddp/parallel/sharded/fsdp_state.py",
+        "        return self._after(self.backward_order, state)",
+        "        return []",
+        ("tests/multiproc/test_fsdp_prefetch.py",),
+    ),
+    Mutation(
+        "HSDP: no all-reduce across replicas",
+        "nanoddp/parallel/sharded/fsdp_unit.py",
+        "            self.comm.all_reduce(output, op=op, group=replicas)",
+        "            pass",
+        ("tests/multiproc/test_fsdp2_hsdp.py",),
+    ),
+    Mutation(
+        "fsdp: every rank takes the first rows",
+        "nanoddp/parallel/sharded/fsdp_param.py",
+        "start = min(mesh.shard_rank * self.rows, self.shape[0])",
+        "start = 0",
+        ("tests/multiproc/test_fsdp2_parity.py", "-k", "2"),
+    ),
+    Mutation(
+        "fsdp: gradients reduced in param_dtype",
+        "nanoddp/parallel/sharded/fsdp_unit.py",
+        "return self.mp.reduce_dtype or self.mp.param_dtype or",
+        "return self.mp.param_dtype or self.mp.reduce_dtype or",
+        ("tests/multiproc/test_fsdp2_parity.py", "-k", "2"),
+    ),
+    Mutation(
+        "fsdp: load_state_dict(assign=True) shards not adopted",
+        "nanoddp/parallel/sharded/fsdp_init.py",
+        "        module.register_load_state_dict_post_hook(unit.adopt_registered)",
+        "        pass",
+        ("tests/multiproc/test_fsdp2_example.py",),
+    ),
+    Mutation(
+        "fsdp optimizer state: every rank takes the first rows",
+        "nanoddp/parallel/sharded/dtensor_state.py",
+        "[offset[0] : offset[0] + local_shape[0]]",
+        "[0 : local_shape[0]]",
+        ("tests/multiproc/test_reshard.py", "-k", "another_world_size"),
+    ),
+    Mutation(
+        "fsdp optimizer state: dropped when the trainer rebinds parameters",
+        "nanoddp/parallel/sharded/dtensor_state.py",
+        "optimizer.state[new] = optimizer.state.pop(old)",
+        "optimizer.state.pop(old)",
+        ("tests/multiproc/test_fsdp_engine.py", "-k", "any_model"),
+    ),
+    Mutation(
+        "sharded fp16: the overflow check not all-reduced",
+        "nanoddp/parallel/sharded/grad_scaler.py",
+        "dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)",
+        "pass",
+        ("tests/multiproc/test_fsdp_engine.py", "-k", "grad_scaler"),
+    ),
+    Mutation(
+        "DDP accepts an already sharded model",
+        "nanoddp/parallel/ddp/wrapper.py",
+        'refuse_sharded(module, "DistributedDataParallel")',
+        "pass",
+        ("tests/multiproc/test_fsdp_engine.py", "-k", "already_sharded"),
+    ),
+    Mutation(
+        "fsdp auto-wrap: no size rule for unknown models",
+        "nanoddp/parallel/sharded/auto_wrap.py",
+        "elif _numel(child) >= threshold and _numel(child) < _numel(model):",
+        "elif False:",
+        ("tests/multiproc/test_fsdp_engine.py", "-k", "auto_wrap_picks"),
+    ),
+)
