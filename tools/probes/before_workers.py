@@ -13,7 +13,7 @@ from .context import FAILURE_LINE, TRAIN_TIMEOUT_S, Ctx, flags, python_snippet, 
 from .registry import probe
 from .verdicts import refusal
 
-BEFORE_WORKERS = "exit 2, one line naming it, no traceback, < 15 s, no worker"
+BEFORE_WORKERS = "exit 2, one line naming it, no traceback, < 30 s, no worker"
 
 
 @probe("4.1", "`--out` is an existing file", BEFORE_WORKERS)

@@ -20,7 +20,11 @@ from .watched import Watched
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-FAST_S = 15.0  # a refusal in the launcher: imports and checks, no worker start-up
+# A refusal in the launcher: imports and checks, no worker start-up. Well under the minutes a
+# rendezvous or a collective waits before giving up (torchrun's join timeout, --collective-timeout),
+# so a refusal that waited on workers fails it; torch's import alone takes 5-15 s cold on a
+# 2-core host with both cores busy.
+FAST_S = 30.0
 REFUSAL_TIMEOUT_S = 120
 TRAIN_TIMEOUT_S = 300
 SUITE_TIMEOUT_S = 900
