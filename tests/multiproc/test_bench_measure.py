@@ -33,7 +33,7 @@ HIDDEN_SLACK = 0.5 * SLEEP_S  # a hidden delay may move exposed time by scheduli
 # 2 layers of d_model 128: 0.53 M parameters (2.1 MB), so both DDPs use two buckets (the first
 # one is 1 MiB), and a delay can fall between bucket 0's hand-over and the last gradient
 SPEC = {"model": "tiny", "overrides": {"n_layers": 2, "d_model": 128, "n_heads": 2, "d_ff": 512, "seq_len": 16},
-        "global_batch": 8, "allcores_threads": 1}  # fmt: skip
+        "global_batch": 8, "allcores_threads": 1, "amp": "off"}  # fmt: skip
 ENGINES = ("torch", "nanoddp", "allreduce")
 STEPS = 3
 
