@@ -77,6 +77,8 @@ def test_auto_wrap_picks_the_repeated_layers():
     assert modules_to_shard(seq) == [seq[1], seq[2], seq[3]]  # by size: the blocks, not the 2 small Linears
     llama = _llama()
     assert [type(m).__name__ for m in modules_to_shard(llama)] == ["LlamaDecoderLayer"] * 2
+    wrapped = nn.Sequential(_llama())  # a wrapper (as nanoddp's SmolLM2) declares nothing itself
+    assert [type(m).__name__ for m in modules_to_shard(wrapped)] == ["LlamaDecoderLayer"] * 2
     assert modules_to_shard(seq, "MLPBlock,Linear")[:3] == [seq[1].fc1, seq[1].fc2, seq[2].fc1]  # inner first
     with pytest.raises(ValueError, match=r"fsdp_wrap names \['Block'\], not a module class of Sequential"):
         modules_to_shard(seq, "Block")

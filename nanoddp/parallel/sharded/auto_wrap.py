@@ -7,7 +7,8 @@ repeated layer, and which class that is depends on the model:
 
 1. classes named by the user (`names`, e.g. "LlamaDecoderLayer,MyBlock");
 2. else the model's own declaration: Hugging Face's `_no_split_modules` (its decoder layer
-   classes), or the elements of a `blocks` list (nanoddp's GPT and models shaped like it);
+   classes, also on a model wrapped in another module), or the elements of a `blocks` list
+   (nanoddp's GPT and models shaped like it);
 3. else size: walking down from the root through the containers without a forward of their
    own (ModuleList, ModuleDict), every child holding at least `min_fraction` of the model's
    parameters (a `Sequential` of blocks: each block).
@@ -28,8 +29,9 @@ def _numel(module: nn.Module) -> int:
 
 
 def declared_classes(model: nn.Module) -> set[str]:
-    """The class names the model declares as its layers (rule 2), or an empty set."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    """The class names the model declares as its layers (rule 2), or an empty set. A Hugging
+    Face model inside a wrapper (nanoddp's SmolLM2 is one) declares them on the inner model."""
+    names = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         names |= {type(b).__name__ for b in blocks}
