@@ -34,6 +34,13 @@ FAULTS = (
         ("tests/unit/test_snapshot.py", "-k", "prune_takes_companions"),
     ),
     Mutation(
+        "sharded snapshot: the launcher reads model shapes from the snapshot, not its companion",
+        "nanoddp/train/launcher/preflight.py",
+        'if state.get("model") is None and state.get("companion"):',
+        "if False:",
+        ("tests/multiproc/test_trainer_sharded.py", "-k", "cli"),
+    ),
+    Mutation(
         "sharded snapshot: the trainer gathers the whole model on rank 0 again",
         "nanoddp/train/trainer.py",
         'None if "model" in sharded else self.module.state_dict()',

@@ -61,3 +61,12 @@ def load(
         {name: objects[name] for name in record["objects"] if objects[name] is not None},
         restore_rng=False,
     )
+
+
+def model_shapes(snapshot_file: Path, record: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The whole shape of every model tensor in the companion, from its manifest alone (no shard
+    file read): what the launcher checks against the model a config builds before resuming."""
+    manifest = snapshot.load(Path(snapshot_file).with_name(record["file"]))
+    layout = manifest["objects"]["model"]["state"]
+    shapes = {key: tuple(spec["shape"]) for key, spec in layout["specs"].items()}
+    return shapes | {key: tuple(value.shape) for key, value in layout["whole"].items()}

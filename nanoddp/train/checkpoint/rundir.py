@@ -204,19 +204,20 @@ def has_snapshots(out: str | Path) -> bool:
     return bool(snapshot.list_snapshots(Path(out) / "snapshots"))
 
 
-def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def find_resume_snapshot(mode: str, out: str | Path, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """The snapshot `--resume mode` names, verified and loaded; None when there is nothing to resume.
 
     `auto` looks in OUT/snapshots and may find nothing (a fresh run). A PATH (a snapshot file, a
     snapshots folder, or a run directory) must yield a valid snapshot: a PATH that yields none is
-    an error, never a silent start from step 0. `never` returns None.
+    an error, never a silent start from step 0. `never` returns None. A snapshot skipped on the
+    way is one warning line each, unless `quiet` (the launcher: its workers decide again and say it).
     """
     from nanoddp.train.checkpoint import snapshot
 
     if mode == "never":
         return None
     if mode == "auto":
-        return snapshot.find_latest_valid(Path(out) / "snapshots")
+        return snapshot.find_latest_valid(Path(out) / "snapshots", [] if quiet else None)
     path = Path(mode)
     if path.is_dir():
         directory = path / "snapshots" if (path / "snapshots").is_dir() else path
@@ -225,7 +226,7 @@ def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, An
         if found is None:  # one line, the reasons included: the launcher prints just this
             why = f" ({len(skipped)} did not verify: {'; '.join(skipped)})" if skipped else ""
             raise ValueError(f"--resume {mode}: no valid snapshot (step-*.pt) in {directory}{why}")
-        for reason in skipped:
+        for reason in [] if quiet else skipped:
             logger.warning("skipping snapshot: %s", reason)
         return found
     try:
@@ -234,7 +235,7 @@ def find_resume_snapshot(mode: str, out: str | Path) -> tuple[Path, dict[str, An
         raise ValueError(f"--resume {mode}: {exc}") from None
 
 
-def resolve_resume(mode: str, out: str | Path, current: dict[str, Any], restart_count: int = 0):
+def resolve_resume(mode: str, out: str | Path, current: dict[str, Any], restart_count: int = 0, quiet: bool = False):
     """Apply `--resume mode` to run directory `out` for config dict `current`.
 
     Returns (path, state) of the snapshot to resume, or None to start at step 0; raises
@@ -249,7 +250,7 @@ def resolve_resume(mode: str, out: str | Path, current: dict[str, Any], restart_
             "runs (pruning deletes the newer run's snapshots). Continue it with --resume auto, move "
             "its outputs aside with --overwrite, or choose another --out"
         )
-    found = find_resume_snapshot(mode, out)
+    found = find_resume_snapshot(mode, out, quiet)
     if found is not None:
         check_resumable(found[1], current, found[0])
     return found

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanoddp.dataclass_cli import to_dict
-from nanoddp.train.checkpoint import rundir
+from nanoddp.train.checkpoint import companion, rundir
 from nanoddp.train.config import TrainConfig, build_model, filled
 from nanoddp.train.data.datasets import DataSpec
 
@@ -39,7 +39,10 @@ def check_out_dir(out: str | Path) -> None:
 
 def check_shapes(state: dict[str, Any], model: torch.nn.Module, path: str | Path) -> None:
     """The snapshot's model tensors must match the model the config builds, name for name."""
-    saved = {name: tuple(t.shape) for name, t in state.get("model", {}).items()}
+    if state.get("model") is None and state.get("companion"):  # a sharded run's: per-rank files
+        saved = companion.model_shapes(Path(path), state["companion"])
+    else:
+        saved = {name: tuple(t.shape) for name, t in state.get("model", {}).items()}
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     problems = [f"{n}: missing" for n in sorted(set(wanted) - set(saved))]
     problems += [f"{n}: unexpected" for n in sorted(set(saved) - set(wanted))]
@@ -61,7 +64,7 @@ def prepare_run_dir(config: TrainConfig, spec: DataSpec, overwrite: bool) -> str
     note = ""
     if overwrite and rundir.has_outputs(out):
         note = f"earlier outputs moved to {rundir.move_aside(out)}; "
-    found = rundir.resolve_resume(config.resume, out, to_dict(config))
+    found = rundir.resolve_resume(config.resume, out, to_dict(config), quiet=True)  # the workers say what they skip
     if found is None:
         fresh = "starting fresh at step 0" if config.resume == "never" else "no snapshot to resume: starting fresh"
         return f"{note}{fresh}"
