@@ -88,25 +88,32 @@ def _fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
 
 
-def _ddp_step_worker(env: DistEnv) -> float:
-    """Each rank: our DDP on its half of the batch vs the bare model on the whole batch."""
-    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
-
+def _half_batch_step(env: DistEnv, wrap, whole_grad) -> float:
+    """Each rank: `wrap(model)` on its half of the batch vs the bare model on the whole batch;
+    `whole_grad(p.grad)` is a wrapped parameter's averaged gradient as one whole tensor."""
     x, y = _fixed_batch()
     reference = load_smollm2()
     _, ref_loss = reference(x, y)
     ref_loss.backward()
-    ddp = DistributedDataParallel(load_smollm2())
+    model = wrap(load_smollm2())
     half = slice(env.rank * BATCH // 2, (env.rank + 1) * BATCH // 2)
-    _, loss = ddp(x[half], y[half])
+    _, loss = model(x[half], y[half])
     loss.backward()
     worst = 0.0
-    for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
-        # The all-reduce adds two half-batch gradients where one backward sums the whole batch
-        # in another order: float32 re-association, ~1e-7 relative, amplified by 30 layers.
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        worst = max(worst, (p.grad - q.grad).abs().max().item())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = whole_grad(p.grad)
+        # Two half-batch gradients added where one backward sums the whole batch in another
+        # order: float32 re-association, ~1e-7 relative, amplified by 30 layers.
+        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        worst = max(worst, (grad - q.grad).abs().max().item())
     return worst
+
+
+def _ddp_step_worker(env: DistEnv) -> float:
+    """Our DDP on each rank's half of the batch."""
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
+
+    return _half_batch_step(env, DistributedDataParallel, lambda grad: grad)
 
 
 @pytest.mark.slow
@@ -117,26 +124,16 @@ def test_ddp_step_at_world_size_2_equals_one_process_on_the_whole_batch():
 
 
 def _fsdp_step_worker(env: DistEnv) -> float:
-    """Each rank: the model sharded as `nanoddp train --engine fsdp` shards it (a unit per decoder
-    layer, then the root) on its half of the batch, vs the bare model on the whole batch."""
+    """The model sharded as `nanoddp train --engine fsdp` shards it (a unit per decoder layer,
+    then the root); each gradient is this rank's rows, gathered whole to compare."""
     from nanoddp.train.fsdp_engine import shard_model
 
-    x, y = _fixed_batch()
-    reference = load_smollm2()
-    _, ref_loss = reference(x, y)
-    ref_loss.backward()
-    sharded = shard_model(load_smollm2(), env)
-    assert sum(type(m).__name__.startswith("FSDP") for m in sharded.modules()) > 2  # layers + root
-    half = slice(env.rank * BATCH // 2, (env.rank + 1) * BATCH // 2)
-    _, loss = sharded(x[half], y[half])
-    loss.backward()
-    worst = 0.0
-    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
-        grad = p.grad.full_tensor()  # this rank's rows of the averaged gradient, gathered
-        # as for DDP above: two half-batch sums where one backward sums the whole batch
-        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        worst = max(worst, (grad - q.grad).abs().max().item())
-    return worst
+    def wrap(model):
+        sharded = shard_model(model, env)
+        assert sum(type(m).__name__.startswith("FSDP") for m in sharded.modules()) > 2  # layers + root
+        return sharded
+
+    return _half_batch_step(env, wrap, lambda grad: grad.full_tensor())
 
 
 @pytest.mark.slow
