@@ -369,15 +369,12 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     the newest valid `step-<N>.pt` is used, and None is returned if there is none yet (a first
     run). Each rank gets back its own RNG streams when the world size is the one that saved.
     """
-    loaded = load_objects(path, objects)
-    if loaded is not None:
-        logger.info("loaded state %s", path)
-    return loaded
+    return load_objects(path, objects)
 
 
 def load_objects(path: str | Path, objects: dict[str, Any], restore_rng: bool = True) -> dict[str, Any] | None:
-    """`load_state` without its log line; `restore_rng=False` leaves every RNG as it is (the
-    Trainer's snapshot companions: the snapshot restores the streams itself)."""
+    """`load_state`; `restore_rng=False` also leaves every RNG as it is and the load unlogged
+    (the Trainer's snapshot companions: the snapshot restores the streams and says it resumed)."""
     found, error = None, None
     try:
         found = _read(path, objects)
@@ -428,4 +425,6 @@ def load_objects(path: str | Path, objects: dict[str, Any], restore_rng: bool = 
             len(rng),
             _world_size(),
         )
+    if restore_rng:
+        logger.info("loaded state %s", file)
     return result
