@@ -4,7 +4,7 @@ Why a second way to run the same rounds: small collectives are what a training l
 step (a loss all_reduce, a metric all_gather, DDP's buffer broadcast), and on a CPU host each step
 of a call costs far more than it does in a warm loop: the ranks' processes and gloo's I/O threads
 share the cores and evict each other's caches between calls, so every tensor op, slice and helper
-call on the way costs microseconds (measured: docs/performance.md, "Per-call cost").
+call on the way costs microseconds (measured: docs/notes/collectives-lab-log.md, "Per-call cost").
 `header_round.one_round` serves every collective, size and group through callbacks and builds its
 views, header rows and checks per call; a prepared round makes them once for one signature
 (collective, numel, dtype, op, root and the payload sizes each way), so a call writes the header,
@@ -103,7 +103,7 @@ def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torc
 def header_then(peers: Peers, header: list[int], device: torch.device, run: Callable[[], None] | None = None) -> None:
     """The header round of a call whose data moves after it (bulk paths, barrier), then `run()`
     (already started: its receives are posted, its early piece sent). The round is cached at 2
-    gloo ranks (a frame of header slots only; cheaper per call, docs/performance.md, "Per-call
+    gloo ranks (a frame of header slots only; cheaper per call, docs/notes/collectives-lab-log.md, "Per-call
     cost"), `header_round.one_round` elsewhere."""
     if plan.header_round_path(peers.size, peers.backend, cpu=device.type == "cpu") is plan.Path.PAIR:
         pair_round(peers, header, torch.uint8, device, 0, 0).run()
@@ -201,7 +201,7 @@ def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: in
 # A call that ran through a prepared round is remembered under its public arguments, so the same
 # call again (a loss all_reduce, a buffer broadcast, every step) goes from the public function
 # straight to the round: the argument checks and the path choice it passed last time are not made
-# again (measured: docs/performance.md, "Per-call cost"). What the call must still agree on with its
+# again (measured: docs/notes/collectives-lab-log.md, "Per-call cost"). What the call must still agree on with its
 # peers is checked by the round itself, every time.
 
 _CPU = torch.device("cpu")

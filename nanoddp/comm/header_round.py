@@ -14,8 +14,9 @@ send each other the same messages and all learn of the disagreement:
   which checks the table and answers each rank with one *down* frame: the verdict and that rank's
   result. 2(n-1) messages instead of an all-to-all's n(n-1). It takes two hops instead of one, but
   with more ranks than cores every message costs a scheduling round, so the star wins several
-  times over (docs/performance.md, "the header round"). It is also what makes rooted ops cheap:
-  their check goes through one rank, like their data, not between every pair.
+  times over (docs/notes/collectives-lab-log.md, "The header round and the bulk phase"). It is
+  also what makes rooted ops cheap: their check goes through one rank, like their data, not
+  between every pair.
 
 Small payloads ride inside the frames, so for them the check is free: the round *is* the
 collective. A one-round collective is three functions: `part(p)`, the bytes this rank contributes

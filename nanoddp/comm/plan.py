@@ -5,7 +5,7 @@ running a bulk algorithm after it (and which one) depends on the message size, t
 and the backend only, and must be made the same way on every rank, by the collectives and by
 anything that reports what they do (`nanoddp bench collectives` prints `plan()`'s answer). So
 every switch point is a constant below, each with the reason it exists; the measurements behind
-the values are in docs/performance.md ("Collectives: where the thresholds come from" and "The
+the values are in docs/notes/collectives-lab-log.md ("Collectives: where the thresholds come from" and "The
 header round and the bulk phase"). Between the algorithms that cost depends on the group size
 (halving/doubling, the binomial tree, scatter + all-gather) the α–β model in `cost_model` chooses,
 so the choice is explained rather than tuned (docs/comm.md, "How plan() chooses: the α–β model").

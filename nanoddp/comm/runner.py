@@ -163,7 +163,7 @@ class GroupRunner:
 # shared buffers (its header slots are written through numpy views, which dynamo would turn into
 # writes on copies), so under a trace `submit` hands itself to this wrapper and dynamo breaks the
 # graph around it. Only then: decorating `submit` itself would make every eager call pay the wrapper's
-# cost (docs/performance.md, "Per-call cost").
+# cost (docs/notes/collectives-lab-log.md, "Per-call cost").
 _submit_eagerly = torch.compiler.disable(GroupRunner.submit)
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}

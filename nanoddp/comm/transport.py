@@ -78,12 +78,13 @@ class Peers:
         Posted on the calling thread, never by the background sender: a gloo send posted from
         another thread while this one posts the header round's frames on the same pair can hang
         the round (tests/multiproc/test_comm.py, test_bulk_traffic_after_a_failed_header_round;
-        docs/performance.md, "the bulk phase")."""
+        docs/notes/collectives-lab-log.md, "The header round and the bulk phase")."""
         return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
 
     # On gloo straight to the group's own send/recv (which take group ranks): `dist.isend`'s
     # wrapper re-checks the group and translates ranks on every call, CPU paid twice per header
-    # round (docs/performance.md, "Per-call cost"). nccl keeps the wrapper (its batching rules live there).
+    # round (docs/notes/collectives-lab-log.md, "Per-call cost"). nccl keeps the wrapper (its
+    # batching rules live there).
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
             return self.group.send([tensor], peer, tag)
@@ -97,8 +98,9 @@ class Peers:
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
         """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo
         send writes it into the socket on the posting thread, so posted here it would hold up
-        receiving and reducing the next piece (docs/performance.md, "the bulk phase"). All of a
-        bulk phase's sends go this way, so they reach gloo in the order they were made."""
+        receiving and reducing the next piece (docs/notes/collectives-lab-log.md, "The header round
+        and the bulk phase"). All of a bulk phase's sends go this way, so they reach gloo in the
+        order they were made."""
         if not self.gloo:
             return self.isend(tensor, peer, tag)
         return _background_send(self.group, tensor, peer, tag)
