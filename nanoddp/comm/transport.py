@@ -77,7 +77,7 @@ class Peers:
 
         Posted on the calling thread, never by the background sender: a gloo send posted from
         another thread while this one posts the header round's frames on the same pair can hang
-        the round (tests/multiproc/test_comm.py, test_bulk_traffic_after_a_failed_header_round;
+        the round (tests/multiproc/test_comm_mismatch.py, test_bulk_traffic_after_a_failed_header_round;
         docs/notes/collectives-lab-log.md, "The header round and the bulk phase")."""
         return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
 
