@@ -1,6 +1,6 @@
 """`nanoddp bench ...`: the benchmark command group.
 
-Each benchmark lives in its own module (`collectives`, `train`, ...) exposing
+Each benchmark lives in its own module (`collectives`, `train_cli`, ...) exposing
 `register_cli(bench_subparsers)`; this file only groups them under `nanoddp bench`, importing
 each when the parser is built, so a new benchmark is one line here.
 """
@@ -13,7 +13,7 @@ import importlib
 BENCHMARK_MODULES = (
     "nanoddp.bench.collectives",
     "nanoddp.bench.zero",
-    "nanoddp.bench.train",
+    "nanoddp.bench.train_cli",
     "nanoddp.bench.restarts",
     # more benchmarks are registered here as they land
 )

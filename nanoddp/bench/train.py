@@ -17,6 +17,9 @@ engines' after-backward sync and the optimizer step, plus:
 Memory per rank is what a process running only that engine would peak at: the RSS (CUDA:
 allocated bytes) before any engine, plus the engine's resident growth (weights, grads,
 buckets, optimizer state), plus the high-water mark above that during its steps (activations).
+By default (`--memory alone`) each engine is measured again in a launch of its own, fresh
+processes running it alone: in the shared processes the first engine built pays for what the
+later ones reuse (allocator arenas, communication buffers), tens of MB by build order.
 Linux's VmHWM is reset before each block (/proc/self/clear_refs), and glibc is told to return
 freed large blocks to the OS, so RSS follows the allocations. The resident part is also counted
 tensor by tensor after warm-up (`held_bytes`: the storages holding this rank's parameters, its
@@ -25,7 +28,6 @@ gradients and its optimizer state), for `--memory-plot`'s stacked bars.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -38,11 +40,9 @@ import torch
 import torch.distributed as dist
 
 import nanoddp
-from nanoddp.bench import render
-from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
 from nanoddp.bench.machine import Memory, command_line, git_commit, machine_description, tune_malloc
 from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
-from nanoddp.bench.report import format_markdown, summarise, write_memory_plot, write_plot
+from nanoddp.bench.report import summarise
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.train.engines import ENGINE_REGISTRY, CommTimer, Engine, build_engine
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
@@ -318,8 +318,13 @@ def _trace_engines(env: nanoddp.DistEnv, spec: dict, names: list[str]) -> None:
 def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", global_batch: int = 32,
                   steps: int = 30, warmup: int = 3, block: int = 5, threads_per_rank: int = 1,
                   trace_dir: str | None = None, overrides: dict | None = None,
-                  backend: str | None = None, amp: str = "off") -> dict:  # fmt: skip
-    """Measure every engine at every world size; returns {"meta": ..., "results": [row, ...]}."""
+                  backend: str | None = None, amp: str = "off", memory: str = "alone") -> dict:  # fmt: skip
+    """Measure every engine at every world size; returns {"meta": ..., "results": [row, ...]}.
+
+    `memory`: "alone" measures each engine's memory in a launch of its own (see the module
+    docstring), "shared" takes it from the timed launch."""
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
     # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
     backend = backend or nanoddp.env.default_backend(max(nprocs))
@@ -335,17 +340,34 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
             "warmup": spec["warmup"], "block": block, "threads_per_rank": threads_per_rank,
             "optimizer": "AdamW", "dtype": "float32", "amp": amp, "date": datetime.now(timezone.utc).isoformat(),
             "load_average_before": os.getloadavg(), "backend": backend, "command": command_line(),
-            "git_commit": git_commit(),
+            "git_commit": git_commit(), "memory": memory,
             "device": "cuda" if backend == "nccl" else "cpu"}  # fmt: skip
     per_ws = {}
     for n in nprocs:
         logger.info("world size %d: %s", n, ", ".join(_engine_names_at(n, spec["engines"])))
         per_rank = nanoddp.launch(_bench_worker, n, args=(spec,), backend=backend)
+        if memory == "alone":
+            _measure_memory_alone(per_rank, spec, backend)
         per_ws[n] = per_rank
     meta["load_average_after"] = os.getloadavg()
     # raw: every per-step sample of every rank, so a table can be re-derived (report.results_of)
     raw = {str(n): per_rank for n, per_rank in per_ws.items()}
     return {"meta": meta, "results": summarise(per_ws, meta), "raw": raw}
+
+
+MEMORY_MODES = ("alone", "shared")
+_MEMORY_KEYS = ("base_bytes", "persistent_bytes", "transient_bytes", "held_bytes")
+
+
+def _measure_memory_alone(per_rank: list[dict], spec: dict, backend: str) -> None:
+    """Overwrite each engine's memory figures in `per_rank` with those of a launch that runs
+    that engine alone: warm-up and one block of steps, the same probes as the timed launch."""
+    for name in per_rank[0]:  # every engine this world size ran (`dp` runs on rank 0 only)
+        alone = {**spec, "engines": [name], "steps": spec["block"], "trace_dir": None}
+        measured = nanoddp.launch(_bench_worker, len(per_rank), args=(alone,), backend=backend)
+        for mine, theirs in zip(per_rank, measured, strict=True):
+            if name in theirs:
+                mine[name].update({key: theirs[name][key] for key in _MEMORY_KEYS})
 
 
 def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
@@ -362,77 +384,3 @@ def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
-
-
-def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "train",
-        help="every engine, same model and global batch, interleaved: throughput, comm, overlap",
-        description=__doc__.split("\n\n")[1],
-    )
-    parser.add_argument("--nproc", default="1,2,4", help="comma-separated world sizes (default: 1,2,4)")
-    parser.add_argument(
-        "--engines",
-        default="single,nanoddp,torch,allreduce,rs_ag,dp,zero1",
-        help=f"comma-separated, from {','.join(ENGINES)}; `single` also adds {ALLCORES} (ws 1, every "
-        f"core) and {NOCOMM} (ws > 1, each rank on its share of the batch, no gradient sync)",
-    )
-    parser.add_argument("--model", choices=["tiny", "small"], default="tiny", help="GPT preset")
-    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per engine (default: 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (>= 2)")
-    parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
-    parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--amp", choices=["off", "bf16"], default="off", help=AMP_HELP)
-    add_output_args(parser, plot_help="write a PNG (throughput, comm)")
-    parser.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
-    parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
-    parser.add_argument(
-        "--backend",
-        choices=["gloo", "nccl"],
-        default=None,
-        help="default: nccl when there is a GPU per rank, else gloo on CPU",
-    )
-    parser.set_defaults(run=_run)
-    report = bench_subparsers.add_parser("report", help="the README's markdown table from a bench train JSON")
-    report.add_argument("file", metavar="FILE.json")
-    report.add_argument("--plot", default=None, metavar="FILE", help="also write the PNG")
-    report.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
-    report.set_defaults(run=_run_report)
-    render.register_cli(bench_subparsers)  # `bench render`: the docs' tables from docs/bench/*.json
-
-
-def _run(args: argparse.Namespace) -> int:
-    nprocs = parse_world_sizes(args.nproc)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    data = run_benchmark(nprocs, engines, args.model, args.global_batch, args.steps, args.warmup, args.block,
-                         args.threads_per_rank, args.trace, backend=args.backend, amp=args.amp)  # fmt: skip
-    print(format_markdown(data))
-    if args.json:
-        write_json(args.json, data)
-        print(f"wrote {args.json}")
-    _write_plots(args, data)
-    return 0
-
-
-def _run_report(args: argparse.Namespace) -> int:
-    import json
-
-    with open(args.file) as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or "results" not in data or "meta" not in data:
-        raise ValueError(f"{args.file} is not a `nanoddp bench train --json` file (no meta/results)")
-    print(format_markdown(data))
-    _write_plots(args, data)
-    return 0
-
-
-AMP_HELP = "bf16: every forward under autocast, both FSDPs all-gather in bf16 and reduce in fp32 (the trainer's --amp)"
-MEMORY_PLOT_HELP = "write a PNG of per-rank memory by engine: parameters, gradients, optimizer state, transient peak"
-
-
-def _write_plots(args: argparse.Namespace, data: dict) -> None:
-    for path, write in ((args.plot, write_plot), (args.memory_plot, write_memory_plot)):
-        if path:
-            write(path, data)
-            print(f"wrote {path}")

@@ -175,13 +175,20 @@ def _background_send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, 
 def _send_loop(sends: queue.SimpleQueue[_QueuedSend]) -> None:
     """Post queued sends in order (FIFO keeps each pair's messages in the order they were made)."""
     while True:
-        handle, group, tensor, peer, tag = sends.get()
-        try:
-            handle._work = group.send([tensor], peer, tag)
-        except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
-            handle._error = exc
-        finally:
-            handle._posted.set()
+        _post(sends.get())
+
+
+def _post(queued: _QueuedSend) -> None:
+    """Post one queued send. A function of its own so that nothing of it outlives the call: the
+    loop waits for the next send holding no reference, where a loop variable would keep the last
+    message's whole storage alive (a broadcast root's 14 MB flat copy of a model, say)."""
+    handle, group, tensor, peer, tag = queued
+    try:
+        handle._work = group.send([tensor], peer, tag)
+    except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
+        handle._error = exc
+    finally:
+        handle._posted.set()
 
 
 def wait_all(works: Sequence[Waitable]) -> None:

@@ -40,8 +40,10 @@ TIMED = {"nanoddp", "torch", "allreduce", "rs_ag", "zero1", "nanoddp_torchcomm"}
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_train")
+    # memory="shared": one launch per world size (the memory pass, a launch per engine, is
+    # tested on fewer engines in tests/unit/test_bench_memory_plot.py)
     data = run_benchmark([1, 2], list(ENGINES), "tiny", GLOBAL_BATCH, steps=2, warmup=2, block=1,
-                         overrides=OVERRIDES, trace_dir=str(tmp / "trace"))  # fmt: skip
+                         overrides=OVERRIDES, trace_dir=str(tmp / "trace"), memory="shared")  # fmt: skip
     return data, tmp
 
 
@@ -136,6 +138,7 @@ def test_bench_traces_have_the_named_regions(bench):
         ({"global_batch": 9}, "divisible by every world size"),
         ({"nprocs": [0]}, "world sizes >= 1"),
         ({"steps": 0}, "--steps must be >= 1"),
+        ({"memory": "isolated"}, "memory must be one of"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, message):

@@ -42,7 +42,9 @@ def test_memory_plot_draws_the_json_numbers(bench_json, capsys):
 
 
 def test_memory_parts_show_what_each_engine_shards(bench_json):
-    results = json.loads((bench_json / "bench.json").read_text())["results"]
+    data = json.loads((bench_json / "bench.json").read_text())
+    assert data["meta"]["memory"] == "alone"  # the default: each engine measured in a launch of its own
+    results = data["results"]
     rows = {r["engine"]: r["memory_bytes_per_rank"] for r in results}
     model = GPT(gpt_config("tiny", **OVERRIDES))
     unique = {p.untyped_storage().data_ptr(): p.numel() for p in model.parameters()}

@@ -76,6 +76,13 @@ FAULTS = (
         ("tests/unit/test_plan.py",),
     ),
     Mutation(
+        "background sender: keeps the last message it posted alive",
+        "nanoddp/comm/transport.py",
+        "        _post(sends.get())",
+        "        queued = sends.get()\n        _post(queued)",
+        ("tests/multiproc/test_comm_memory.py",),
+    ),
+    Mutation(
         "cost model: halving/doubling's fold forgotten",
         "nanoddp/comm/cost_model.py",
         "            return h + 2 * lg + 2 * f, 4 * (p - 1) / p * m + 2 * f * m",
