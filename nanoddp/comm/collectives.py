@@ -48,7 +48,7 @@ from nanoddp.comm.header_round import others_for, unpack
 from nanoddp.comm.pieces import balanced_bounds
 from nanoddp.comm.plan import Path, plan
 from nanoddp.comm.reduce import reduce_in_rank_order
-from nanoddp.comm.ring import start_ring
+from nanoddp.comm.ring import start_reduce_scatter_ring, start_ring
 from nanoddp.comm.runner import Work, runner_for
 from nanoddp.comm.transport import Peers
 
@@ -314,12 +314,20 @@ def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op:
         work.copy_(in_flat)  # reduce in a scratch copy: the caller's input must survive
         header_then(peers, head, device, halving_doubling.start_reduce_scatter(peers, work, m, op))
         out_flat.copy_(work[me * m : (me + 1) * m])
-    else:  # RING
+    elif peers.gloo and not _overlap(in_flat, out_flat):  # RING, reading the input in place
+        header_then(peers, head, device, start_reduce_scatter_ring(peers, list(in_flat.view(n, m)), op, out_flat))
+    else:  # RING on nccl, or over an input the output overlaps: reduce in a copy
         work = peers.scratch("reduce_scatter", n * m, output.dtype, device).view(n, m)
         work.copy_(in_flat.view(n, m))  # reduce in a scratch copy: the caller's input must survive
         header_then(peers, head, device, start_ring(peers, list(work), op, n - 1, 0, shift=-1))
         out_flat.copy_(work[me])
     write_back(output, out_flat)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two 1-D contiguous tensors share any byte of memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 # torch 2.13's names for the same two calls (it deprecates the `*_tensor` ones in their favour).

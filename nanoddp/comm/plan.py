@@ -31,9 +31,10 @@ INLINE_MAX_BYTES = 64 * 1024
 # (3 MB at ws 2, 1.5 MB at ws 3, 1 MB at ws 4): on a CPU host a round trip costs far more than its
 # bytes, and the ring needs 2(ws-1) of them plus the header round.
 INLINE_SEND_BYTES = 3 * 1024 * 1024
-# all_gather and broadcast leave the frames from this share on gloo: their bulk paths receive in
-# place and send straight from the tensor, where the frames copy each share in and out.
-IN_PLACE_BULK_OPS = ("all_gather", "broadcast")
+# all_gather, broadcast and reduce_scatter leave the frames from this share on gloo: their bulk
+# paths send straight from the tensor (reduce_scatter's ring reads its input where it lies), where
+# the frames copy each share in and out and keep frame rows of that size resident.
+IN_PLACE_BULK_OPS = ("all_gather", "broadcast", "reduce_scatter")
 BULK_FROM_BYTES = 1024 * 1024
 # Pipelining granularity, two pieces per chunk within these bounds: each piece costs a gloo send
 # and receive, so small pieces cost more than the overlap they buy, large ones pipeline too coarsely.

@@ -29,6 +29,12 @@ def reduce_into(op: str, acc: torch.Tensor, other: torch.Tensor) -> None:
         torch.maximum(acc, other, out=acc)
 
 
+def combine_into(op: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = op(a, b) (AVG sums), one rounding in the tensors' dtype; `out` may be `a` or `b`
+    (elementwise: each is read before it is written). `reduce_into(op, a, b)` out of place."""
+    _FIRST_PAIR[op](a, b, out=out)
+
+
 def finish_avg(op: str, tensor: torch.Tensor, n: int) -> None:
     if op == "AVG":
         tensor.div_(n)  # checks.op_name allows AVG on floating-point tensors, as torch does

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from nanoddp.comm import plan
 from nanoddp.comm.pieces import balanced_bounds, piece_numel, pieces_after
-from nanoddp.comm.reduce import finish_avg, reduce_into
+from nanoddp.comm.reduce import combine_into, finish_avg, reduce_into
 from nanoddp.comm.transport import Peers, Waitable, wait_all
 
-__all__ = ["balanced_bounds", "ring", "start_ring"]
+__all__ = ["balanced_bounds", "ring", "start_reduce_scatter_ring", "start_ring"]
 
 
 def ring(
@@ -80,18 +80,12 @@ def _start_pipelined_ring(
     right, left = (r + 1) % n, (r - 1) % n
     steps = reduce_steps + gather_steps
     longest = max(c.numel() for c in chunks)
-    itemsize = chunks[0].element_size()
-    step = piece_numel(longest, itemsize)
-    # Every chunk's first piece is early data (`plan.early_bytes`, sized by the smallest chunk, which all
-    # ranks agree on): step 0 sends it now, so it travels during the header round.
-    early = plan.early_bytes(min(c.numel() for c in chunks) * itemsize, peers.gloo) // itemsize  # elements
-    pieces = [pieces_after(c.numel(), early, step) for c in chunks]
+    early, pieces, early_tag = _cut(peers, chunks)
     slots = min(reduce_steps, 2)
     scratch = peers.scratch("ring", slots * longest, chunks[0].dtype, chunks[0].device).view(slots, longest)
     chunk_at = [(r - j - 1 + shift) % n for j in range(steps)]  # chunk received at step j
     reduce_tag, gather_tag = peers.call_tags()
     tag_at = [reduce_tag if j < reduce_steps else gather_tag for j in range(steps)]
-    early_tag = peers.early_tag(early * itemsize) if early else None
 
     def tag_of(j: int, i: int) -> int:  # piece i of step j
         return early_tag if early_tag is not None and j == 0 and i == 0 else tag_at[j]
@@ -125,6 +119,72 @@ def _start_pipelined_ring(
                 if j + 1 < steps:
                     sends.append(peers.post_send(piece, right, tag_at[j + 1]))
         wait_all(sends)
+
+    return run
+
+
+def _cut(peers: Peers, chunks: Sequence[torch.Tensor]) -> tuple[int, list[list[tuple[int, int]]], int | None]:
+    """(early elements, each chunk's pieces, the early piece's tag or None), the same on every rank.
+
+    Every chunk's first piece is early data (`plan.early_bytes`, sized by the smallest chunk,
+    which all ranks agree on): step 0 sends it at once, so it travels during the header round."""
+    itemsize = chunks[0].element_size()
+    step = piece_numel(max(c.numel() for c in chunks), itemsize)
+    early = plan.early_bytes(min(c.numel() for c in chunks) * itemsize, peers.gloo) // itemsize  # elements
+    early_tag = peers.early_tag(early * itemsize) if early else None
+    return early, [pieces_after(c.numel(), early, step) for c in chunks], early_tag
+
+
+def start_reduce_scatter_ring(
+    peers: Peers, chunks: Sequence[torch.Tensor], op: str, out: torch.Tensor
+) -> Callable[[], None]:
+    """reduce_scatter on gloo as a ring that leaves its input as it found it: `out` = chunk
+    `rank` reduced over the group; `chunks` (n 1-D tensors of out's size) are only read.
+
+    The ring of `start_ring` reduces into the chunks themselves, so reduce_scatter would first
+    copy its whole input (n chunks) to keep the caller's. Here each step's partial result is
+    made in the slot its piece was received into, slot = own chunk op received (the operands and
+    their order of `start_ring`'s, so the result is bitwise the same), and sent on from there;
+    the last step writes into `out`. Three slots of one chunk instead of the copy: a slot is
+    received into at step j, sent from at step j+1, and received into again at step j+3, once
+    that send is done. Receives are posted now, the returned function runs the rest."""
+    n, r = peers.size, peers.rank
+    right, left, steps = (r + 1) % n, (r - 1) % n, n - 1
+    early, pieces, early_tag = _cut(peers, chunks)
+    m = out.numel()
+    slots = min(steps, 3)
+    scratch = peers.scratch("ring", slots * m, out.dtype, out.device).view(slots, m)
+    chunk_at = [(r - j - 2) % n for j in range(steps)]  # chunk received at step j (the last: chunk r)
+    tag = peers.call_tags()[0]
+
+    def post_recvs(j: int) -> list[dist.Work]:
+        cut = pieces[chunk_at[j]]
+        return [peers.irecv(scratch[j % slots, a:b], left, early_tag if early_tag and j == i == 0 else tag)
+                for i, (a, b) in enumerate(cut)]  # fmt: skip
+
+    recvs = {j: post_recvs(j) for j in range(slots)}  # one step per slot; later ones as slots free up
+    first = (r - 1) % n
+    early_send = [peers.send_early(chunks[first][:early], right)] if early else []
+
+    def run() -> None:
+        from_input = [peers.post_send(chunks[first][a:b], right, tag) for a, b in pieces[first][len(early_send) :]]
+        sent_from: dict[int, list[Waitable]] = {-1: [*early_send, *from_input]}  # step j's sends, by j
+        for j in range(steps):
+            if j + 1 < steps and j + 1 not in recvs:  # slot (j+1) % 3 was received into at step j-2
+                wait_all(sent_from.pop(j - 2))  # and sent from during it: free once that is done
+                recvs[j + 1] = post_recvs(j + 1)
+            c, last = chunk_at[j], j == steps - 1
+            sent_from[j] = []
+            for (a, b), work in zip(pieces[c], recvs.pop(j), strict=True):
+                work.wait()
+                piece = out[a:b] if last else scratch[j % slots, a:b]
+                combine_into(op, chunks[c][a:b], scratch[j % slots, a:b], piece)
+                if last:
+                    finish_avg(op, piece, n)
+                else:
+                    sent_from[j].append(peers.post_send(piece, right, tag))
+        for works in sent_from.values():
+            wait_all(works)
 
     return run
 

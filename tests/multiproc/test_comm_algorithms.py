@@ -18,6 +18,7 @@ from helpers import run_on_ranks
 from nanoddp import comm
 from nanoddp.comm import ReduceOp, plan
 from nanoddp.comm.plan import Path
+from nanoddp.comm.runner import runner_for
 from nanoddp.env import new_group
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
@@ -160,3 +161,40 @@ def test_new_paths_match_torch_on_every_rank(world_size):
     assert all(m == messages[0] for m in messages), "every rank raises the same error"
     for message in messages[0]:
         assert "disagree on numel" in message, message
+
+
+def _ring_reduce_scatter(env) -> int:
+    """reduce_scatter's ring on gloo reads its input where it lies (`ring.start_reduce_scatter_ring`:
+    three receive slots, reused from 5 ranks on): torch's results, the input untouched and no copy
+    of it made; then bitwise the result of the ring that reduces in a copy, which runs when the
+    output overlaps the input (here: this rank's own chunk of it, in place)."""
+    r, n = env.rank, env.world_size
+    small = {"PIECE_MIN_BYTES": 64, "PIECE_MAX_BYTES": 128, "EARLY_MIN_BYTES": 64, "EARLY_MAX_BYTES": 64}
+    cases = [(m, dtype, op) for m in (1, 37, 100) for dtype in DTYPES for op in OPS
+             if op != ReduceOp.AVG or dtype.is_floating_point]  # fmt: skip
+    outs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "FORCED", {"reduce_scatter": Path.RING})
+        for name, value in small.items():  # several pieces per chunk, the first of them early
+            mp.setattr(plan, name, value)
+        for m, dtype, op in cases:
+            what = f"ring reduce_scatter {op} {dtype} share {m} ws {n}"
+            whole = _data(n * m, dtype, seed=11 * r + m)
+            out = torch.full((m,), 99, dtype=dtype)
+            comm.reduce_scatter_tensor(out, whole, op=op)
+            assert torch.equal(whole, _data(n * m, dtype, seed=11 * r + m)), f"{what}: the input changed"
+            dist.all_reduce(reference := whole.clone(), op=op)  # gloo has no reduce_scatter
+            _close(out, reference[r * m : (r + 1) * m], what)
+            outs.append(out)
+        scratch = runner_for(None).peers._scratch
+        assert not any(name == "reduce_scatter" for name, _ in scratch), "the input was copied"
+        for (m, dtype, op), out in zip(cases, outs, strict=True):
+            in_place = _data(n * m, dtype, seed=11 * r + m)
+            comm.reduce_scatter_tensor(in_place[r * m : (r + 1) * m], in_place, op=op)
+            assert torch.equal(in_place[r * m : (r + 1) * m], out), f"{op} {dtype} {m}: the copying ring differs"
+    return len(cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5, 6])
+def test_ring_reduce_scatter_reads_its_input_in_place(world_size):
+    assert all(checked > 50 for checked in run_on_ranks(_ring_reduce_scatter, world_size, timeout=300))
