@@ -83,6 +83,13 @@ FAULTS = (
         ("tests/multiproc/test_comm_memory.py",),
     ),
     Mutation(
+        "reduce_scatter ring: partial sums made in the caller's input",
+        "nanoddp/comm/ring.py",
+        "                piece = out[a:b] if last else scratch[j % slots, a:b]",
+        "                piece = out[a:b] if last else chunks[c][a:b]",
+        ("tests/multiproc/test_comm_algorithms.py", "-k", "ring_reduce_scatter"),
+    ),
+    Mutation(
         "cost model: halving/doubling's fold forgotten",
         "nanoddp/comm/cost_model.py",
         "            return h + 2 * lg + 2 * f, 4 * (p - 1) / p * m + 2 * f * m",
