@@ -11,12 +11,19 @@ import logging
 import os
 import random
 import socket
+import sys
+import traceback
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from sys import UnraisableHookArgs
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +176,36 @@ def prepare_torchrun_launch() -> None:
     store per attempt avoids that, so restarts (`--max-restarts`) work.
     """
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    ignore_rendezvous_timer_self_join()
+
+
+def ignore_rendezvous_timer_self_join() -> None:
+    """Keep torch's rendezvous keep-alive timer from printing a traceback after our last line.
+
+    The c10d rendezvous renews its lease from a timer thread that holds the handler while it
+    runs. When the agent lets go of the handler at that moment (a run ending, a SIGTERM), the
+    handler is freed on the timer thread, and the timer's finalizer joins that same thread:
+    RuntimeError("cannot join current thread"), printed as "Exception ignored in: <finalize ...>"
+    after the launcher's one line. The finalizer sets the timer's stop event before it joins, so
+    the daemon thread ends anyway: this drops that one report (from torch's `_stop_thread`) and
+    passes every other unraisable exception on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "nanoddp_rendezvous_filter", False):
+        return
+
+    def hook(unraisable: UnraisableHookArgs) -> None:
+        if not _is_timer_self_join(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.nanoddp_rendezvous_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _is_timer_self_join(exc: BaseException | None, tb: TracebackType | None) -> bool:
+    if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
+        return False
+    frames = traceback.extract_tb(tb)
+    return any(f.name == "_stop_thread" and f.filename.endswith("elastic/rendezvous/utils.py") for f in frames)
 
 
 def inside_torchrun(environ: Mapping[str, str] | None = None) -> bool:
