@@ -17,22 +17,25 @@ import torch
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+# op -> the elementwise function that combines two operands (AVG sums; `finish_avg` divides).
+_PAIRWISE: dict[str, Callable[..., torch.Tensor]] = {
+    "SUM": torch.add,
+    "AVG": torch.add,
+    "PRODUCT": torch.mul,
+    "MIN": torch.minimum,
+    "MAX": torch.maximum,
+}
+
+
 def reduce_into(op: str, acc: torch.Tensor, other: torch.Tensor) -> None:
     """acc = op(acc, other), in place (AVG sums here; `finish_avg` divides once at the end)."""
-    if op in ("SUM", "AVG"):
-        acc.add_(other)
-    elif op == "PRODUCT":
-        acc.mul_(other)
-    elif op == "MIN":
-        torch.minimum(acc, other, out=acc)
-    else:
-        torch.maximum(acc, other, out=acc)
+    _PAIRWISE[op](acc, other, out=acc)
 
 
 def combine_into(op: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out = op(a, b) (AVG sums), one rounding in the tensors' dtype; `out` may be `a` or `b`
     (elementwise: each is read before it is written). `reduce_into(op, a, b)` out of place."""
-    _FIRST_PAIR[op](a, b, out=out)
+    _PAIRWISE[op](a, b, out=out)
 
 
 def finish_avg(op: str, tensor: torch.Tensor, n: int) -> None:
@@ -50,7 +53,7 @@ def reduce_in_rank_order(op: str, parts: Sequence[torch.Tensor], out: torch.Tens
     if out.dtype not in LOW_PRECISION and len(parts) > 1 and out.data_ptr() not in later:
         # Straight into `out` (it may be parts[0] or parts[1]: elementwise, each is read before it
         # is written): the accumulator's additions in the same order, without its two copies.
-        _FIRST_PAIR[op](parts[0], parts[1], out=out)
+        combine_into(op, parts[0], parts[1], out)
         for part in parts[2:]:
             reduce_into(op, out, part)
         finish_avg(op, out, len(parts))
@@ -61,12 +64,3 @@ def reduce_in_rank_order(op: str, parts: Sequence[torch.Tensor], out: torch.Tens
         reduce_into(op, acc, part)
     finish_avg(op, acc, len(parts))
     out.copy_(acc.view_as(out))
-
-
-_FIRST_PAIR: dict[str, Callable[..., torch.Tensor]] = {
-    "SUM": torch.add,
-    "AVG": torch.add,
-    "PRODUCT": torch.mul,
-    "MIN": torch.minimum,
-    "MAX": torch.maximum,
-}

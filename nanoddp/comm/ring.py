@@ -159,7 +159,7 @@ def start_reduce_scatter_ring(
 
     def post_recvs(j: int) -> list[dist.Work]:
         cut = pieces[chunk_at[j]]
-        return [peers.irecv(scratch[j % slots, a:b], left, early_tag if early_tag and j == i == 0 else tag)
+        return [peers.irecv(scratch[j % slots, a:b], left, early_tag if early_tag is not None and j == i == 0 else tag)
                 for i, (a, b) in enumerate(cut)]  # fmt: skip
 
     recvs = {j: post_recvs(j) for j in range(slots)}  # one step per slot; later ones as slots free up
