@@ -323,9 +323,7 @@ def run_benchmark(nprocs: list[int], engines: list[str], model: str = "tiny", gl
 
     `memory`: "alone" measures each engine's memory in a launch of its own (see the module
     docstring), "shared" takes it from the timed launch."""
-    if memory not in MEMORY_MODES:
-        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
-    _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank)
+    _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank, memory)
     # One backend for every world size, so rows compare like with like (nccl needs a GPU per rank).
     backend = backend or nanoddp.env.default_backend(max(nprocs))
     spec: dict[str, Any]  # read by every rank's _Runner; its values are of many types
@@ -370,7 +368,7 @@ def _measure_memory_alone(per_rank: list[dict], spec: dict, backend: str) -> Non
                 mine[name].update({key: theirs[name][key] for key in _MEMORY_KEYS})
 
 
-def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank) -> None:
+def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank, memory) -> None:
     if not nprocs or any(n < 1 for n in nprocs):
         raise ValueError(f"--nproc needs world sizes >= 1, got {nprocs}")
     unknown = [e for e in engines if e not in ENGINES]
@@ -384,3 +382,5 @@ def _check(nprocs, engines, global_batch, steps, warmup, block, threads_per_rank
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
