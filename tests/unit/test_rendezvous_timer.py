@@ -21,18 +21,26 @@ from nanoddp import env
 
 
 def _timer_freed_on_its_own_thread() -> None:
-    """Start a timer whose first tick drops the only reference to it; wait until that tick ran."""
+    """Start a timer whose first tick drops the only reference to it; wait until that tick ran.
+
+    The tick waits until this thread has let go of the timer, so the tick's drop is always the
+    last one; the finalizer, and the report of its failed join, run inside that drop, before
+    `ticked` is set."""
     holder: dict[str, _PeriodicTimer] = {}
-    ticked = threading.Event()
+    released, ticked = threading.Event(), threading.Event()
 
     def tick() -> None:
+        if ticked.is_set():
+            return
+        released.wait(10)
         holder.pop("timer", None)  # the last reference: the timer is freed here, on its thread
         ticked.set()
 
     timer = _PeriodicTimer(timedelta(seconds=0.01), tick)
-    timer.start()
     holder["timer"] = timer
+    timer.start()
     del timer
+    released.set()
     assert ticked.wait(10), "the timer never ticked"
 
 
@@ -44,23 +52,14 @@ def reported(monkeypatch):
     return seen
 
 
-def _settle(seen: list, expected: int) -> None:
-    for _ in range(200):  # the report comes from the timer thread, just after the tick
-        if len(seen) >= expected:
-            return
-        threading.Event().wait(0.01)
-
-
 def test_torch_reports_the_self_join_without_the_filter(reported):
     _timer_freed_on_its_own_thread()
-    _settle(reported, 1)
     assert len(reported) == 1 and "cannot join current thread" in str(reported[0])
 
 
 def test_the_filter_drops_that_report_and_passes_others_on(reported):
     env.ignore_rendezvous_timer_self_join()
     _timer_freed_on_its_own_thread()
-    _settle(reported, 1)
     assert reported == []
     other = ValueError("some other finalizer failed")
     sys.unraisablehook(type("Args", (), {"exc_value": other, "exc_traceback": None})())
