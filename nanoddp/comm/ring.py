@@ -145,24 +145,30 @@ def start_reduce_scatter_ring(
     copy its whole input (n chunks) to keep the caller's. Here each step's partial result is
     made in the slot its piece was received into, slot = own chunk op received (the operands and
     their order of `start_ring`'s, so the result is bitwise the same), and sent on from there;
-    the last step writes into `out`. Three slots of one chunk instead of the copy: a slot is
-    received into at step j, sent from at step j+1, and received into again at step j+3, once
-    that send is done. Receives are posted now, the returned function runs the rest."""
+    the last step receives into `out` itself and reduces there. At most three slots of one chunk
+    instead of the copy (none at 2 ranks, where the one step is the last): a slot is received
+    into at step j, sent from at step j+1, and received into again at step j+3, once that send
+    is done. Receives are posted now, the returned function runs the rest."""
     n, r = peers.size, peers.rank
     right, left, steps = (r + 1) % n, (r - 1) % n, n - 1
     early, pieces, early_tag = _cut(peers, chunks)
     m = out.numel()
-    slots = min(steps, 3)
-    scratch = peers.scratch("ring", slots * m, out.dtype, out.device).view(slots, m)
+    slots = min(steps - 1, 3)  # the steps before the last
+    scratch = peers.scratch("ring", slots * m, out.dtype, out.device).view(slots, m) if slots else out[:0].view(0, m)
     chunk_at = [(r - j - 2) % n for j in range(steps)]  # chunk received at step j (the last: chunk r)
     tag = peers.call_tags()[0]
 
+    def landing(j: int) -> torch.Tensor:
+        return out if j == steps - 1 else scratch[j % slots]
+
     def post_recvs(j: int) -> list[dist.Work]:
-        cut = pieces[chunk_at[j]]
-        return [peers.irecv(scratch[j % slots, a:b], left, early_tag if early_tag is not None and j == i == 0 else tag)
+        cut, into = pieces[chunk_at[j]], landing(j)
+        return [peers.irecv(into[a:b], left, early_tag if early_tag is not None and j == i == 0 else tag)
                 for i, (a, b) in enumerate(cut)]  # fmt: skip
 
-    recvs = {j: post_recvs(j) for j in range(slots)}  # one step per slot; later ones as slots free up
+    # One step per slot, and the last step's if it follows them; the rest in step order (a peer's
+    # pieces on one tag are matched to receives in the order posted) as slots free up.
+    recvs = {j: post_recvs(j) for j in range(steps if steps == slots + 1 else slots)}
     first = (r - 1) % n
     early_send = [peers.send_early(chunks[first][:early], right)] if early else []
 
@@ -170,15 +176,16 @@ def start_reduce_scatter_ring(
         from_input = [peers.post_send(chunks[first][a:b], right, tag) for a, b in pieces[first][len(early_send) :]]
         sent_from: dict[int, list[Waitable]] = {-1: [*early_send, *from_input]}  # step j's sends, by j
         for j in range(steps):
-            if j + 1 < steps and j + 1 not in recvs:  # slot (j+1) % 3 was received into at step j-2
-                wait_all(sent_from.pop(j - 2))  # and sent from during it: free once that is done
+            if j + 1 < steps and j + 1 not in recvs:
+                if j + 1 < steps - 1:  # slot (j+1) % 3 was received into at step j-2
+                    wait_all(sent_from.pop(j - 2))  # and sent from during it: free once that is done
                 recvs[j + 1] = post_recvs(j + 1)
-            c, last = chunk_at[j], j == steps - 1
+            c, last, into = chunk_at[j], j == steps - 1, landing(j)
             sent_from[j] = []
             for (a, b), work in zip(pieces[c], recvs.pop(j), strict=True):
                 work.wait()
-                piece = out[a:b] if last else scratch[j % slots, a:b]
-                combine_into(op, chunks[c][a:b], scratch[j % slots, a:b], piece)
+                piece = into[a:b]
+                combine_into(op, chunks[c][a:b], piece, piece)
                 if last:
                     finish_avg(op, piece, n)
                 else:

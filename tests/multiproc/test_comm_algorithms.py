@@ -165,7 +165,7 @@ def test_new_paths_match_torch_on_every_rank(world_size):
 
 def _ring_reduce_scatter(env) -> int:
     """reduce_scatter's ring on gloo reads its input where it lies (`ring.start_reduce_scatter_ring`:
-    three receive slots, reused from 5 ranks on): torch's results, the input untouched and no copy
+    receive slots for the steps before the last, at most three, reused from 6 ranks on): torch's results, the input untouched and no copy
     of it made; then bitwise the result of the ring that reduces in a copy, which runs when the
     output overlaps the input (here: this rank's own chunk of it, in place)."""
     r, n = env.rank, env.world_size
@@ -188,6 +188,10 @@ def _ring_reduce_scatter(env) -> int:
             outs.append(out)
         scratch = runner_for(None).peers._scratch
         assert not any(name == "reduce_scatter" for name, _ in scratch), "the input was copied"
+        # The last step lands in `out`: one slot per earlier step, at most three, none at 2 ranks.
+        slot_bytes = max((buf.numel() for (name, _), buf in scratch.items() if name == "ring"), default=0)
+        most = min(n - 2, 3) * 100 * max(dtype.itemsize for dtype in DTYPES)
+        assert slot_bytes <= (max(most, 64) if most else 0), f"{slot_bytes} bytes of ring slots at ws {n}"
         for (m, dtype, op), out in zip(cases, outs, strict=True):
             in_place = _data(n * m, dtype, seed=11 * r + m)
             comm.reduce_scatter_tensor(in_place[r * m : (r + 1) * m], in_place, op=op)

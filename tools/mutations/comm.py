@@ -85,8 +85,9 @@ FAULTS = (
     Mutation(
         "reduce_scatter ring: partial sums made in the caller's input",
         "nanoddp/comm/ring.py",
-        "                piece = out[a:b] if last else scratch[j % slots, a:b]",
-        "                piece = out[a:b] if last else chunks[c][a:b]",
+        "                combine_into(op, chunks[c][a:b], piece, piece)",
+        "                piece = piece if last else chunks[c][a:b]  # partial sums in the input\n"
+        "                combine_into(op, chunks[c][a:b], into[a:b], piece)",
         ("tests/multiproc/test_comm_algorithms.py", "-k", "ring_reduce_scatter"),
     ),
     Mutation(

@@ -69,11 +69,12 @@ class ShardedParam:
         """The shard as the DTensor it is (nn.Parameter keeps a DTensor's class; torch's stubs say Parameter)."""
         return cast(DTensor, self.sharded)
 
-    def padded_local(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's rows flat, zero-padded to `padded_numel`, in `dtype` (the all-gather input)."""
-        out = torch.zeros(self.padded_numel, dtype=dtype, device=self.local().device)  # (padded_numel,)
-        out[: self.local_rows * self.row_numel].copy_(self.local().reshape(-1))
-        return out
+    def write_padded_local(self, into: torch.Tensor) -> None:
+        """This rank's rows flat, zero-padded to `padded_numel`, cast to `into`'s dtype: its part
+        of the all-gather input, written where the unit's gathered buffer has it."""
+        rows = self.local_rows * self.row_numel
+        into[:rows].copy_(self.local().reshape(-1))
+        into[rows:].zero_()
 
     # --- the whole tensor ----------------------------------------------------------------------
 

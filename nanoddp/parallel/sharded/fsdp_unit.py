@@ -55,14 +55,19 @@ class ShardedUnit:
         """Launch the all-gather (asynchronously); no-op if unsharded or already in flight."""
         if self.unsharded or self._gather is not None:
             return
-        dtype = self.compute_dtype()
-        shard = torch.cat([p.padded_local(dtype) for p in self.params])  # (numel,)
-        ws = self.mesh.shard_size
-        if ws == 1:
-            self._gather = (None, shard)
-            return
-        output = torch.empty(ws * self.numel, dtype=dtype, device=shard.device)  # (ws * numel,)
-        work = self.comm.all_gather_into_tensor(output, shard, group=self.mesh.shard_group, async_op=True)
+        ws, rank = self.mesh.shard_size, self.mesh.shard_rank
+        device = self.params[0].local().device
+        output = torch.empty(ws * self.numel, dtype=self.compute_dtype(), device=device)  # (ws * numel,)
+        # The input is this rank's row of the output, as torch's FSDP2 lays it: no separate copy
+        # of the shards, and the all-gather leaves that row as it is.
+        shard = output[rank * self.numel : (rank + 1) * self.numel]  # (numel,)
+        offset = 0
+        for p in self.params:
+            p.write_padded_local(shard[offset : offset + p.padded_numel])
+            offset += p.padded_numel
+        work = None
+        if ws > 1:
+            work = self.comm.all_gather_into_tensor(output, shard, group=self.mesh.shard_group, async_op=True)
         self._gather = (work, output)
 
     def gathering(self) -> bool:
