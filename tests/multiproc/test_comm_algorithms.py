@@ -165,9 +165,10 @@ def test_new_paths_match_torch_on_every_rank(world_size):
 
 def _ring_reduce_scatter(env) -> int:
     """reduce_scatter's ring on gloo reads its input where it lies (`ring.start_reduce_scatter_ring`:
-    receive slots for the steps before the last, at most three, reused from 6 ranks on): torch's results, the input untouched and no copy
-    of it made; then bitwise the result of the ring that reduces in a copy, which runs when the
-    output overlaps the input (here: this rank's own chunk of it, in place)."""
+    receive slots for the steps before the last, at most three, reused from 6 ranks on): torch's
+    results, the input untouched, no copy of it made and no more slots than that; then bitwise
+    the result of the ring that reduces in a copy, which runs when the output overlaps the input
+    (here: this rank's own chunk of it, in place)."""
     r, n = env.rank, env.world_size
     small = {"PIECE_MIN_BYTES": 64, "PIECE_MAX_BYTES": 128, "EARLY_MIN_BYTES": 64, "EARLY_MAX_BYTES": 64}
     cases = [(m, dtype, op) for m in (1, 37, 100) for dtype in DTYPES for op in OPS
