@@ -41,10 +41,12 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cpus", os.c
 print("cuda", torch.cuda.is_available(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 print("nccl", torch.distributed.is_nccl_available(), "gloo", torch.distributed.is_gloo_available())'
 step cuda-tests 90 python -m pytest -q -rfs -p no:cacheprovider tests/unit/test_dp.py tests/multiproc/test_dist.py
-step suite "$LIMIT_SUITE" python -m pytest -q -rf -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} "$SUITE"
+step suite "$LIMIT_SUITE" python -m pytest -q -rf -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} "$SUITE" \
+    --ignore tests/unit/test_dp.py --ignore tests/multiproc/test_dist.py  # ran as cuda-tests
 # shellcheck disable=SC2086  # SIZES is a list of words
 step bench-collectives "$LIMIT_BENCH" python -m nanoddp bench collectives --nproc "$NPROC" --iters "$ITERS" \
     --sizes $SIZES --floor --json "$OUT/collectives-${CORES}core.json"
+# --memory shared: the timed launch's memory figures, not a launch per engine (device minutes)
 step bench-train "$LIMIT_BENCH" python -m nanoddp bench train --nproc "$NPROC" --global-batch 128 --steps "$STEPS" \
     --engines nanoddp,torch,zero2,fsdp,torch_fsdp --memory shared --json "$OUT/train-${CORES}core.json"
 echo "outputs in $OUT"
