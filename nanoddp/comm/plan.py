@@ -222,8 +222,9 @@ def early_bytes(nbytes: int, gloo: bool) -> int:
     Sending data before the ranks know they agree is safe because of the size: gloo aborts the
     process when a message is larger than the receive it lands in, and this piece's tag names its
     size (`Peers.early_tag`), so it can only meet a receive of exactly its size. If the ranks
-    disagree, the round raises on every rank and an unmatched early send or receive stays posted
-    under a tag no later call uses (as `Peers.call_tags`)."""
+    disagree, the round raises on every rank, and every rank settles what it posted before the
+    verdict (`nanoddp.comm.settle`): a matched early piece lands, an unmatched one is taken or
+    filled with nothing, so gloo is left holding none of it."""
     if not gloo or nbytes < EARLY_MIN_BYTES:
         return 0
     return min(1 << (nbytes.bit_length() - 1), EARLY_MAX_BYTES)

@@ -54,8 +54,8 @@ def start_ring(
 
     Callers start the ring before the header round and run it after: a gloo send only starts
     once the receiver has announced the matching receive, and that announcement then travels
-    during the header round instead of after it (see `Peers.call_tags` for why receives left
-    unmatched by a round that raised are harmless).
+    during the header round instead of after it (a round that raised settles them first:
+    `nanoddp.comm.settle`).
     """
     if peers.size == 1:
         return lambda: None

@@ -5,9 +5,13 @@ way, with `isend`/`irecv` addressed by *group* rank (passed to torch as `group_d
 so a subgroup needs no global-rank bookkeeping), under tags of our own so a user's send/recv on
 the same group can never steal one of our messages. The tag rules live here, next to the sends
 that use them: each call's bulk phase and early piece have tags no other call uses
-(`Peers.call_tags`, `Peers.early_tag`), which is what makes receives left posted by a round that
-raised harmless. The counter they derive from, `Peers.calls`, is advanced by the header round
+(`Peers.call_tags`, `Peers.early_tag`), so no later call's message can meet one of a call whose
+round raised. The counter they derive from, `Peers.calls`, is advanced by the header round
 alone (`nanoddp.comm.wire.counted`), once per round on every rank.
+
+What a call posts before its verdict is also noted (`Peers.unsettled`): gloo must never lose the
+buffer of a message still on its way (it stops reading that connection for good), so a call whose
+round raised settles those messages (`nanoddp.comm.settle`) before their handles are dropped.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class Peers:
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.cache: dict[torch.device, FrameBuffers] = {}  # this group's frames per device (`wire.buffers`)
         self.calls = 0  # header rounds run on this group: the same count on every rank
+        # (peer, tag, bytes, is a send, handle) of what this call posted before its verdict
+        self.unsettled: list[tuple[int, int, int, bool, dist.Work]] = []
 
     @property
     def backend(self) -> str:
@@ -63,8 +69,8 @@ class Peers:
         """Two tags that belong to the current call alone.
 
         The bulk phase posts its receives before the header round's verdict; if the round
-        raises, they stay posted, unmatched. With tags of their own no later message can ever
-        land in them (and gloo forgets a receive whose handle was dropped)."""
+        raises, they are settled (`nanoddp.comm.settle`) under these tags, which no other call's
+        messages carry, so nothing but the settling can meet them."""
         base = TAG_CALLS + 2 * (self.calls % CALL_TAG_CYCLE)
         return base, base + 1
 
@@ -87,13 +93,26 @@ class Peers:
     # batching rules live there).
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
-            return self.group.send([tensor], peer, tag)
+            work = self.group.send([tensor], peer, tag)
+            if tag >= TAG_CALLS and self._before_verdict(tag):
+                self.unsettled.append((peer, tag, tensor.numel() * tensor.element_size(), True, work))
+            return work
         return posted(dist.isend(tensor, group=self.group, group_dst=peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
-            return self.group.recv([tensor], peer, tag)
+            work = self.group.recv([tensor], peer, tag)
+            if tag >= TAG_CALLS and self._before_verdict(tag):
+                self.unsettled.append((peer, tag, tensor.numel() * tensor.element_size(), False, work))
+            return work
         return posted(dist.irecv(tensor, group=self.group, group_src=peer))
+
+    def _before_verdict(self, tag: int) -> bool:
+        """Is `tag` one of the current call's? Posted under it, a message was posted before the call's
+        header round ended (the round advances `calls`; later posts carry the tags taken before)."""
+        if tag >= TAG_EARLY:
+            return (tag - TAG_EARLY) >> 5 == self.calls % EARLY_TAG_CYCLE
+        return (tag - TAG_CALLS) >> 1 == self.calls % CALL_TAG_CYCLE
 
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
         """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo

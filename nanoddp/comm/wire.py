@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from nanoddp.comm import plan
+from nanoddp.comm.settle import settle
 from nanoddp.comm.transport import Peers
 
 if TYPE_CHECKING:
@@ -53,15 +54,30 @@ OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 # --- the tag counter ------------------------------------------------------------------------------
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 
 
 def counted(peers: Peers, run: Callable[..., T], *args) -> T:
     """Run one header round, `run(*args)`, and count it on `peers`, passed or raised: the one
-    place `Peers.calls` advances (every rank counts every round, so `Peers.call_tags` agree)."""
+    place `Peers.calls` advances (every rank counts every round, so `Peers.call_tags` agree).
+
+    A round that raised its verdict (the same error on every rank) first settles what the call
+    posted before it (`nanoddp.comm.settle`); any other error leaves the group to its fate."""
     try:
         return run(*args)
+    except (ValueError, TypeError) as exc:
+        if peers.gloo and getattr(exc, "raised_on_every_rank", False):
+            settle(peers)
+        raise
     finally:
+        peers.unsettled = []
         peers.calls += 1
+
+
+def _everywhere(exc: E) -> E:
+    """Mark a verdict's error: every rank of the round raises it (so they can all settle, above)."""
+    exc.raised_on_every_rank = True  # type: ignore[attr-defined]
+    return exc
 
 
 # --- header rows ----------------------------------------------------------------------------------
@@ -190,14 +206,16 @@ def down_frame_message(exc: Exception) -> torch.Tensor:
 
 def raise_down_frame(code: int, payload: torch.Tensor) -> None:
     """Raise the error a star's hub sent down (`code` != 0), in the hub's own words."""
-    raise ERRORS[code](bytes(payload.tolist()).decode(errors="replace"))
+    raise _everywhere(ERRORS[code](bytes(payload.tolist()).decode(errors="replace")))
 
 
 def raise_payload_mismatch(collective: str, expected: object, got: object) -> None:
     """Raise for ranks whose headers agree but whose payload sizes do not: their frame limits differ."""
-    raise ValueError(
-        f"nanoddp.comm.{collective}: ranks agree on the call but not on its payload sizes (expected "
-        f"{expected} bytes, got {got}); every rank must run the same nanoddp version with the same limits"
+    raise _everywhere(
+        ValueError(
+            f"nanoddp.comm.{collective}: ranks agree on the call but not on its payload sizes (expected "
+            f"{expected} bytes, got {got}); every rank must run the same nanoddp version with the same limits"
+        )
     )
 
 
@@ -223,9 +241,11 @@ def raise_invalid(table: list[list[int]], payload_of: Callable[[int], torch.Tens
     assert message_bytes is not None  # an invalid call's frame carries its error message
     name, _, message = bytes(message_bytes.tolist()).decode(errors="replace").partition("\n")
     others = f" (and on group ranks {bad[1:]})" if len(bad) > 1 else ""
-    raise ERRORS[table[first][SLOT_ERROR]](
-        f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "
-        "[raised on every rank of the group; no data moved]"
+    raise _everywhere(
+        ERRORS[table[first][SLOT_ERROR]](
+            f"nanoddp.comm.{name}: invalid call on group rank {first}{others}: {message} "
+            "[raised on every rank of the group]"
+        )
     )
 
 
@@ -240,10 +260,12 @@ def check_headers(table: list[list[int]]) -> None:
             continue
         shown = ", ".join(f"rank {r}: {_describe(name, v)}" for r, v in enumerate(values))
         collective = COLLECTIVES[table[0][0]]
-        raise ValueError(
-            f"nanoddp.comm.{collective}: ranks disagree on {name} ({shown}; ranks are group ranks); "
-            "every rank must call the same collectives in the same order, with tensors of the "
-            "same numel and dtype and the same op/src/dst"
+        raise _everywhere(
+            ValueError(
+                f"nanoddp.comm.{collective}: ranks disagree on {name} ({shown}; ranks are group ranks); "
+                "every rank must call the same collectives in the same order, with tensors of the "
+                "same numel and dtype and the same op/src/dst"
+            )
         )
 
 

@@ -176,3 +176,33 @@ def _bulk_after_failed_bulk(env) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bulk_traffic_after_a_failed_header_round(world_size):
     run_on_ranks(_bulk_after_failed_bulk, world_size, timeout=180)
+
+
+def _early_piece_behind_user_traffic(env) -> None:
+    """A failed call's early piece that arrives after its receiver heard the verdict.
+
+    At 3+ ranks the verdict comes from the hub (group rank 0), the early piece of the ring from
+    the left neighbour, on another connection. Here rank 1's link to rank 2 is busy with a
+    64 MB user message when the failing call sends its early piece, so rank 2 hears the verdict
+    long before that piece arrives. Dropping the posted receive then would wedge gloo's
+    connection 1 -> 2 for good (gloo cannot read a message whose receive buffer is gone), and
+    the next ring all_reduce would hang: the failed call must settle its posted messages first."""
+    r = env.rank
+    user = torch.arange(2**24, dtype=torch.float32) if r == 1 else torch.zeros(2**24)
+    for attempt in range(2):
+        pending = dist.isend(user, 2) if r == 1 else dist.irecv(user, 1) if r == 2 else None
+        with pytest.raises(ValueError, match="disagree on numel"):
+            comm.all_reduce(torch.ones(BIG + (r == 0)))  # every rank's early piece the same size
+        if pending is not None:
+            pending.wait()
+        if r == 2:
+            assert torch.equal(user, torch.arange(2**24, dtype=torch.float32)), "the user's message"
+        x = _randn(BIG, seed=r + 10 * attempt)
+        ours, ref = x.clone(), x.clone()
+        comm.all_reduce(ours)
+        dist.all_reduce(ref)
+        _same(ours, ref, "ring all_reduce after a late early piece", exact=False)
+
+
+def test_a_failed_calls_late_early_piece_does_not_wedge_the_link():
+    run_on_ranks(_early_piece_behind_user_traffic, 3, timeout=90)

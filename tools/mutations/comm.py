@@ -20,6 +20,13 @@ FAULTS = (
         ("tests/multiproc/test_comm_precision.py", "-k", "low_precision"),
     ),
     Mutation(
+        "failed round: what the call posted before its verdict is dropped, not settled",
+        "nanoddp/comm/wire.py",
+        "            settle(peers)\n",
+        "            pass\n",
+        ("tests/multiproc/test_comm_mismatch.py", "-k", "late_early_piece"),
+    ),
+    Mutation(
         "watchdog: a polled async torch collective is never released",
         "nanoddp/comm/watchdog.py",
         "future.add_done_callback(lambda _: end(token))",
