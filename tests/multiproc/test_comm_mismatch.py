@@ -8,6 +8,8 @@ the same words and that later calls still give torch.distributed's results.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -193,6 +195,7 @@ def _early_piece_behind_user_traffic(env) -> None:
         pending = dist.isend(user, 2) if r == 1 else dist.irecv(user, 1) if r == 2 else None
         with pytest.raises(ValueError, match="disagree on numel"):
             comm.all_reduce(torch.ones(BIG + (r == 0)))  # every rank's early piece the same size
+        gc.collect()  # the raised error's traceback holds the call's frames: free its handles now
         if pending is not None:
             pending.wait()
         if r == 2:
