@@ -7,9 +7,12 @@ when nothing is queued. See `nanoddp.comm` for the threading model this gives ca
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -127,8 +130,23 @@ class GroupRunner:
 
     def _loop(self) -> None:
         while True:
-            body, work = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return  # `close()` asked: the thread ends, and with it its hold on the group
+            body, work = item
             self._execute(body, work)
+
+    def close(self) -> threading.Thread | None:
+        """Let the worker thread end once what is queued has run; returns it (None if none ran).
+
+        The thread holds this runner, hence the group, hence gloo's C++ threads: while it lives,
+        `destroy_process_group()` cannot free the group (see `release_groups_at_exit`). A later
+        `submit` starts a new thread."""
+        with self._mutex:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        return thread
 
     def _run_inline(self, body: Callable[[], None], token: int | None) -> None:
         """A blocking call with nothing queued ahead: its errors reach the caller directly."""
@@ -193,10 +211,39 @@ def pending_work() -> int:
         return sum(runner._pending for runner in _RUNNERS.values())
 
 
-def forget_groups() -> None:
-    """Drop every group's runner, after the groups were destroyed (notebook recovery).
+def forget_groups() -> list[tuple[GroupRunner, threading.Thread]]:
+    """Drop every group's runner, after the groups were destroyed (notebook recovery, exit);
+    returns the runners whose threads were told to end, with those threads.
 
-    A runner's thread may still be finishing a collective on the dead group; it fails there and
-    its waiter gets the error, while the next collective gets a fresh runner on the new group."""
+    A runner's thread may still be finishing a collective on the dead group; it fails there,
+    its waiter gets the error, and the thread ends. The next collective gets a fresh runner on
+    the new group."""
     with _RUNNERS_LOCK:
+        runners = list(_RUNNERS.values())
         _RUNNERS.clear()
+    closing = [(runner, runner.close()) for runner in runners]
+    return [(runner, thread) for runner, thread in closing if thread is not None]
+
+
+EXIT_JOIN_S = 10.0  # an idle runner's thread ends at once; this bound only guards the exit
+
+
+def release_groups_at_exit() -> None:
+    """Free the process groups nanoddp still holds while Python is fully alive (an atexit hook).
+
+    Why: a runner's thread would otherwise keep its group, and so gloo's worker threads, alive
+    into interpreter finalization, even after `destroy_process_group()`. A gloo thread that then
+    takes the GIL (a future callback that finishes late, say, or dropping the last reference to
+    a tensor whose Python object is gone) is ended by Python with `pthread_exit` in the middle
+    of C++, and the process aborts: "terminate called without an active exception".
+    torch itself frees a destroyed group at once, joining gloo's threads with the GIL released;
+    here that happens before finalization too. Runners still busy (a collective stuck at exit)
+    are left alone: joining them could hang the exit."""
+    idle = [thread for runner, thread in forget_groups() if runner._pending == 0]
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in idle:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    gc.collect()  # a group kept only by reference cycles (an engine and its hooks) goes now too
+
+
+atexit.register(release_groups_at_exit)

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, pieces, plan, wire
+from nanoddp.comm import ReduceOp, pieces, plan, runner, wire
 from nanoddp.comm.runner import runner_for
 from nanoddp.env import new_group, subgroups_by
 
@@ -320,6 +320,14 @@ def _async(env) -> dict:
     out = torch.empty(8)
     comm.all_gather_into_tensor(out, torch.full((4,), float(env.rank)), async_op=True).wait()
     assert out.tolist() == [0.0] * 4 + [1.0] * 4
+    # forgetting the groups ends the runner threads (they kept the group alive past its destroy)
+    closed = runner.forget_groups()
+    assert [thread.name for _, thread in closed] == [f"nanoddp-comm-rank{env.rank}of2"]
+    closed[0][1].join(30)
+    assert not closed[0][1].is_alive()
+    again = torch.full((5,), float(env.rank + 1))
+    comm.all_reduce(again, async_op=True).wait()  # a fresh runner on the same group
+    assert again.tolist() == [3.0] * 5
     return {"finished_without_wait": finished_without_wait}
 
 

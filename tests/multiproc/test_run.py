@@ -52,6 +52,19 @@ SCRIPTS = {
         print(f"attempt {attempt}: all_reduce = {value.item():g}")
         dist.destroy_process_group()
     """,
+    "late_callback.py": """
+        import nanoddp.comm
+        nanoddp.comm.all_reduce(torch.ones(4), async_op=True).wait()  # starts nanoddp's runner thread
+        dist.barrier()
+        def late(future):  # runs on gloo's worker thread, still asleep when the script has ended
+            time.sleep(1.0)
+            print("late callback done", flush=True)
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        work.get_future().then(late)
+        del work
+        dist.destroy_process_group()
+        print("script done", flush=True)
+    """,
     "skips_collective.py": """
         value = torch.ones(4)
         dist.all_reduce(value)  # #1: both ranks
@@ -117,6 +130,19 @@ def test_sigkilled_worker_restarts_and_finishes(tmp_path):
     assert "attempt 0: all_reduce" not in out  # rank 1 died first, so rank 0 waited in all_reduce
     code, out = nanoddp_run(["--nproc", "2", script], timeout=220)  # no restarts allowed: the kill is reported
     assert code == 1 and "killed_once.py failed on rank 1 (exit code -9): killed by SIGKILL" in out, out[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_gloo_thread_taking_the_gil_after_the_script_ends_does_not_abort(tmp_path):
+    """nanoddp's runner thread used to keep the destroyed group, and so gloo's threads, alive
+    into interpreter finalization, where a gloo thread taking the GIL is killed mid-C++ and the
+    process aborts ("terminate called without an active exception", exit -6), 2 of 2 runs. The
+    group must be freed, gloo's threads joined, while Python is still alive, as torch alone does."""
+    code, out = nanoddp_run(["--nproc", "2", str(_write(tmp_path, "late_callback.py"))], timeout=220)
+    assert code == 0, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] script done" in out and f"[rank {rank}] late callback done" in out, out[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -27,6 +27,13 @@ FAULTS = (
         ("tests/multiproc/test_comm_mismatch.py", "-k", "late_early_piece"),
     ),
     Mutation(
+        "exit: a runner's thread keeps its group (and gloo's threads) into finalization",
+        "nanoddp/comm/runner.py",
+        "return  # `close()` asked",
+        "continue  # `close()` asked",
+        ("tests/multiproc/test_run.py", "-k", "gloo_thread"),
+    ),
+    Mutation(
         "watchdog: a polled async torch collective is never released",
         "nanoddp/comm/watchdog.py",
         "future.add_done_callback(lambda _: end(token))",
