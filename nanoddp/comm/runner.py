@@ -225,7 +225,7 @@ def forget_groups() -> list[tuple[GroupRunner, threading.Thread]]:
     return [(runner, thread) for runner, thread in closing if thread is not None]
 
 
-EXIT_JOIN_S = 10.0  # an idle runner's thread ends at once; this bound only guards the exit
+EXIT_JOIN_S = 5.0  # an idle runner's thread ends at once; this bound only guards the exit
 
 
 def release_groups_at_exit() -> None:

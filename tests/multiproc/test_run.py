@@ -54,10 +54,11 @@ SCRIPTS = {
     """,
     "late_callback.py": """
         import nanoddp.comm
+        from nanoddp.comm.runner import EXIT_JOIN_S
         nanoddp.comm.all_reduce(torch.ones(4), async_op=True).wait()  # starts nanoddp's runner thread
         dist.barrier()
-        def late(future):  # runs on gloo's worker thread, still asleep when the script has ended
-            time.sleep(1.0)
+        def late(future):  # on gloo's worker thread, asleep past the script's end and the exit
+            time.sleep(EXIT_JOIN_S + 3)  # hook's join bound (a runner that never ends can't hide)
             print("late callback done", flush=True)
         work = dist.all_reduce(torch.ones(4), async_op=True)
         work.get_future().then(late)
