@@ -239,19 +239,11 @@ def release_groups_at_exit() -> None:
     torch itself frees a destroyed group at once, joining gloo's threads with the GIL released;
     here that happens before finalization too. Runners still busy (a collective stuck at exit)
     are left alone: joining them could hang the exit."""
-    if _end_idle_runner_threads():
-        gc.collect()  # a group kept only by reference cycles (an engine and its hooks) goes now too
-
-
-def _end_idle_runner_threads() -> bool:
-    """Forget every runner and wait (bounded) for the idle ones' threads to end; whether any
-    thread was running. A function of its own so that no local outlives it holding a group."""
-    forgotten = forget_groups()
+    idle = [thread for runner, thread in forget_groups() if runner._pending == 0]
     deadline = time.monotonic() + EXIT_JOIN_S
-    for runner, thread in forgotten:
-        if runner._pending == 0:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-    return bool(forgotten)
+    for thread in idle:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    gc.collect()  # a group kept only by reference cycles (an engine and its hooks) goes now too
 
 
 atexit.register(release_groups_at_exit)
