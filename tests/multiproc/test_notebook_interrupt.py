@@ -208,16 +208,28 @@ def test_cell_timeout_in_a_collective_on_a_subset_rebuilds_the_group(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the mechanism alone
-def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float]:
-    """Rank 0 blocks in a receive that rank 1 never sends; rank 1 aborts. Then both rebuild."""
+WATCHDOG_SETTINGS = (300.0, 0.5, False)  # timeout, poll, exit_on_hang: never fires here
+
+
+def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float, bool, bool]:
+    """Rank 0 blocks in a receive that rank 1 never sends; rank 1 aborts. Then both rebuild.
+
+    Before: the hang watchdog armed and the group's collective runner thread started (an async
+    nanoddp collective). After the rebuild the old runner's thread must have ended (it held the
+    dead group) and a new watchdog must watch the new group with the same settings."""
     import threading
 
     import torch
     import torch.distributed as dist
 
     import nanoddp.comm as comm
+    from nanoddp.comm import watchdog
     from nanoddp.notebook.recovery import abort_collectives, peer_sockets, rebuild_group
 
+    old_dog = watchdog.enable(WATCHDOG_SETTINGS[0], poll_s=WATCHDOG_SETTINGS[1], exit_on_hang=WATCHDOG_SETTINGS[2])
+    comm.all_reduce(torch.ones(2), async_op=True).wait()
+    old_thread = comm.runner_for(None)._thread
+    assert old_thread is not None and old_thread.is_alive()
     pids = [None] * env.world_size
     dist.all_gather_object(pids, os.getpid())
     held = dist.group.WORLD  # something still holds the group: the abort must not depend on it
@@ -237,13 +249,24 @@ def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float]:
     dist.all_reduce(t)
     c = torch.full((2**20,), float(env.rank + 1))  # 4 MiB: the ring, on the new group
     comm.all_reduce(c)
-    return found == 1, error, t.item(), c.unique().item()
+    old_thread.join(timeout=10.0)
+    dog = watchdog.active()
+    rearmed = (
+        dog is not None
+        and dog is not old_dog
+        and dog.store is not old_dog.store
+        and (dog.timeout_s, dog.poll_s, dog.exit_on_hang) == WATCHDOG_SETTINGS
+    )
+    watchdog.disable()
+    return found == 1, error, t.item(), c.unique().item(), not old_thread.is_alive(), rearmed
 
 
 def test_abort_fails_a_blocked_receive_and_the_group_is_rebuilt(tmp_path):
     from helpers import run_on_ranks
 
     results = run_on_ranks(_abort_then_rebuild, 2, str(tmp_path), timeout=120)
-    for found, _, total, ring in results:
+    for found, _, total, ring, runner_ended, watchdog_rearmed in results:
         assert found and total == 3.0 and ring == 3.0, results  # 1 + 2, exact in float32
+        assert runner_ended, "the old group's runner thread outlived the rebuild (it holds the dead group)"
+        assert watchdog_rearmed, "the hang watchdog was not re-armed on the new group with its settings"
     assert "Connection closed" in results[0][1], results[0][1]  # gloo's words for the shut socket

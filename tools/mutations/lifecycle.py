@@ -1,4 +1,4 @@
-"""Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`) and the notebook test harness."""
+"""Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`), notebook recovery and its test harness."""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ FAULTS = (
         "        if self._reported or time.monotonic() - self._since < self.grace_s:",
         "        if True:",
         ("tests/reliability/test_run_lifecycle.py", "-k", "finished_early"),
+    ),
+    Mutation(
+        "notebook recovery: old per-group runners kept after a rebuild",
+        "nanoddp/notebook/recovery.py",
+        "    runner.forget_groups()\n",
+        "    pass\n",
+        ("tests/multiproc/test_notebook_interrupt.py", "-k", "group_is_rebuilt"),
+    ),
+    Mutation(
+        "notebook recovery: the hang watchdog not re-armed after a rebuild",
+        "nanoddp/notebook/recovery.py",
+        "watchdog.enable(settings[0], poll_s=settings[1], exit_on_hang=settings[2])",
+        "pass",
+        ("tests/multiproc/test_notebook_interrupt.py", "-k", "group_is_rebuilt"),
     ),
     Mutation(
         "notebook tests: next cell sent before the kernel is idle",
