@@ -1,7 +1,8 @@
 """Uneven inputs: nanoddp's DDP under join() against torch's DDP under join(), at ws=3.
 
-Ranks get 5 / 3 / 4 batches. Under `join()` the finished ranks shadow the others with zero
-gradients, and at the end every replica holds the last joiner's parameters: they must equal
+Ranks get 4 / 5 / 3 batches. Under `join()` the finished ranks shadow the others with zero
+gradients, and at the end every replica holds the last joiner's parameters (rank 1's: not rank
+0's, so a final broadcast from the wrong rank shows, as stale parameters): they must equal
 torch's DDP run the same way, to fp32 rounding: at ws=3 gloo's ring adds an element's three
 terms in an order set by its offset in the bucket, and nanoddp's ring in its own order, so
 sums can differ in the last bit wherever a bucket layout differs from torch's. Without join
@@ -22,10 +23,10 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
 
-from nanoddp import DistributedDataParallel, verify_replicas
+from nanoddp import DistributedDataParallel
 
 BACKENDS = ("torch", "nanoddp")
-BATCHES = (5, 3, 4)  # per rank: rank 1 joins first, rank 0 last
+BATCHES = (4, 5, 3)  # per rank: rank 2 joins first, then rank 0; rank 1 is the last joiner
 B, D = 4, 12
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # summation order of 3 terms (see the module docstring)
 
@@ -79,15 +80,6 @@ def case_join_matches_torch(env, backend, opt_name, divide, find_unused, via_joi
     assert probe.tolist() == [env.world_size] * 2
 
 
-def case_join_find_unused_replicas_agree(env, backend):
-    """find_unused_parameters=True under join: the joined ranks also shadow the parameter-use
-    all-reduce (else the others would hang), and the replicas end identical."""
-    torch.manual_seed(0)
-    ours = DistributedDataParallel(Net(True), comm_backend=backend, find_unused_parameters=True)
-    train(env, ours, "sgd", True)
-    verify_replicas(ours.module, comm_backend=backend)
-
-
 def case_throw_on_early_termination(env, backend):
     torch.manual_seed(0)
     ours = DistributedDataParallel(Net(), comm_backend=backend)
@@ -114,13 +106,9 @@ def cases(world_size: int) -> list[tuple[str, callable]]:
                         ),
                     )
                 )
-        out.append(
-            (
-                f"{backend}-join-find_unused-shadowing",
-                p(case_join_find_unused_replicas_agree, backend=backend),
-            )
-        )
-        for opt_name in ("sgd", "adamw"):  # torch's joined ranks re-send their last use counts
+        # find_unused_parameters: the joined ranks also shadow the parameter-use all-reduce (else
+        # the others would hang), re-sending their last use counts as torch's do
+        for opt_name in ("sgd", "adamw"):
             out.append(
                 (
                     f"{backend}-join-find_unused-{opt_name}",
@@ -163,7 +151,7 @@ def test_join(suite, case):
 
 
 def uneven_without_join(env, backend: str) -> str:
-    """Train 5 / 3 / 4 batches without join() over a group with a 5 s timeout, then (as the
+    """Train 4 / 5 / 3 batches without join() over a group with a 5 s timeout, then (as the
     end of an epoch does) all-reduce a metric. Returns the error each rank saw."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=5))
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from torch.distributed.algorithms import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from nanoddp import DistributedDataParallel, verify_replicas
+from nanoddp import DistributedDataParallel
 from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 
 BATCHES = (5, 3)  # per rank: rank 1 joins after 3 iterations, rank 0 is the last joiner
@@ -69,13 +69,70 @@ def case_join_matches_torch(env, backend, opt_name):
         assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item()}"
 
 
+def case_zero_alone_under_join(env, backend):
+    """ZeRO as the only (so the first) joinable, over a model without DDP: `step()` is what tells
+    Join this rank still trains (a joined rank's loop all-reduces the count of those), and a
+    joined rank's shadow step must not say so. Each owner steps its parameters on its own local
+    gradient (its last one, once joined); against that computed in one process, bitwise.
+    (torch's ZeroRedundancyOptimizer hangs here: its joined rank's step announces itself too.)"""
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition="parameter", comm_backend=backend, lr=1e-2
+    )
+    with Join([opt]):
+        for step in range(BATCHES[env.rank]):
+            opt.zero_grad()
+            model(batch(step, env.rank)).pow(2).mean().backward()
+            opt.step()
+    owner = {i: r for r, indices in enumerate(opt.partition) for i in indices}
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    held: list[list[torch.Tensor]] = [[], []]  # the .grad each rank holds
+    for step in range(max(BATCHES)):
+        for r in range(2):
+            if step < BATCHES[r]:
+                held[r] = local_grads(ref, step, r)
+        for i, p in enumerate(ref.parameters()):
+            p.grad = held[owner[i]][i]
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item()}"
+
+
+def local_grads(model: nn.Module, step: int, rank: int) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(batch(step, rank)).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def case_element_partition_joins(env, backend):
-    """The default by-element partition (no torch counterpart) under Join: no rank waits
-    forever, and every replica ends identical (the DDP join hook's final broadcast)."""
+    """The default by-element partition (no torch counterpart) under Join, against a
+    single-process reference: every element is stepped by its owner on the `.grad` the owner
+    holds, the average while it trains (a joined rank adds zeros) and its last one after it
+    joined (the join hook's step). Bitwise: at ws=2 the average is g0*0.5 + g1*0.5 either way,
+    and AdamW is elementwise, so stepping flat pieces is stepping the whole tensors."""
     ddp = DistributedDataParallel(make_model(), comm_backend=backend)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, comm_backend=backend, lr=1e-2)
     train(env.rank, ddp, opt)
-    verify_replicas(ddp.module, atol=0, comm_backend=backend)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    held: list[list[torch.Tensor]] = [[], []]  # the .grad each rank holds
+    for step in range(max(BATCHES)):
+        training = [r for r in range(2) if step < BATCHES[r]]
+        local = {r: local_grads(ref, step, r) for r in training}
+        average = [sum(local[r][i] * 0.5 for r in training) for i in range(len(local[0]))]
+        for r in training:
+            held[r] = average
+        for i, p in enumerate(ref.parameters()):
+            grad = torch.empty(p.numel())
+            for r, pieces in enumerate(opt.partition):
+                for index, start, stop in pieces:
+                    if index == i:
+                        grad[start:stop] = held[r][i].flatten()[start:stop]
+            p.grad = grad.view_as(p)
+        ref_opt.step()
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item()}"
 
 
 def cases(world_size: int):
@@ -84,6 +141,7 @@ def cases(world_size: int):
         for b in BACKENDS
         for o in OPTIMIZERS
     ]
+    out += [(f"{b}-zero_alone", functools.partial(case_zero_alone_under_join, backend=b)) for b in BACKENDS]
     return out + [(f"{b}-element", functools.partial(case_element_partition_joins, backend=b)) for b in BACKENDS]
 
 

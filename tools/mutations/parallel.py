@@ -20,6 +20,20 @@ FAULTS = (
         ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
+        "Join: the final model broadcast from rank 0, not the last joiner",
+        "nanoddp/parallel/ddp/join.py",
+        "src = common_rank(reducer, is_last_joiner)",
+        "src = 0",
+        ("tests/multiproc/test_ddp_join.py", "-k", "nanoddp-join-sgd-initial_ws"),
+    ),
+    Mutation(
+        "Join: ZeRO's step() does not tell the context its rank still trains",
+        "nanoddp/parallel/zero/optimizer.py",
+        "            Join.notify_join_context(self)",
+        "            pass",
+        ("tests/multiproc/test_zero_join.py", "-k", "zero_alone"),
+    ),
+    Mutation(
         "ZeRO broadcast: owners' updated parameters not sent",
         "nanoddp/parallel/zero/partition.py",
         "self.comm.broadcast(flat, src=self.global_ranks[owner], group=self.group)",

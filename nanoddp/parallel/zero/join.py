@@ -9,6 +9,12 @@ own shard is updated from whatever `.grad` it still holds (torch DDP's join hook
 leave a joined rank's `.grad` as its last backward left it), and it sends that shard to the
 others as every step does. `Join.notify_join_context` in `step()` is a no-op unless the
 optimizer is the first joinable of the context (then it announces this rank still trains).
+
+The shadow step does not announce anything (`optimizer.shadowing`): it is the joined rank's,
+and the context's loop has already all-reduced its "joined" for this iteration. torch's hook
+lets its step announce, so with ZeRO the first joinable (`Join([optimizer])`, a model without
+DDP) a joined rank adds an all-reduce the others never issue and torch's job hangs (checked,
+torch 2.13); here that order works too.
 """
 
 from __future__ import annotations
@@ -25,4 +31,8 @@ class ZeroJoinHook(JoinHook):
         self.optimizer = optimizer
 
     def main_hook(self) -> None:
-        self.optimizer.step()
+        self.optimizer.shadowing = True  # step() then leaves the Join context alone
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.shadowing = False

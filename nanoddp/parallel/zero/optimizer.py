@@ -136,6 +136,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {sorted(PARTITIONS)}, got {partition!r}")
         Joinable.__init__(self)
+        self.shadowing = False  # True while the Join hook takes a joined rank's step
         self._group = process_group
         collectives = collectives_for(comm_backend)  # checks the name too
         if process_group is None and not dist.is_initialized():
@@ -232,7 +233,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Collective: every rank must call it. Returns the closure's loss, if any.
         """
-        Join.notify_join_context(self)  # under Join: "still training" (if the first joinable)
+        if not self.shadowing:  # a joined rank's shadow step (nanoddp.parallel.zero.join) trains nothing
+            Join.notify_join_context(self)  # under Join: "still training" (if the first joinable)
         self._consolidated = None
         self._push_hyperparams()
         if closure is not None:  # the closure computes the gradients the pieces read
