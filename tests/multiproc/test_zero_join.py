@@ -69,6 +69,13 @@ def case_join_matches_torch(env, backend, opt_name):
         assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item()}"
 
 
+def local_grads(model: nn.Module, step: int, rank: int) -> list[torch.Tensor]:
+    """Rank `rank`'s own gradients at `step` (the reference's current parameters)."""
+    model.zero_grad(set_to_none=True)
+    model(batch(step, rank)).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def case_zero_alone_under_join(env, backend):
     """ZeRO as the only (so the first) joinable, over a model without DDP: `step()` is what tells
     Join this rank still trains (a joined rank's loop all-reduces the count of those), and a
@@ -99,12 +106,6 @@ def case_zero_alone_under_join(env, backend):
         assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item()}"
 
 
-def local_grads(model: nn.Module, step: int, rank: int) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(batch(step, rank)).pow(2).mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def case_element_partition_joins(env, backend):
     """The default by-element partition (no torch counterpart) under Join, against a
     single-process reference: every element is stepped by its owner on the `.grad` the owner
@@ -116,6 +117,10 @@ def case_element_partition_joins(env, backend):
     train(env.rank, ddp, opt)
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    pieces = [  # parameter i -> (owner, start, stop) of its flat elements
+        [(r, start, stop) for r, owned in enumerate(opt.partition) for index, start, stop in owned if index == i]
+        for i in range(len(list(ref.parameters())))
+    ]
     held: list[list[torch.Tensor]] = [[], []]  # the .grad each rank holds
     for step in range(max(BATCHES)):
         training = [r for r in range(2) if step < BATCHES[r]]
@@ -125,10 +130,8 @@ def case_element_partition_joins(env, backend):
             held[r] = average
         for i, p in enumerate(ref.parameters()):
             grad = torch.empty(p.numel())
-            for r, pieces in enumerate(opt.partition):
-                for index, start, stop in pieces:
-                    if index == i:
-                        grad[start:stop] = held[r][i].flatten()[start:stop]
+            for r, start, stop in pieces[i]:
+                grad[start:stop] = held[r][i].flatten()[start:stop]
             p.grad = grad.view_as(p)
         ref_opt.step()
     for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters(), strict=True):
