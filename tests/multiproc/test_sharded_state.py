@@ -12,6 +12,7 @@ by hand from each rank's element range), never the code under test.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,53 @@ def test_two_ranks_with_same_shaped_pieces_each_get_their_own_back(tmp_path):
     assert torch.equal(got[1][0], torch.arange(8.0) + 100)
     assert got[0][1] == got[1][1] and "model has other tensor shapes on rank 1" in got[0][1]
     assert not (tmp_path / "unknown.pt").exists()
+
+
+def _skipped_piece_worker(env, tmp: str) -> list:
+    """FSDP2 AdamW, one step of a loop that drops a gradient whose local piece is not finite.
+    Each rank checks only its own piece, so an overflow in one rank's piece leaves that rank
+    without AdamW state for the parameter while the other rank has it. Done once with the
+    overflow on rank 0 (rank 1 alone holds the state), once on rank 1."""
+    out = []
+    for overflowed in (0, 1):
+        net = _net(0)
+        for layer in (net[0], net[2], net):
+            fully_shard(layer)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        net(torch.randn(4, 6, generator=torch.Generator().manual_seed(env.rank))).square().mean().backward()
+        if env.rank == overflowed:
+            net[2].weight.grad.to_local()[0, 0] = float("inf")  # parameter #2 of the optimizer
+        for p in net.parameters():
+            if not p.grad.to_local().isfinite().all():
+                p.grad = None  # AdamW skips it: no state for it on this rank
+        optimizer.step()
+        has_state = [i for i, p in enumerate(net.parameters()) if p in optimizer.state]
+        directory = Path(tmp, f"overflow-on-rank{overflowed}")
+        directory.mkdir(exist_ok=True)
+        try:
+            nanoddp.save_state(directory / "state.pt", model=net, optimizer=optimizer)
+            refused = None
+        except ValueError as exc:
+            refused = str(exc)
+        dist.barrier()  # every rank got here: nobody is left in a collective
+        out.append((has_state, refused, sorted(f.name for f in directory.iterdir())))
+    return out
+
+
+def test_ranks_whose_sharded_optimizer_entries_differ_are_refused_on_every_rank(tmp_path):
+    """A parameter with AdamW state on one rank only: rank 0 writes the manifest from its own
+    entries, so without the check rank 1's state for it was silently left out of the file. The
+    save is the same ValueError on every rank, naming the entries, and leaves no files."""
+    got = run_on_ranks(_skipped_piece_worker, 2, str(tmp_path), timeout=120)
+    for overflowed in (0, 1):
+        (states, messages, leftovers) = zip(*(rank[overflowed] for rank in got), strict=True)
+        assert states[overflowed] == [0, 1, 3] and states[1 - overflowed] == [0, 1, 2, 3]
+        assert messages[0] == messages[1], messages
+        assert messages[0] == (
+            "save_state: optimizer has sharded entries on some ranks only "
+            "([\"(2, 'exp_avg')\", \"(2, 'exp_avg_sq')\"]): ranks disagree"
+        )
+        assert leftovers == ([], [])
 
 
 def _corrupt_worker(env, tmp: str, how: str) -> str:

@@ -3,16 +3,18 @@ uninterrupted run ends at step n; files are checked, and a damaged newest file i
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_on_ranks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nanoddp
-from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.checkpoint import snapshot, user_state
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 STEPS, SAVE_AT, BATCH = 9, 4, 4
@@ -127,6 +129,79 @@ def test_load_restores_rng_streams(tmp_path):
     nanoddp.load_state(path)
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(3), expected[2])
+
+
+def _draws() -> tuple:
+    """The next values of this process's python, numpy and torch streams (consumes them)."""
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def _next_draws() -> tuple:
+    """What `_draws` would give now, with the streams put back as they were (torch's own setters)."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    draws = _draws()
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    return draws
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _save_rng_worker(env, path: str) -> tuple:
+    nanoddp.seed_everything(100, env.rank)  # seed 100 + rank: every rank's streams differ
+    own = _next_draws()  # the streams as save_state captures them
+    nanoddp.save_state(path, step=0)
+    nanoddp.seed_everything(200, env.rank)
+    nanoddp.load_state(path)
+    assert _draws() == own, f"rank {env.rank} did not get its own streams back at the same world size"
+    return own
+
+
+def _load_rng_elsewhere_worker(env, path: str) -> tuple:
+    warnings = _Warnings()
+    logging.getLogger(user_state.__name__).addHandler(warnings)
+    nanoddp.seed_everything(300, env.rank)
+    before = _next_draws()
+    nanoddp.load_state(path)
+    return before, _draws(), warnings.lines
+
+
+@pytest.mark.timeout(240)
+def test_rng_streams_come_back_per_rank_at_the_same_world_size_only(tmp_path):
+    """Same world size (3): each rank gets back the stream it saved. Saved at 3, loaded at 2: no
+    rank may take an old rank's stream (two ranks of the old job, not these); every rank keeps
+    the streams it has and rank 0 says so once. One plain process reading the job's file: its
+    streams are left alone, silently (exporting weights needs no RNG)."""
+    path = str(tmp_path / "rng.pt")
+    saved = run_on_ranks(_save_rng_worker, 3, path, timeout=100)
+    assert len({repr(s) for s in saved}) == 3, "the ranks' streams must differ for the check to mean anything"
+
+    results = run_on_ranks(_load_rng_elsewhere_worker, 2, path, timeout=100)
+    for rank, (before, after, _) in enumerate(results):
+        assert before != saved[rank]  # the restored stream would be told apart
+        assert after == before, f"rank {rank}: load_state at another world size changed its RNG streams"
+    assert results[0][2] == ["state saved at world size 3, loaded at 2: RNG streams not restored (reseed them)"]
+    assert results[1][2] == []  # rank 0 alone says it: one line per job, not per rank
+
+    logger = logging.getLogger(user_state.__name__)
+    warnings = _Warnings()
+    logger.addHandler(warnings)
+    try:
+        nanoddp.seed_everything(400)
+        before = _next_draws()
+        nanoddp.load_state(path)
+        assert _draws() == before != saved[0]
+    finally:
+        logger.removeHandler(warnings)
+    assert warnings.lines == []
 
 
 def test_empty_directory_is_a_fresh_start(tmp_path):

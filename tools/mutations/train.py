@@ -182,6 +182,20 @@ FAULTS = (
         ("tests/multiproc/test_sharded_state.py", "-k", "replaced"),
     ),
     Mutation(
+        "save_state: a world-size shrink hands ranks the old ranks' RNG streams",
+        "nanoddp/train/checkpoint/user_state.py",
+        "if restore_rng and len(rng) == _world_size():",
+        "if restore_rng and len(rng) >= _world_size():",
+        ("tests/multiproc/test_state.py", "-k", "rng_streams_come_back"),
+    ),
+    Mutation(
+        "sharded checkpoint: ranks' differing optimizer entries not refused",
+        "nanoddp/train/checkpoint/sharded.py",
+        "if any(k != keys[0] for k in keys):",
+        "if False:",
+        ("tests/multiproc/test_sharded_state.py", "-k", "entries_differ"),
+    ),
+    Mutation(
         "fsdp engine: --amp without a mixed-precision policy",
         "nanoddp/train/fsdp_engine.py",
         "return MixedPrecisionPolicy(param_dtype=AMP_DTYPES[amp], reduce_dtype=torch.float32)",
