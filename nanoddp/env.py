@@ -7,18 +7,21 @@ once from the torchrun environment variables (this is the only module that reads
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -249,6 +252,48 @@ def loopback_store(port: int, rank: int, world_size: int, timeout: timedelta = D
     return store
 
 
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == "127.0.0.1" for address in addresses):
+            return name
+    return "lo"
+
+
+def pin_gloo_to_loopback(environ: MutableMapping[str, str] | None = None) -> None:
+    """Make gloo devices listen on the loopback interface, unless the user chose one.
+
+    Without GLOO_SOCKET_IFNAME gloo listens on the address the hostname resolves to, which on
+    most servers is the network's: a local job would accept connections from other machines.
+    gloo reads the variable whenever it creates a group, so groups made later follow too."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+
+
+def _is_loopback(host: str) -> bool:
+    """A loopback address or `localhost`; a name is not resolved (its answer is the question)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def all_ranks_here(env: DistEnv, init_method: str | None = None) -> bool:
+    """Whether every rank of `env`'s job runs on this machine, so its sockets can stay on loopback.
+
+    torchrun counts this node's ranks (LOCAL_WORLD_SIZE) itself. Elsewhere LOCAL_WORLD_SIZE may
+    be a default, so a rendezvous endpoint off loopback (MASTER_ADDR, tcp://HOST) is taken as
+    the user's word that other machines take part."""
+    if env.local_world_size != env.world_size:
+        return False
+    if env.torchrun:
+        return True
+    host = env.master_addr
+    if init_method is not None and init_method.startswith("tcp://"):
+        host = urlsplit(init_method).hostname
+    return host is None or _is_loopback(host)
+
+
 def init(
     env: DistEnv | None = None,
     init_method: str | None = None,
@@ -259,7 +304,8 @@ def init(
     `timeout` bounds torch's own collectives so that a lost peer becomes an error, not a hang.
     Private by default: a single-process env without MASTER_ADDR gets a loopback-only rendezvous
     (so code written for N ranks runs unchanged with one), and so does a torchrun job whose ranks
-    all run on this node. Multi-node jobs use torch's env:// rendezvous at MASTER_ADDR.
+    all run on this node; whenever every rank runs here, gloo listens on loopback too
+    (`pin_gloo_to_loopback`). Multi-node jobs use torch's env:// rendezvous at MASTER_ADDR.
     """
     env = env or DistEnv.from_environ()
     if dist.is_initialized():
@@ -279,6 +325,8 @@ def init(
             store = loopback_store(0, 0, 1, timeout)
         else:
             raise ValueError(f"world_size={env.world_size} needs MASTER_ADDR/MASTER_PORT or init_method")
+    if all_ranks_here(env, init_method):
+        pin_gloo_to_loopback()
     if env.backend == "nccl":
         torch.cuda.set_device(env.device)
     dist.init_process_group(

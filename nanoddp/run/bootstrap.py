@@ -38,7 +38,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -90,14 +89,6 @@ class _HangToErrorFile(logging.Handler):
             sys.stderr.write(self.format(record) + "\n")
 
 
-def _loopback_interface() -> str:
-    """The name of the interface that holds 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(address.address == "127.0.0.1" for address in addresses):
-            return name
-    return "lo"
-
-
 def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> bool:
     """Point a torchrun worker of a single-node job at loopback only; return whether it did.
 
@@ -107,7 +98,7 @@ def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> boo
     if not nd.inside_torchrun(env) or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
         return False
     env["MASTER_ADDR"] = "127.0.0.1"
-    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    nd.pin_gloo_to_loopback(env)
     return True
 
 
