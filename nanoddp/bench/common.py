@@ -12,7 +12,7 @@ import io
 import json
 from typing import Any
 
-from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 
 
 def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nanoddp.bench.collectives import format_markdown as format_collectives
 from nanoddp.bench.report import format_markdown, format_summary
-from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 
 BLOCK = re.compile(
     r"(?P<open><!-- bench:(?P<kind>table|summary) (?P<file>\S+)(?: ws=(?P<ws>\d+))? -->\n)"

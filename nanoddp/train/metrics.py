@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.atomic import append_text, atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ class MetricsLogger:
             atomic_write_bytes(self.path, "".join(kept).encode())
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")  # never through a planted link
         if self._tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

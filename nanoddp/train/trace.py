@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, record_function
 
 from nanoddp.env import DistEnv
-from nanoddp.train.checkpoint.snapshot import atomic_write_bytes
+from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 from nanoddp.train.engines import (
     NANODDP_DDP_ENGINES,
     CommTimer,

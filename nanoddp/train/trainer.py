@@ -36,7 +36,7 @@ from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import signals
-from nanoddp.train.checkpoint import companion, optim_state, rundir, snapshot
+from nanoddp.train.checkpoint import atomic, companion, optim_state, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
 from nanoddp.train.data.batches import batch_len, batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
@@ -162,7 +162,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
-            snapshot.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
+            atomic.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
 
     def _maybe_resume(self) -> Path | None:
         """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
@@ -441,7 +441,7 @@ class Trainer:
         model_state = self.engine.state_dict()
         if not self.env.is_master:
             return
-        snapshot.atomic_torch_save(self.run_dir / "model.pt", model_state)
+        atomic.atomic_torch_save(self.run_dir / "model.pt", model_state)
         logger.info("saved %s", self.run_dir / "model.pt")
 
 

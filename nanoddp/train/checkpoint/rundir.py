@@ -25,10 +25,11 @@ import json
 import logging
 import os
 import secrets
-import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from nanoddp.train.checkpoint.atomic import open_private
 
 logger = logging.getLogger(__name__)
 
@@ -73,46 +74,15 @@ def new_run_id() -> str:
     return secrets.token_hex(6)
 
 
-def _open_lock_file(path: Path) -> int:
-    """Open (or create) the lock file itself: never through a symlink, never anything but a
-    regular file. Following a planted `.lock -> ~/.bashrc` would truncate and overwrite its target
-    with our pid; O_NONBLOCK keeps a planted FIFO from blocking the open."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        fd = None
-    kind = "a symbolic link" if fd is None else _file_kind(os.fstat(fd).st_mode)
-    if kind is not None:
-        if fd is not None:
-            os.close(fd)
-        raise ValueError(
-            f"the run directory's lock {path} is {kind}, not a regular file, and is never followed or "
-            "written through: remove it (nanoddp creates it) or choose another --out"
-        )
-    assert fd is not None  # None is "a symbolic link", raised above
-    return fd
-
-
-def _file_kind(mode: int) -> str | None:
-    """None for a regular file, else what it is."""
-    if stat.S_ISREG(mode):
-        return None
-    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
-
-
 def lock_run_dir(out: str | Path) -> int:
     """Take OUT/.lock exclusively for this process's life; return the open descriptor.
 
     Keep the descriptor open while the run lasts; closing it, or the process dying, releases the
     lock. A second run on the same directory gets `RunDirBusy` naming the holder's pid at once;
-    a `.lock` that is a symlink or not a regular file is a ValueError (see `_open_lock_file`).
+    a `.lock` that is a symlink or not a regular file is a ValueError (`atomic.open_private`: a
+    planted `.lock -> ~/.bashrc` would otherwise be truncated and overwritten with our pid).
     """
-    path = Path(out) / LOCK_NAME
-    fd = _open_lock_file(path)
+    fd = open_private(Path(out) / LOCK_NAME, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

@@ -6,8 +6,8 @@ A snapshot file is a short text header followed by a `torch.save` payload::
     <sha256 of payload> <payload length>\\n
     <payload bytes>
 
-Written to a temp file in the same directory, flushed, fsynced and `os.replace`d over the final
-name, so a reader sees either the old file or the complete new one, never half of one. The
+Written by `atomic.atomic_write_bytes` (a fresh temp file, fsynced, renamed over the final name),
+so a reader sees either the old file or the complete new one, never half of one. The
 header lets `load` reject a truncated or corrupted file before unpickling anything, which is
 what lets `--resume auto` skip a bad snapshot (a job killed mid-write, a full disk) and fall
 back to the previous one instead of crashing or, worse, resuming from garbage.
@@ -18,14 +18,14 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import random
 import re
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
+
+from nanoddp.train.checkpoint import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -43,45 +43,13 @@ def snapshot_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}.pt"
 
 
-def atomic_write_bytes(path: str | Path, data: bytes | list[bytes]) -> None:
-    """Write `data` to `path` via temp file + fsync + os.replace (+ fsync of the directory)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            for chunk in [data] if isinstance(data, bytes) else data:
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_torch_save(path: str | Path, obj: Any) -> None:
-    """`torch.save(obj, path)`, atomically: a plain file (no header) that `torch.load` reads."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
 def save(path: str | Path, state: dict[str, Any]) -> Path:
     """Serialise `state` with a checksum header and write it atomically."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
     header = MAGIC + f"{hashlib.sha256(payload).hexdigest()} {len(payload)}\n".encode()
-    atomic_write_bytes(path, [header, payload])
+    atomic.atomic_write_bytes(path, [header, payload])
     return Path(path)
 
 
@@ -195,9 +163,8 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
         if step and int(step.group(1)) not in kept:
             path.unlink(missing_ok=True)
             removed.append(path)
-    for tmp in directory.glob(".step-*.pt*.tmp-*"):  # left by a writer killed mid-write
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
+    for tmp in directory.glob(f".step-*.pt*{atomic.TEMP_MARK}*"):
+        if atomic.is_stale_temp(tmp):  # left by a writer killed mid-write
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
