@@ -91,10 +91,24 @@ FAULTS = (
     ),
     Mutation(
         "run dir lock: followed through a symlink",
-        "nanoddp/train/checkpoint/rundir.py",
-        "os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK",
-        "os.O_CLOEXEC | os.O_NONBLOCK",
+        "nanoddp/train/checkpoint/atomic.py",
+        "os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK",
+        "os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK",
         ("tests/reliability/test_trainer_ownership.py", "-k", "symlink"),
+    ),
+    Mutation(
+        "atomic writer: an existing temp name opened through its link",
+        "nanoddp/train/checkpoint/atomic.py",
+        "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC",
+        "os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC",
+        ("tests/reliability/test_planted_links.py", "-k", "never_opened"),
+    ),
+    Mutation(
+        "atomic writer: another user's directory link followed",
+        "nanoddp/train/checkpoint/atomic.py",
+        "if stat.S_ISLNK(info.st_mode) and not _trusted_owner(info.st_uid):",
+        "if False:",
+        ("tests/reliability/test_planted_links.py", "-k", "directory_link"),
     ),
     Mutation(
         "trainer fp16: clipping before unscaling",
