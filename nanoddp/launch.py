@@ -4,8 +4,9 @@ Why not plain `mp.spawn`? When one rank dies the others sit in a collective fore
 parent learns nothing useful. Here the parent watches every child; the first failure (an
 exception, a non-zero exit, a signal) stops the rest within seconds and is re-raised in the
 parent with the rank and its traceback. Children also die with the parent (PR_SET_PDEATHSIG),
-so no orphan is left even if the parent is killed. `notebook_launch` does the same for a function
-that spawn cannot import (defined in a notebook cell or `python -c`), sent by value instead.
+and each takes its own descendants along (`take_descendants_along`), so nothing is left even if
+the parent is SIGKILLed. `notebook_launch` does the same for a function that spawn cannot import
+(defined in a notebook cell or `python -c`), sent by value instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pickle
 import queue
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import traceback
 import types
@@ -65,6 +68,50 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+# The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
+# environment is imported) in the rank's process group, which it kills once the rank is gone.
+_GUARD = """# nanoddp: the guard of a rank's process group
+import ctypes, os, signal, sys, time
+rank_pid = int(sys.argv[1])
+def sweep(*_):
+    os.killpg(0, signal.SIGKILL)  # the rank's group: every descendant still in it, and this guard
+for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
+signal.signal(signal.SIGUSR1, sweep)
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG: told as the rank dies
+except OSError:
+    pass
+while os.getppid() == rank_pid:  # also closes the window before prctl, and covers non-Linux
+    time.sleep(1.0)
+sweep()
+"""
+_guards: dict[int, subprocess.Popen] = {}  # by the pid of the process it guards (one each)
+
+
+def take_descendants_along(new_group: bool = False) -> None:
+    """Kill this process's descendants as soon as it dies, however it dies (SIGKILL included).
+
+    `die_with_parent` ends a rank with its launcher, but what the rank started (a subprocess, a
+    data service) would live on. So the rank leads a process group of its own, which its
+    children join by default, and a small guard process in that group kills the whole group
+    when the rank is gone. A process already leading a session (torchrun starts each worker in
+    one) is guarded as it is; with `new_group` the process first leaves its parent's group for a
+    new one (launch's ranks). Anything else is left alone: its group may hold unrelated processes
+    (a shell pipeline's). What leaves the group on purpose (setsid) is not followed."""
+    if os.getpid() in _guards:
+        return
+    if new_group:
+        os.setpgid(0, 0)
+    elif os.getsid(0) != os.getpid():
+        return
+    _guards[os.getpid()] = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+
+
 def _worker(
     env: nd.DistEnv,
     init_method: str,
@@ -72,9 +119,11 @@ def _worker(
     args: Sequence[Any],
     results: mp.Queue,
     pg_timeout_s: float,
+    parent_pid: int,
 ) -> None:
     """Child entry point: join the group, run the user's function, report back."""
-    die_with_parent()
+    die_with_parent(parent_pid)  # the launcher may have died while this rank imported torch
+    take_descendants_along(new_group=True)
     try:
         nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
         value = fn(env, *args)
@@ -144,7 +193,7 @@ def launch(
             env = replace(base_env, rank=rank, local_rank=rank, device=nd.device_for(backend, rank))
             proc = ctx.Process(
                 target=_worker,
-                args=(env, init_method, fn, tuple(args), results, pg_timeout_s),
+                args=(env, init_method, fn, tuple(args), results, pg_timeout_s, os.getpid()),
                 name=f"nanoddp-rank{rank}",
                 daemon=False,
             )

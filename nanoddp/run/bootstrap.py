@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from nanoddp import env as nd
 from nanoddp.comm import watchdog
-from nanoddp.launch import die_with_parent
+from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train.launcher.agent import AGENT_PID_VAR
 
 PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
@@ -183,6 +183,7 @@ def _main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     die_with_parent(int(os.environ.get(AGENT_PID_VAR, os.getppid())))  # even a SIGKILLed launcher takes us along
+    take_descendants_along()  # and what the script starts goes with us
     try:
         record(_main)()
     except KeyboardInterrupt:  # Ctrl-C on the launcher, forwarded by torchrun: it says so in one line

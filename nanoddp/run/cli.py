@@ -15,9 +15,10 @@ What it adds to plain `torchrun`:
 - one line at the end saying which rank failed first and why (the exception, the signal, or the
   watchdog's report) rather than torchrun's multi-line failure table;
 - workers that die with the launcher: SIGTERM or Ctrl-C stops them (torchrun forwards the signal)
-  and ends in one line and exit 128 + signal; a SIGKILLed launcher takes them along too (each
-  worker asks Linux for that, `nanoddp.launch.die_with_parent`), and its temp dir, named by its
-  pid, is removed by the next start (`nanoddp.tempdirs`);
+  and ends in one line and exit 128 + signal; a SIGKILLed launcher takes them along too, with
+  whatever they started (each worker asks Linux for that, `nanoddp.launch.die_with_parent`, and
+  leaves a guard over its process group, `take_descendants_along`), and its temp dir, named by
+  its pid, is removed by the next start (`nanoddp.tempdirs`);
 - a rank that exits 0 while others run on is named after `--finished-grace` seconds, or ends the
   job with `--fail-on-early-exit` (`nanoddp.run.finished`), instead of a silent hang.
 

@@ -41,7 +41,7 @@ from nanoddp.dataclass_cli import (
     config_from_args,
     load_config_file,
 )
-from nanoddp.launch import die_with_parent
+from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, filled, resolve_deprecated, validate
@@ -286,6 +286,7 @@ def worker_main(config: TrainConfig) -> int:
     env = nd.DistEnv.from_environ()
     # Die with the agent however it dies (SIGKILL included): no worker outlives its run.
     die_with_parent(int(os.environ.get(agent.AGENT_PID_VAR, os.getppid())))
+    take_descendants_along()  # and whatever this worker starts goes with it
     signals.install()  # SIGTERM/SIGINT: finish the step, snapshot it, exit 128 + signal
     _setup_worker_logging(env.rank, config.out)
     # The watchdog reports a stuck nanoddp collective after collective_timeout; torch's own

@@ -1,0 +1,217 @@
+"""Nothing outlives its launcher: SIGKILL the launcher of `nanoddp run`, `nanoddp train` or
+`nanoddp.launch` and every process of its job goes too, the ranks' own children included, and so
+do ranks that were still starting (importing torch) when the launcher died.
+
+SIGKILL runs no cleanup in the launcher, so whatever ends the job has to be arranged beforehand.
+Each test marks its job with a unique environment variable, which every process the job starts
+inherits, and finds the job's processes by it among all processes of the machine (psutil): a
+grandchild re-parented away from the launcher's tree is found too. Whatever is left is killed
+at the end, pass or fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+MARK = "NANODDP_ORPHAN_TEST"
+START_TIMEOUT_S = 90  # two ranks importing torch and joining the group, on a loaded 2-core machine
+GONE_WITHIN_S = 15  # running ranks: the kernel's death signal, then their guards sweep
+STARTING_GONE_WITHIN_S = 60  # ranks still importing torch notice the dead launcher once through
+
+# Each rank starts a child that would sleep for minutes, then writes READY/rank<r>.pid and holds.
+CHILD = """
+import os, subprocess, time
+def start_child_and_hold(rank, ready_dir):
+    subprocess.Popen(["sleep", "300"])
+    path = os.path.join(ready_dir, f"rank{rank}.pid")
+    open(path + ".tmp", "w").write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(300)
+"""
+
+RUN_SCRIPT = f"""{CHILD}
+import sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+start_child_and_hold(dist.get_rank(), sys.argv[1])
+"""
+
+LAUNCH_SCRIPT = f"""{CHILD}
+import sys
+import torch
+import nanoddp
+
+def rank_main(env, ready_dir):
+    torch.set_num_threads(1)
+    torch.distributed.all_reduce(torch.ones(1))
+    start_child_and_hold(env.rank, ready_dir)
+
+if __name__ == "__main__":
+    nanoddp.launch(rank_main, 2, args=(sys.argv[1],), backend="gloo", timeout=600)
+"""
+
+# `nanoddp train`'s workers run no user code; a library that starts a helper process when it is
+# imported (a metrics or profiling service) stands in for it: Python imports `sitecustomize`
+# from PYTHONPATH at start-up, and this one starts the child in torchrun's workers only.
+SITECUSTOMIZE = """
+import os, subprocess
+if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+    subprocess.Popen(["sleep", "300"])
+"""
+
+TINY_TRAIN = [
+    "--nproc", "2", "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2",
+    "--n-heads", "2", "--d-ff", "64", "--batch-size", "8", "--steps", "100000", "--warmup-steps", "1",
+    "--log-every", "1", "--snapshot-every", "0", "--eval-every", "0", "--no-progress",
+]  # fmt: skip
+
+
+def _marked(token: str) -> list[psutil.Process]:
+    """Every live process of the machine whose environment carries this job's mark."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, or not ours to read
+            if proc.environ().get(MARK) == token and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def _describe(procs: list[psutil.Process]) -> list[str]:
+    shown = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            shown.append(f"{proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())[:100]}")
+    return shown
+
+
+class Job:
+    """A launcher in its own session, its output in a file, its job marked by a unique token."""
+
+    def __init__(self, tmp_path: Path, argv: list[str], env: dict[str, str] | None = None):
+        self.token = uuid.uuid4().hex
+        self.ready_dir = tmp_path / "ready"
+        self.ready_dir.mkdir()
+        self.log = tmp_path / "launcher.log"
+        environ = {**os.environ, **(env or {}), MARK: self.token, "OMP_NUM_THREADS": "1"}
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=environ
+            )
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"{what} did not happen (launcher exit {self.proc.poll()}):\n{self.log.read_text()[-3000:]}"
+                )
+            time.sleep(0.05)
+
+    def ranks_ready(self) -> bool:
+        return all((self.ready_dir / f"rank{rank}.pid").exists() for rank in (0, 1))
+
+    def kill_launcher(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def left_after(self, within: float) -> list[str]:
+        """What of the job is still running once `within` seconds have passed (sooner if nothing)."""
+        deadline = time.monotonic() + within
+        while (left := _marked(self.token)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return _describe(left)
+
+    def kill_all(self) -> None:
+        """The test's own cleanup: the launcher's session and every marked process."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for proc in _marked(self.token):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _script(tmp_path: Path, text: str) -> list[str]:
+    """The script `text` as a file, and the argument it takes: the directory for ready files."""
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(text))
+    return [str(path), str(tmp_path / "ready")]
+
+
+def _sigkill_and_check(job: Job, within: float = GONE_WITHIN_S) -> None:
+    before = _describe(_marked(job.token))
+    job.kill_launcher()
+    left = job.left_after(within)
+    assert not left, f"{within:.0f} s after the launcher's SIGKILL still running: {left}; the job was: {before}"
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_nanoddp_run_takes_the_ranks_children_along(tmp_path):
+    job = Job(tmp_path, [sys.executable, "-m", "nanoddp", "run", "--nproc", "2", *_script(tmp_path, RUN_SCRIPT)])
+    try:
+        job.wait_for(job.ranks_ready, "both ranks starting their child")
+        _sigkill_and_check(job)
+    finally:
+        job.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_nanoddp_train_takes_the_workers_children_along(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "nanoddp", "train", *TINY_TRAIN, "--out", str(out)]
+    job = Job(tmp_path, argv, env={"PYTHONPATH": pythonpath})
+    log = out / "logs" / "rank0.log"
+    try:
+        job.wait_for(lambda: log.is_file() and " INFO " in log.read_text() and "step " in log.read_text(), "a step")
+        sleeps = [p for p in _marked(job.token) if p.name() == "sleep"]
+        assert len(sleeps) == 2, _describe(_marked(job.token))  # one child per worker
+        _sigkill_and_check(job)
+    finally:
+        job.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_launch_takes_the_ranks_children_along(tmp_path):
+    job = Job(tmp_path, [sys.executable, *_script(tmp_path, LAUNCH_SCRIPT)])
+    try:
+        job.wait_for(job.ranks_ready, "both ranks starting their child")
+        _sigkill_and_check(job)
+    finally:
+        job.kill_all()
+
+
+def _spawned_ranks(job: Job) -> int:
+    with contextlib.suppress(psutil.Error):
+        children = psutil.Process(job.proc.pid).children()
+        return sum("spawn_main" in " ".join(child.cmdline()) for child in children)
+    return 0
+
+
+@pytest.mark.timeout(240)
+def test_launch_killed_while_its_ranks_start_leaves_no_rank(tmp_path):
+    job = Job(tmp_path, [sys.executable, *_script(tmp_path, LAUNCH_SCRIPT)])
+    try:
+        job.wait_for(lambda: _spawned_ranks(job) == 2, "both ranks spawned")
+        assert not any(job.ready_dir.iterdir())  # still starting: importing torch, no group yet
+        _sigkill_and_check(job, within=STARTING_GONE_WITHIN_S)
+    finally:
+        job.kill_all()
