@@ -1,4 +1,5 @@
-"""Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`), notebook recovery and its test harness."""
+"""Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`), `nanoddp.launch`, notebook recovery and its
+test harness."""
 
 from __future__ import annotations
 
@@ -19,6 +20,20 @@ FAULTS = (
         "  # even a SIGKILLed launcher takes us along",
         "    pass",
         ("tests/reliability/test_run_lifecycle.py", "-k", "sigkilled"),
+    ),
+    Mutation(
+        "nanoddp run: what a rank started outlives a SIGKILLed launcher",
+        "nanoddp/run/bootstrap.py",
+        "    take_descendants_along()  # and what the script starts goes with us",
+        "    pass",
+        ("tests/reliability/test_orphans.py", "-k", "nanoddp_run"),
+    ),
+    Mutation(
+        "launch: ranks do not die with their launcher",
+        "nanoddp/launch.py",
+        "    die_with_parent(parent_pid)  # the launcher may have died while this rank imported torch",
+        "    pass",
+        ("tests/reliability/test_orphans.py", "-k", "while_its_ranks_start"),
     ),
     Mutation(
         "nanoddp run: Ctrl-C gives a traceback per rank",
