@@ -97,6 +97,20 @@ FAULTS = (
         ("tests/reliability/test_trainer_ownership.py", "-k", "symlink"),
     ),
     Mutation(
+        "sharded save: a second writer to one path not refused",
+        "nanoddp/train/checkpoint/shard_files.py",
+        "            if fd is None:\n                refusal = (",
+        "            if False:\n                refusal = (",
+        ("tests/reliability/test_concurrent_saves.py",),
+    ),
+    Mutation(
+        "sharded save: a killed rank's temporary shard file never removed",
+        "nanoddp/train/checkpoint/shard_files.py",
+        '    leftovers += target.parent.glob(f".{name}.*.rank*-of-*{atomic.TEMP_MARK}*")  # a killed rank\'s shard\n',
+        "",
+        ("tests/reliability/test_concurrent_saves.py",),
+    ),
+    Mutation(
         "atomic writer: an existing temp name opened through its link",
         "nanoddp/train/checkpoint/atomic.py",
         "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import os
 import secrets
@@ -137,6 +138,24 @@ def open_private(path: str | Path, flags: int) -> int:
     assert fd is not None  # every other outcome raised above
     os.set_blocking(fd, True)
     return fd
+
+
+def try_lock(path: str | Path) -> tuple[int | None, str]:
+    """Take an exclusive `flock` on the lock file `path` (created through no link) for as long as
+    the returned descriptor stays open, or the holder's own process dies: (descriptor, "").
+    Held by another process: (None, what the holder wrote in it, "pid <n>")."""
+    fd = open_private(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return None, f"pid {holder}"
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd, ""
 
 
 def append_text(path: str | Path, text: str) -> None:

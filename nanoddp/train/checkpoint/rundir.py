@@ -18,8 +18,6 @@ different configuration. This module prevents each of those:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -29,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from nanoddp.train.checkpoint.atomic import open_private
+from nanoddp.train.checkpoint.atomic import try_lock
 
 logger = logging.getLogger(__name__)
 
@@ -82,20 +80,12 @@ def lock_run_dir(out: str | Path) -> int:
     a `.lock` that is a symlink or not a regular file is a ValueError (`atomic.open_private`: a
     planted `.lock -> ~/.bashrc` would otherwise be truncated and overwritten with our pid).
     """
-    fd = open_private(Path(out) / LOCK_NAME, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
+    fd, holder = try_lock(Path(out) / LOCK_NAME)
+    if fd is None:
         raise RunDirBusy(
-            f"run directory {out} is in use by another run (pid {holder}); wait for it to finish, "
+            f"run directory {out} is in use by another run ({holder}); wait for it to finish, "
             "stop it, or choose another --out"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+        )
     return fd
 
 

@@ -16,32 +16,91 @@ refused with one line naming it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
+import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.checkpoint import atomic, snapshot
 from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)
+
+
+class SaveInProgress(RuntimeError):
+    """Another sharded save to the same path holds its lock."""
+
 
 # An error raised on one rank is raised as the same class on the others (else RuntimeError).
 SAME_ON_EVERY_RANK = {
     kind.__name__: kind
     for kind in (TypeError, ValueError, KeyError, OSError, FileNotFoundError, RuntimeError, snapshot.SnapshotError)
+    + (SaveInProgress, atomic.UnsafePath)
 }
 
 
-def new_token() -> str:
-    """A token naming this save's shard files, the same on every rank (rank 0's; collective)."""
-    box = [secrets.token_hex(4)]
+def lock_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def begin_save(target: Path) -> tuple[str, int | None]:
+    """Collective: (the token naming this save's shard files, the same on every rank; rank 0's
+    descriptor of the save lock, None elsewhere), or the same error on every rank.
+
+    [Note: one sharded writer per path] Each save removes the shard files of `target` that its
+    manifest does not list (the replaced manifest's, a killed save's). Two jobs saving to one path
+    at once would remove each other's fresh files and both report success for checkpoints that no
+    longer load, so rank 0 holds `.<name>.lock` beside `target` from here to `end_save`, and a
+    second job's save is refused at once instead. The lock file stays: removing it would let a
+    waiter and a newcomer hold two different files' locks."""
+    fd, refusal = None, None
+    if not distributed() or dist.get_rank() == 0:
+        try:
+            fd, holder = atomic.try_lock(lock_name(target))
+            if fd is None:
+                refusal = (SaveInProgress.__name__, f"another save to {target} is in progress ({holder}, holding "
+                           f"{lock_name(target).name}); two jobs saving to one path would delete each other's "
+                           "shard files: wait for it, or save to another path")  # fmt: skip
+        except (ValueError, OSError) as exc:  # a planted link as the lock file; a read-only directory
+            refusal = (type(exc).__name__, str(exc))
+    box = [(secrets.token_hex(4), refusal)]
     if distributed():
         dist.broadcast_object_list(box, src=0)
-    return box[0]
+    token, refusal = box[0]
+    if refusal is not None:
+        raise SAME_ON_EVERY_RANK.get(refusal[0], RuntimeError)(refusal[1])
+    return token, fd
+
+
+@contextlib.contextmanager
+def replacing_sharded(target: Path) -> Iterator[None]:
+    """Around rank 0's write of an unsharded save: where `target` has shard files (it was saved
+    sharded, or a sharded save was killed), hold the save lock and remove them after the write."""
+    if not any(target.parent.glob(f"{glob.escape(target.name)}.*.rank*-of-*")):
+        yield
+        return
+    fd, holder = atomic.try_lock(lock_name(target))
+    if fd is None:
+        raise SaveInProgress(
+            f"another save to {target} is in progress ({holder}): wait for it, or save to another path"
+        )
+    try:
+        yield
+        remove_unlisted(target, set())
+    finally:
+        end_save(fd)
+
+
+def end_save(lock_fd: int | None) -> None:
+    """Release the save lock `begin_save` took (rank 0; a no-op elsewhere)."""
+    if lock_fd is not None:
+        os.close(lock_fd)
 
 
 def shard_name(target: Path, token: str, rank: int, world_size: int) -> str:
@@ -99,10 +158,15 @@ def agree(error: BaseException | None) -> None:
 
 def remove_unlisted(target: Path, keep: set[str]) -> None:
     """Delete `target`'s shard files that `keep` (the new manifest's) does not list: those of
-    the manifest it replaced, or of a save that failed. Best effort: a leftover costs space only."""
-    for path in target.parent.glob(f"{glob.escape(target.name)}.*.rank*-of-*"):
-        if path.name not in keep:
-            try:
-                path.unlink()
-            except OSError as exc:
-                logger.warning("could not remove old shard file %s: %s", path, exc)
+    the manifest it replaced, or of a save that failed or was killed, and the temporary files of
+    a killed save. Called under the save lock (`begin_save`), so no other save's files are live.
+    Best effort: a leftover costs space only."""
+    name = glob.escape(target.name)
+    leftovers = [p for p in target.parent.glob(f"{name}.*.rank*-of-*") if p.name not in keep]
+    leftovers += target.parent.glob(f".{name}.*.rank*-of-*{atomic.TEMP_MARK}*")  # a killed rank's shard
+    leftovers += [p for p in target.parent.glob(f".{name}{atomic.TEMP_MARK}*") if atomic.is_stale_temp(p)]
+    for path in leftovers:
+        try:
+            path.unlink()
+        except OSError as exc:
+            logger.warning("could not remove old shard file %s: %s", path, exc)

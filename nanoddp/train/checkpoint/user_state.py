@@ -222,11 +222,20 @@ def save_state(path: str | Path, **objects: Any) -> Path:
 
 def save_objects(target: Path, objects: dict[str, Any]) -> Path:
     """`save_state` into file `target`, without its log line (the Trainer's snapshot companions)."""
-    rank, world_size = _rank(), _world_size()
-    rng = snapshot.capture_rng_state()
     modules, registry, kinds = _classify(objects)
     shards = [name for name, kind in kinds.items() if kind in sharded.KINDS]
-    token = shard_files.new_token() if shards else None
+    token, lock_fd = shard_files.begin_save(target) if shards else ("", None)
+    try:
+        return _save_locked(target, objects, (modules, registry, kinds), shards, token)
+    finally:
+        shard_files.end_save(lock_fd)
+
+
+def _save_locked(target: Path, objects: dict[str, Any], classified, shards: list[str], token: str) -> Path:
+    """`save_objects` once the save lock is held."""
+    rank, world_size = _rank(), _world_size()
+    modules, registry, kinds = classified
+    rng = snapshot.capture_rng_state()
     saved = {
         name: {"kind": kinds[name], "state": _capture(obj, kinds[name], rank == 0)}
         for name, obj in objects.items()
@@ -243,24 +252,7 @@ def save_objects(target: Path, objects: dict[str, Any]) -> Path:
     if rank == 0:
         try:
             assert reports is not None  # rank 0 gathered every rank's report
-            _check_reports(reports)
-            for name in shards:
-                sharded.merge(name, layouts[name], [r[2]["pieces"][name] for r in reports])
-                saved[name] = {"kind": kinds[name], "state": layouts[name]}
-            for name, entry in saved.items():
-                where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
-                entry["state"] = _loadable(entry["state"], where)
-            state: dict[str, Any] = {
-                "format": FORMAT,
-                "objects": saved,
-                "rng": [r[0] for r in reports],
-                "world_size": world_size,
-            }
-            if shards:
-                state["format"] = FORMAT_SHARDED
-                state["shards"] = [{"file": r[2]["file"], "sha256": r[2]["sha256"]} for r in reports]
-            snapshot.save(target, state)
-            shard_files.remove_unlisted(target, {entry["file"] for entry in state.get("shards", [])})
+            _write_manifest(target, saved, reports, shards, layouts, kinds)
         except Exception as exc:  # every rank raises it, rather than wait for rank 0
             outcome, error = [(type(exc).__name__, str(exc))], exc
     if distributed():  # nobody returns (and maybe loads) before the file exists
@@ -270,6 +262,32 @@ def save_objects(target: Path, objects: dict[str, Any]) -> Path:
             own_file.unlink(missing_ok=True)  # no manifest lists it
         raise error if error is not None else SAME_ON_EVERY_RANK.get(outcome[0][0], RuntimeError)(outcome[0][1])
     return target
+
+
+def _write_manifest(target: Path, saved: dict, reports: list[Any], shards: list[str], layouts: dict, kinds: dict):
+    """Rank 0: check every rank's report, write the file, remove what it no longer lists."""
+    _check_reports(reports)
+    for name in shards:
+        sharded.merge(name, layouts[name], [r[2]["pieces"][name] for r in reports])
+        saved[name] = {"kind": kinds[name], "state": layouts[name]}
+    for name, entry in saved.items():
+        where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
+        entry["state"] = _loadable(entry["state"], where)
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "objects": saved,
+        "rng": [r[0] for r in reports],
+        "world_size": len(reports),
+    }
+    if shards:
+        state["format"] = FORMAT_SHARDED
+        state["shards"] = [{"file": r[2]["file"], "sha256": r[2]["sha256"]} for r in reports]
+    if shards:  # under the save lock since `begin_save`
+        snapshot.save(target, state)
+        shard_files.remove_unlisted(target, {entry["file"] for entry in state["shards"]})
+        return
+    with shard_files.replacing_sharded(target):  # a whole save over a sharded one: lock, remove its files
+        snapshot.save(target, state)
 
 
 def _classify(objects: dict[str, Any]) -> tuple[dict[str, torch.nn.Module], sharded.Registry, dict[str, str]]:
