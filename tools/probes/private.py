@@ -1,5 +1,6 @@
 """Probes 5.x, private by default: nothing `nanoddp train`, `nanoddp.init()`, a user's script
-under `nanoddp run` or the notebook's workers start listens beyond loopback.
+under `nanoddp run` or the notebook's workers start listens beyond loopback, also where the
+hostname resolves to the machine's network address.
 
 Sockets are read from outside (psutil on the worker pids), as another user of the host would
 see them, while the job is up and its gloo pairs are connected.
@@ -27,6 +28,7 @@ from .context import (
 from .jobs import LOOP, Job
 from .observe import LOOPBACK, ip_of, listening
 from .registry import probe
+from .verdicts import pytest_row
 
 
 @probe(
@@ -131,3 +133,16 @@ def notebook_workers_listen_on_loopback(ctx: Ctx) -> tuple[bool, str]:
         sockets[f"worker rank {rank}"] = listening(psutil.Process(pid))
     run.kill()
     return loopback_verdict(sockets, len(pids))
+
+
+@probe(
+    "5.5",
+    "every single-node launcher (`nanoddp train`, `nanoddp run`, `launch`, `notebook_launch`, the notebook's "
+    "pool) where the hostname resolves to the network address (tests/reliability/test_loopback.py, unshare)",
+    "pytest -k whatever_the_hostname passes: every listening socket of every process on 127.0.0.1 / ::1",
+)
+def launchers_listen_on_loopback_whatever_the_hostname(ctx: Ctx) -> tuple[bool | None, str]:
+    ok, outcome = pytest_row(ctx, "tests/reliability/test_loopback.py", "-rs", "-k", "whatever_the_hostname")
+    if ok and "passed" not in outcome:  # skipped: no root, no unshare or no network address here
+        return None, outcome
+    return ok, outcome

@@ -33,6 +33,7 @@ FAMILIES = (
     "saved_state",
     "sharded_state",
     "trainer_ownership",
+    "orphans",
 )
 for family in FAMILIES:
     importlib.import_module(f"{__package__}.{family}")
