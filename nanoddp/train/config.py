@@ -69,6 +69,9 @@ class TrainConfig:
     """AdamW weight decay (matrices only)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this after averaging (0 = off)."""
+    on_nan: Literal["stop", "skip"] = "stop"
+    """A NaN or inf loss on any rank: stop every rank before that step's update, with one line
+    naming the step and the ranks (exit non-zero), or skip that step's update on every rank."""
     seed: int = 1337
     """Seed for weights, data order and per-rank RNG streams."""
     amp: Literal["off", "bf16", "fp16"] = "off"

@@ -63,7 +63,7 @@ def format_log_line(record: dict[str, Any]) -> str:
     (90 % hidden)` (times per step)."""
     parts = [
         f"step {record['step']}",
-        f"loss {record['loss']:.4f}",
+        "loss skipped" if record["loss"] is None else f"loss {record['loss']:.4f}",
         f"lr {record['lr']:.1e}",
         f"{record['step_time_s'] * 1e3:.1f} ms",
         f"{_si(record['samples_per_s'])} samples/s",
@@ -120,6 +120,7 @@ class Window:
     def __init__(self, start_step: int):
         self.start_step = start_step
         self.steps = 0
+        self.loss_steps = 0  # steps whose loss counts: a skipped step's (non-finite) does not
         self.loss_sum = torch.zeros(())
         self.started = time.perf_counter()
         self.paused_s = 0.0
@@ -132,9 +133,12 @@ class Window:
         finally:
             self.paused_s += time.perf_counter() - started
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
+    def add_loss(self, loss: torch.Tensor | None) -> None:
+        """One step done, with its loss (None: a step whose update was skipped, see step_check)."""
         self.steps += 1
+        if loss is not None:
+            self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
+            self.loss_steps += 1
 
     def elapsed_s(self) -> float:
         return max(time.perf_counter() - self.started - self.paused_s, 1e-9)

@@ -3,7 +3,7 @@
 A scheduler's preemption (SIGTERM) or Ctrl-C (SIGINT) reaches the `nanoddp train` agent, which
 forwards it to every worker. A worker must not die mid-step (losing up to `snapshot_every` steps)
 nor stop alone (its peers would wait in the next collective). So the handler only records the
-signal; after each optimizer step the ranks all-reduce (MAX) the recorded signal number, and if
+signal; at each step the ranks all-reduce (MAX) the recorded signal number, and if
 any rank got one, all stop after that same step, write a snapshot there, and exit with
 128 + signal. A second signal on a rank means "now": it exits at once.
 """
@@ -13,11 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-
-import torch
-import torch.distributed as dist
-
-from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +51,10 @@ def uninstall() -> None:
     _state.update(installed=False, signum=0)
 
 
-def agreed_stop(device: torch.device) -> int:
-    """The signal any rank received (0: none). A collective while installed: call it on every
-    rank after the same step, so all ranks see the same answer and stop at the same step."""
-    if not _state["installed"]:
-        return 0
-    flag = torch.tensor([_state["signum"]], dtype=torch.int32, device=device)  # (1,)
-    if distributed():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+def pending() -> int:
+    """The signal this rank received (0: none, or not installed). The ranks agree on it in the
+    step's one check (`step_check.agree`), so all see the same answer and stop at the same step."""
+    return _state["signum"] if _state["installed"] else 0
 
 
 def interrupt_line(step: int | None, saved_on_signal: bool) -> str:

@@ -18,13 +18,12 @@ them. What the tutorial version lacks and this one has:
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,10 +34,10 @@ from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
-from nanoddp.train import signals
+from nanoddp.train import evaluation, signals, step_check
 from nanoddp.train.checkpoint import atomic, companion, optim_state, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
-from nanoddp.train.data.batches import batch_len, batch_loss_for
+from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import SHARDED_ENGINES, build_engine
@@ -151,7 +150,8 @@ class Trainer:
             collate_fn=self.collate_fn,
             generator=torch.Generator().manual_seed(config.seed),
         )
-        self.step = 0
+        self.step, self._signum = 0, 0  # the stop signal the ranks agreed on at the last step
+        self._last_step_finite, self._newest_finite_snapshot = True, cast(int | None, None)  # prune keeps that one
         self._companion: tuple[Path, dict] | None = None  # set by resume, loaded after the engine
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
         self.resumed_from = self._maybe_resume()
@@ -223,9 +223,12 @@ class Trainer:
             "run_id": self.run_id,
             "fingerprint": rundir.fingerprint(to_dict(self.config)),
             "interrupted": interrupted,
+            "loss_finite": self._last_step_finite,
         }
         snapshot.save(path, state)
-        snapshot.prune(directory, self.config.keep_snapshots)
+        if self._last_step_finite:
+            self._newest_finite_snapshot = self.step
+        snapshot.prune(directory, self.config.keep_snapshots, protect=self._newest_finite_snapshot)
         logger.debug("snapshot %s", path)
 
     def _load_snapshot(self, state: dict[str, Any], path: Path) -> None:
@@ -246,6 +249,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
+        self._newest_finite_snapshot = self.step if state.get("loss_finite", True) else None
         saved = state["rng"]
         if len(saved) == self.env.world_size:
             snapshot.restore_rng_state(saved[self.env.rank])
@@ -280,24 +284,39 @@ class Trainer:
         self.sampler.advance(self.micro_batch)
         return loss.detach().float()
 
-    def _run_step(self, batches: Iterator) -> torch.Tensor:
-        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss."""
+    def _run_step(self, batches: Iterator) -> torch.Tensor | None:
+        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss, or
+        None when a non-finite loss on some rank made every rank skip the update (`--on-nan skip`)."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.env.device)
         for micro in range(self.config.grad_accum):
             batch = move_to(next(batches), self.env.device, non_blocking=True)
             total += self._run_batch(batch, sync=micro == self.config.grad_accum - 1)
-        if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
-            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
-            self.engine.clip_grad_norm_(self.config.grad_clip)
-        with region("optimizer step"):
-            self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
-            self.scaler.update()
+        verdict = step_check.agree(total, signals.pending(), self.env)  # the step's one agreement
+        self._signum, self._last_step_finite = verdict.signum, not verdict.nonfinite_ranks
+        if verdict.nonfinite_ranks:
+            self._skip_nonfinite(verdict.nonfinite_ranks)
+        else:
+            if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
+                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
+                self.engine.clip_grad_norm_(self.config.grad_clip)
+            with region("optimizer step"):
+                self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
+                self.scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
         self.engine.end_step()
         self.step += 1
-        return total / self.config.grad_accum
+        return None if verdict.nonfinite_ranks else total / self.config.grad_accum
+
+    def _skip_nonfinite(self, ranks: tuple[int, ...]) -> None:
+        """A NaN/inf loss on `ranks`: stop on every rank (`--on-nan stop`), or log and skip the update."""
+        if self.config.on_nan == "stop":
+            raise step_check.NonFiniteLoss(step_check.stop_line(self.step + 1, ranks))
+        if self.metrics is not None:
+            logger.warning("%s", step_check.skip_line(self.step + 1, ranks))
+            event = {"event": "nonfinite_loss", "step": self.step + 1, "ranks": list(ranks), "action": "skipped"}
+            self.metrics.write({**event, "world_size": self.env.world_size})
 
     def fit(self) -> dict[str, Any]:
         """Train to `steps`, resuming first if the run directory holds a snapshot; returns the
@@ -328,15 +347,8 @@ class Trainer:
         batches = self._batches()
         self.module.train()
         progress = self._progress_bar(end)
-        logger.info(
-            "training %s on %d rank(s), engine %s, %d CPU thread(s) per rank, steps %d-%d",
-            cfg.model,
-            self.env.world_size,
-            cfg.engine,
-            self.threads,
-            self.step,
-            end,
-        )
+        logger.info("training %s on %d rank(s), engine %s, %d CPU thread(s) per rank, steps %d-%d",
+                    cfg.model, self.env.world_size, cfg.engine, self.threads, self.step, end)  # fmt: skip
         window = Window(self.step)
         with redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
@@ -354,9 +366,8 @@ class Trainer:
                 if final or _every(self.step, cfg.snapshot_every):
                     with window.paused():
                         self._save_snapshot()
-                signum = 0 if final else signals.agreed_stop(self.env.device)  # a collective
-                if signum:
-                    self._stop_interrupted(signum)
+                if self._signum and not final:  # agreed by every rank in the step's check
+                    self._stop_interrupted(self._signum)
             progress.close()
         if self.step >= cfg.steps:
             self._export_final_model()
@@ -379,7 +390,7 @@ class Trainer:
 
     def _log(self, window: Window, val_loss: float | None) -> dict[str, Any]:
         """Global mean loss and throughput over the steps since the last log (a collective)."""
-        stats = torch.stack([window.loss_sum, torch.tensor(float(window.steps), device=self.env.device)])
+        stats = torch.stack([window.loss_sum, torch.tensor(float(window.loss_steps), device=self.env.device)])
         all_reduce_sum(stats)
         steps = max(window.steps, 1)
         train_s = window.elapsed_s()
@@ -387,7 +398,7 @@ class Trainer:
         step_time = train_s / steps
         record = {
             "step": self.step,
-            "loss": (stats[0] / stats[1]).item(),
+            "loss": (stats[0] / stats[1]).item() if stats[1] > 0 else None,  # None: every step skipped
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": step_time,
             "samples_per_s": self.config.batch_size / step_time,
@@ -407,38 +418,23 @@ class Trainer:
 
     # --- evaluation and export --------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over every rank's shard (a collective; ranks may hold unequal
-        shards, so each sums loss x count and the sums are all-reduced). None: no eval set."""
-        dataset = self.val_set
-        if dataset is None:
+        """Mean validation loss over every rank's shard (a collective, `evaluation.mean_loss`). None: no eval set."""
+        if self.val_set is None:
             return None
-        if self.config.eval_samples:
-            dataset = Subset(dataset, range(min(self.config.eval_samples, len(dataset))))
-        shard = Subset(dataset, range(self.env.rank, len(dataset), self.env.world_size))
-        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # (loss sum, count)
-        self.module.eval()
-        batch_size, forwards = max(self.micro_batch, 16), 0
-        for batch in DataLoader(shard, batch_size=batch_size, collate_fn=self.collate_fn):
-            batch, count = move_to(batch, self.env.device), batch_len(batch)
-            with self._autocast():
-                loss = self.batch_loss(self.module, batch)  # the bare model: no DDP collectives
-            totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=totals.device)
-            forwards += 1
-        if self.engine.sharded:  # every forward all-gathers: each rank must run as many as the most
-            most = math.ceil(math.ceil(len(dataset) / self.env.world_size) / batch_size)
-            filler = move_to(self.collate_fn([dataset[0]]), self.env.device)
-            for _ in range(most - forwards):
-                self.batch_loss(self.module, filler)  # result unused
-        self.module.train()
-        all_reduce_sum(totals)
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        dataset, limit = self.val_set, self.config.eval_samples
+        if limit:
+            dataset = Subset(dataset, range(min(limit, len(dataset))))
+        return evaluation.mean_loss(
+            self.module, dataset, self.env, batch_size=max(self.micro_batch, 16), batch_loss=self.batch_loss,
+            collate_fn=self.collate_fn, autocast=self._autocast, sharded=self.engine.sharded,
+        )  # fmt: skip
 
     def _export_final_model(self) -> None:
         """`model.pt`: a plain state_dict of the bare model (no `module.` prefix), written by rank 0
         (every rank takes part in gathering it for sharded engines)."""
         model_state = self.engine.state_dict()
+        step_check.refuse_nonfinite_export(model_state, self.step, self.env)  # same error on every rank
         if not self.env.is_master:
             return
         atomic.atomic_torch_save(self.run_dir / "model.pt", model_state)

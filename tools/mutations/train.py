@@ -128,8 +128,8 @@ FAULTS = (
         "trainer fp16: clipping before unscaling",
         "nanoddp/train/trainer.py",
         "self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)\n"
-        "            self.engine.clip_grad_norm_(self.config.grad_clip)",
-        "self.engine.clip_grad_norm_(self.config.grad_clip)\n            self.scaler.unscale_(self.optimizer)",
+        "                self.engine.clip_grad_norm_(self.config.grad_clip)",
+        "self.engine.clip_grad_norm_(self.config.grad_clip)\n                self.scaler.unscale_(self.optimizer)",
         ("tests/multiproc/test_trainer_faults.py", "-k", "fp16"),
     ),
     Mutation(
@@ -141,7 +141,7 @@ FAULTS = (
     ),
     Mutation(
         "sharded evaluation: filler forwards skipped (caught as a hang)",
-        "nanoddp/train/trainer.py",
+        "nanoddp/train/evaluation.py",
         "for _ in range(most - forwards):",
         "for _ in range(0):",
         ("tests/multiproc/test_trainer_faults.py", "-k", "sharded_eval"),
@@ -149,8 +149,8 @@ FAULTS = (
     Mutation(
         "config fingerprint: seed ignored",
         "nanoddp/train/checkpoint/rundir.py",
-        '        "grad_accum",\n    }',
-        '        "grad_accum",\n        "seed",\n    }',
+        '        "on_nan",\n    }',
+        '        "on_nan",\n        "seed",\n    }',
         ("tests/multiproc/test_trainer_faults.py", "-k", "seed"),
     ),
     Mutation(

@@ -55,6 +55,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "zero",
         "compile",
         "grad_accum",
+        "on_nan",
     }
 )
 

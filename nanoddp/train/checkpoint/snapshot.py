@@ -150,13 +150,14 @@ def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -
     return None
 
 
-def prune(directory: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` snapshots, with their companion files (and those of a
-    sharded save whose snapshot was never written); return the deleted paths."""
+def prune(directory: str | Path, keep: int, protect: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep` snapshots and snapshot `protect` (the newest whose loss was
+    finite: newer ones may all hold a skipped, non-finite stretch), with their companion files
+    (and those of a sharded save whose snapshot was never written); return the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     directory = Path(directory)
-    kept = {step for step, _ in list_snapshots(directory)[:keep]}
+    kept = {step for step, _ in list_snapshots(directory)[:keep]} | ({protect} if protect is not None else set())
     removed = []
     for path in sorted(directory.glob("step-*.*")) if directory.is_dir() else []:
         step = STEP_FILE_RE.match(path.name)
