@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 
 import nanoddp
 from nanoddp.env import DistEnv
+from nanoddp.train import step_check
 from nanoddp.train.checkpoint import snapshot
 
 NAN_FROM_STEP = 3
@@ -106,3 +107,12 @@ def test_skip_drops_every_nan_update_and_pruning_keeps_the_last_finite_snapshot(
     assert [(e["step"], e["ranks"], e["action"]) for e in events] == [(s, [1], "skipped") for s in range(3, 9)]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}  # a step's log: its loss, None when skipped
     assert all(losses[step] is not None for step in (1, 2)) and all(losses[step] is None for step in range(3, 9))
+
+
+def test_model_pt_is_refused_from_a_nonfinite_state():
+    """The last guard: a state that went non-finite with finite losses (an inf gradient) is no model.pt."""
+    env = DistEnv.single_process("gloo")
+    state = {"w": torch.ones(2), "b": torch.tensor([0.0, float("inf")]), "count": torch.tensor(3)}
+    with pytest.raises(step_check.NonFiniteLoss, match=r"^model\.pt not written: b hold NaN or inf after step 7$"):
+        step_check.refuse_nonfinite_export(state, 7, env)
+    step_check.refuse_nonfinite_export({"w": torch.ones(2), "count": torch.tensor(3)}, 7, env)  # finite: written

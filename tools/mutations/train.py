@@ -97,6 +97,27 @@ FAULTS = (
         ("tests/reliability/test_trainer_ownership.py", "-k", "symlink"),
     ),
     Mutation(
+        "non-finite loss: a rank's flag never raised",
+        "nanoddp/train/step_check.py",
+        "flags[1 + env.rank] = (~torch.isfinite(loss)).any().int()",
+        "flags[1 + env.rank] = 0",
+        ("tests/multiproc/test_nonfinite_loss.py", "-k", "stop"),
+    ),
+    Mutation(
+        "non-finite loss: pruning deletes the newest finite snapshot",
+        "nanoddp/train/checkpoint/snapshot.py",
+        " | ({protect} if protect is not None else set())",
+        "",
+        ("tests/multiproc/test_nonfinite_loss.py", "-k", "skip"),
+    ),
+    Mutation(
+        "non-finite loss: model.pt written from a NaN state",
+        "nanoddp/train/step_check.py",
+        "bad = [k for k, v in floats.items() if not v.isfinite().all()]",
+        "bad = [k for k, v in floats.items() if False]",
+        ("tests/multiproc/test_nonfinite_loss.py", "-k", "refused"),
+    ),
+    Mutation(
         "sharded save: a second writer to one path not refused",
         "nanoddp/train/checkpoint/shard_files.py",
         "            if fd is None:\n                refusal = (",
