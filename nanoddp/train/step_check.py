@@ -62,9 +62,8 @@ def refuse_nonfinite_export(model_state: dict[str, torch.Tensor], step: int, env
     that `model.pt` is never written from a broken state (collective)."""
     bad: list[str] | None = None
     if env.is_master:
-        bad = [
-            k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()
-        ]
+        floats = {k: v for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()}
+        bad = [k for k, v in floats.items() if not v.isfinite().all()]
     bad = broadcast_from_master(bad, env)
     if bad:
         raise NonFiniteLoss(f"model.pt not written: {', '.join(bad[:5])} hold NaN or inf after step {step}")
