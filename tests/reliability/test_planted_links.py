@@ -9,6 +9,7 @@ target (the "victim", a file outside the directory) is untouched.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -25,6 +26,8 @@ from torch.utils.data import TensorDataset
 import nanoddp
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import atomic, snapshot
+from nanoddp.train.launcher import agent
+from nanoddp.train.launcher import cli as launcher_cli
 from nanoddp.train.metrics import MetricsLogger
 
 VICTIM_TEXT = "export PATH=$HOME/bin:$PATH  # the victim's own file\n"
@@ -178,3 +181,16 @@ def test_a_full_disk_names_the_file(tmp_path):
 def test_a_read_only_directory_names_the_file(tmp_path):
     line = _in_private_tmpfs("ro", 4, tmp_path)
     assert line.startswith("OSError: [Errno 30] cannot write ") and "ckpt/state.pt: Read-only" in line, line
+
+
+def test_a_workers_log_planted_as_a_link_is_refused(tmp_path, victim):
+    """OUT/logs/rank<r>.log, where `nanoddp train`'s workers log everything: appended through no link."""
+    out = tmp_path / "run"
+    _plant(agent.rank_log(out, 0), victim)
+    root_handlers = logging.getLogger().handlers[:]
+    try:
+        with pytest.raises(ValueError, match=r"rank0\.log is a symbolic link, not a regular file.*never followed"):
+            launcher_cli._setup_worker_logging(0, str(out))
+    finally:
+        logging.getLogger().handlers[:] = root_handlers
+    assert victim.read_text() == VICTIM_TEXT

@@ -43,7 +43,7 @@ from nanoddp.dataclass_cli import (
 )
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import signals
-from nanoddp.train.checkpoint import rundir
+from nanoddp.train.checkpoint import atomic, rundir
 from nanoddp.train.config import TrainConfig, filled, resolve_deprecated, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
@@ -270,7 +270,8 @@ def _setup_worker_logging(rank: int, out: str | None) -> None:
     if out is not None:
         path = agent.rank_log(out, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(path)
+        # through no planted link: the run directory may be shared (atomic.open_private)
+        file_handler = logging.StreamHandler(os.fdopen(atomic.open_private(path, os.O_WRONLY | os.O_APPEND), "a"))
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(file_handler)
         _RANK_LOG["path"] = path
@@ -401,8 +402,7 @@ def worker_entry() -> int:
         error_handler.record_exception(exc)
         if "path" not in _RANK_LOG:
             raise
-        with open(_RANK_LOG["path"], "a") as log:
-            log.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        atomic.append_text(_RANK_LOG["path"], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         return 1
 
 
