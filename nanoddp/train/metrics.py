@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.train.checkpoint.atomic import append_text, atomic_write_bytes
+from nanoddp.train.checkpoint.atomic import append_text, atomic_write_bytes, open_private
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +95,11 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step`: a resumed run re-does those steps and logs them again."""
-        if not self.path.exists():
+        if not self.path.exists() and not self.path.is_symlink():
             return
-        lines = self.path.read_text().splitlines(keepends=True)
+        fd = open_private(self.path, os.O_RDONLY)  # a planted link is refused, not read
+        with os.fdopen(fd) as fh:
+            lines = fh.read().splitlines(keepends=True)
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
         if len(kept) != len(lines):
             atomic_write_bytes(self.path, "".join(kept).encode())

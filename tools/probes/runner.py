@@ -34,6 +34,7 @@ FAMILIES = (
     "sharded_state",
     "trainer_ownership",
     "orphans",
+    "hostile_writes",
 )
 for family in FAMILIES:
     importlib.import_module(f"{__package__}.{family}")

@@ -131,10 +131,7 @@ def open_private(path: str | Path, flags: int) -> int:
     if kind is not None:
         if fd is not None:
             os.close(fd)
-        raise UnsafePath(
-            f"{path} is {kind}, not a regular file, and is never followed or written through: remove it "
-            "(nanoddp creates it) or choose another location"
-        )
+        raise _unsafe(path, kind)
     assert fd is not None  # every other outcome raised above
     os.set_blocking(fd, True)
     return fd
@@ -156,6 +153,25 @@ def try_lock(path: str | Path) -> tuple[int | None, str]:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd, ""
+
+
+def _unsafe(path: Path, kind: str) -> UnsafePath:
+    return UnsafePath(
+        f"{path} is {kind}, not a regular file, and is never followed or written through: remove it "
+        "(nanoddp creates it) or choose another location"
+    )
+
+
+def refuse_planted(path: str | Path) -> None:
+    """Raise `UnsafePath` if `path` exists as anything but a regular file (a link included): the
+    launcher's early look at the files a run appends to in place, before any worker starts."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    kind = "a symbolic link" if stat.S_ISLNK(mode) else file_kind(mode)
+    if kind is not None:
+        raise _unsafe(Path(path), kind)
 
 
 def append_text(path: str | Path, text: str) -> None:

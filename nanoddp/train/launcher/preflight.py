@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanoddp.dataclass_cli import to_dict
-from nanoddp.train.checkpoint import companion, rundir
+from nanoddp.train.checkpoint import atomic, companion, rundir
 from nanoddp.train.config import TrainConfig, build_model, filled
 from nanoddp.train.data.datasets import DataSpec
 
@@ -35,6 +35,9 @@ def check_out_dir(out: str | Path) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"--out {out} is not writable ({exc.strerror}); choose another directory") from None
+    # appended to in place (everything else is written by an atomic rename, never through a link)
+    for appended in [out / "metrics.jsonl", *sorted((out / "logs").glob("rank*.log"))]:
+        atomic.refuse_planted(appended)
 
 
 def check_shapes(state: dict[str, Any], model: torch.nn.Module, path: str | Path) -> None:
