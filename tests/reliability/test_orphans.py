@@ -25,54 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from probes.orphans import LAUNCH_SCRIPT, RUN_SCRIPT, SITECUSTOMIZE  # noqa: E402  (the probes' jobs, one copy)
+
 MARK = "NANODDP_ORPHAN_TEST"
 START_TIMEOUT_S = 90  # two ranks importing torch and joining the group, on a loaded 2-core machine
 GONE_WITHIN_S = 15  # running ranks: the kernel's death signal, then their guards sweep
 STARTING_GONE_WITHIN_S = 60  # ranks still importing torch notice the dead launcher once through
-
-# Each rank starts a child that would sleep for minutes, then writes READY/rank<r>.pid and holds.
-CHILD = """
-import os, subprocess, time
-def start_child_and_hold(rank, ready_dir):
-    subprocess.Popen(["sleep", "300"])
-    path = os.path.join(ready_dir, f"rank{rank}.pid")
-    open(path + ".tmp", "w").write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    time.sleep(300)
-"""
-
-RUN_SCRIPT = f"""{CHILD}
-import sys
-import torch
-import torch.distributed as dist
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-dist.all_reduce(torch.ones(1))
-start_child_and_hold(dist.get_rank(), sys.argv[1])
-"""
-
-LAUNCH_SCRIPT = f"""{CHILD}
-import sys
-import torch
-import nanoddp
-
-def rank_main(env, ready_dir):
-    torch.set_num_threads(1)
-    torch.distributed.all_reduce(torch.ones(1))
-    start_child_and_hold(env.rank, ready_dir)
-
-if __name__ == "__main__":
-    nanoddp.launch(rank_main, 2, args=(sys.argv[1],), backend="gloo", timeout=600)
-"""
-
-# `nanoddp train`'s workers run no user code; a library that starts a helper process when it is
-# imported (a metrics or profiling service) stands in for it: Python imports `sitecustomize`
-# from PYTHONPATH at start-up, and this one starts the child in torchrun's workers only.
-SITECUSTOMIZE = """
-import os, subprocess
-if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
-    subprocess.Popen(["sleep", "300"])
-"""
 
 TINY_TRAIN = [
     "--nproc", "2", "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2",

@@ -23,12 +23,14 @@ from .watched import Watched
 
 STARTING_GONE_WITHIN_S = 60.0  # a rank still importing torch notices the dead launcher once through
 
-# Each rank starts a child that would sleep for minutes, then writes READY/rank<r> and holds.
+# Each rank starts a child that would sleep for minutes, then writes READY/rank<r>.pid and holds.
 CHILD = """
 import os, subprocess, time
 def start_child_and_hold(rank, ready_dir):
     subprocess.Popen(["sleep", "300"])
-    open(os.path.join(ready_dir, f"rank{rank}"), "w").close()
+    path = os.path.join(ready_dir, f"rank{rank}.pid")
+    open(path + ".tmp", "w").write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
     time.sleep(300)
 """
 
@@ -56,7 +58,10 @@ if __name__ == "__main__":
     nanoddp.launch(rank_main, 2, args=(sys.argv[1],), backend="gloo", timeout=600)
 """
 
-# `nanoddp train` runs no user code: a library that starts a helper process on import stands in.
+# `nanoddp train`'s workers run no user code; a library that starts a helper process when it is
+# imported (a metrics or profiling service) stands in for it: Python imports `sitecustomize`
+# from PYTHONPATH at start-up, and this one starts the child in torchrun's workers only.
+# (tests/reliability/test_orphans.py runs these same jobs.)
 SITECUSTOMIZE = """
 import os, subprocess
 if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
@@ -73,7 +78,7 @@ def _start_script(ctx: Ctx, text: str, *prefix: str) -> tuple[Watched, Path]:
 
 
 def _ranks_ready(run: Watched, ready: Path) -> bool:
-    return run.done or all((ready / f"rank{rank}").exists() for rank in (0, 1))
+    return run.done or all((ready / f"rank{rank}.pid").exists() for rank in (0, 1))
 
 
 def _sleepers(run: Watched) -> int:
