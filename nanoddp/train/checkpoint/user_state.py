@@ -45,7 +45,9 @@ file that does not load (damaged, truncated, or holding what weights_only refuse
 versions wrote), logging one line each, for the newest one that does (a damaged shard file of
 a complete manifest is an error naming it: load an older step's file by name). Both functions
 are collective when a process group is initialised: call them on every rank with the same
-names; a refusal or a failed read or write on any rank is the same error on every rank.
+names; a refusal or a failed read or write on any rank is the same error on every rank. A
+sharded save holds the lock `.<name>.lock` beside the file while it writes: a second job saving
+to the same path at once is refused (`SaveInProgress`) instead of deleting the first's shard files.
 """
 
 from __future__ import annotations
