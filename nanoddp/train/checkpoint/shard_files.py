@@ -49,6 +49,13 @@ def lock_name(target: Path) -> Path:
     return target.with_name(f".{target.name}.lock")
 
 
+def _busy(target: Path, holder: str) -> SaveInProgress:
+    return SaveInProgress(
+        f"another save to {target} is in progress ({holder}, holding {lock_name(target).name}); two jobs "
+        "saving to one path would delete each other's shard files: wait for it, or save to another path"
+    )
+
+
 def begin_save(target: Path) -> tuple[str, int | None]:
     """Collective: (the token naming this save's shard files, the same on every rank; rank 0's
     descriptor of the save lock, None elsewhere), or the same error on every rank.
@@ -64,9 +71,7 @@ def begin_save(target: Path) -> tuple[str, int | None]:
         try:
             fd, holder = atomic.try_lock(lock_name(target))
             if fd is None:
-                refusal = (SaveInProgress.__name__, f"another save to {target} is in progress ({holder}, holding "
-                           f"{lock_name(target).name}); two jobs saving to one path would delete each other's "
-                           "shard files: wait for it, or save to another path")  # fmt: skip
+                refusal = (SaveInProgress.__name__, str(_busy(target, holder)))
         except (ValueError, OSError) as exc:  # a planted link as the lock file; a read-only directory
             refusal = (type(exc).__name__, str(exc))
     box = [(secrets.token_hex(4), refusal)]
@@ -87,9 +92,7 @@ def replacing_sharded(target: Path) -> Iterator[None]:
         return
     fd, holder = atomic.try_lock(lock_name(target))
     if fd is None:
-        raise SaveInProgress(
-            f"another save to {target} is in progress ({holder}): wait for it, or save to another path"
-        )
+        raise _busy(target, holder)
     try:
         yield
         remove_unlisted(target, set())
