@@ -69,6 +69,14 @@ FAULTS = (
         ("tests/unit/test_halving_doubling.py",),
     ),
     Mutation(
+        "halving/doubling: a folded rank gets its partner's block, not its own",
+        "nanoddp/comm/halving_doubling.py",
+        "back = lay.whole if all_reduce else lay.bounds[rel + 1]",
+        "back = lay.whole if all_reduce else lay.bounds[rel]",
+        # every rank contributed to the partner's block too: only the positions tell them apart
+        ("tests/unit/test_halving_doubling.py", "-k", "reduce_scatter"),
+    ),
+    Mutation(
         "halving/doubling: AVG divides by the wrong count",
         "nanoddp/comm/halving_doubling.py",
         "finish_avg(op, buf[s.finish[0] : s.finish[1]], n)",
