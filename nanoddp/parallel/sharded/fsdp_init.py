@@ -28,6 +28,7 @@ from nanoddp.parallel.sharded.fsdp_param import ShardedParam
 from nanoddp.parallel.sharded.fsdp_state import ModuleState, post_forward, pre_forward
 from nanoddp.parallel.sharded.fsdp_unit import ShardedUnit
 from nanoddp.parallel.sharded.mesh import MeshInfo, default_mesh
+from nanoddp.parallel.sharded.meta_init import install as _one_full_draw_per_random_init  # noqa: F401
 from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
