@@ -11,6 +11,7 @@ from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.parallel.replicas import verify_replicas
+from nanoddp.parallel.sharded.clip import clip_grad_norm_
 from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint.user_state import load_state, save_state
 from nanoddp.train.gather import gather_for_metrics
@@ -28,6 +29,7 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "__version__",
     "cleanup",
+    "clip_grad_norm_",
     "fully_shard",
     "gather_for_metrics",
     "hooks",

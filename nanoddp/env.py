@@ -25,6 +25,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from nanoddp.scheduler_env import scheduler_vars
+
 if TYPE_CHECKING:
     from sys import UnraisableHookArgs
 
@@ -111,7 +113,8 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, backend: str | None = None) -> DistEnv:
-        """Build from torchrun's variables; with none of them set, a single-process env.
+        """Build from torchrun's variables, else srun's or mpirun's (`scheduler_env`); with none
+        of them set, a single-process env.
 
         A partial set (say RANK without WORLD_SIZE) is an error rather than a guess, because a
         guessed world size is how jobs hang at the first collective.
@@ -119,7 +122,10 @@ class DistEnv:
         environ = os.environ if environ is None else environ
         present = [name for name in ("RANK", "WORLD_SIZE") if name in environ]
         if not present:
-            return cls.single_process(backend)
+            mapped = scheduler_vars(environ)  # srun / mpirun: one job of N ranks, or a refusal
+            if mapped is None:
+                return cls.single_process(backend)
+            return cls.from_environ(mapped, backend)
         missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
         if missing:
             raise ValueError(

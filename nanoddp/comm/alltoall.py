@@ -46,7 +46,7 @@ def all_to_all_single(
 ) -> Work | None:
     """Split `input` along dim 0 (equally, or by `input_split_sizes`), send part j to group rank
     j, and concatenate what arrives from ranks 0..n-1 along dim 0 into `output`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_to_all_single")
     if runner is None:
         return None
 
@@ -78,7 +78,7 @@ def all_to_all(
     async_op: bool = False,
 ) -> Work | None:
     """Send `input_tensor_list[j]` to group rank j; receive rank i's into `output_tensor_list[i]`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_to_all")
     if runner is None:
         return None
 
@@ -169,7 +169,7 @@ def barrier(
     """Return once every rank of the group has entered the barrier. `device_ids` is accepted for
     torch's signature (frames live on the group's device); with `timeout`, a blocking barrier
     raises TimeoutError on this rank when it is not done in time (the group is then unusable)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "barrier")
     if runner is None:
         return None
 
@@ -217,7 +217,7 @@ def monitored_barrier(
     group stays consistent. The other ranks wait up to 2 x `timeout` for rank 0 (it may spend
     `timeout` waiting for the others first), then raise on their own.
     """
-    runner = runner_for(group)
+    runner = runner_for(group, "monitored_barrier")
     if runner is None:
         return
     if timeout is None:

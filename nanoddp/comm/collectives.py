@@ -62,7 +62,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `tensor` over the group; every rank ends with the result, in place."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_reduce")
     if runner is None:
         return None
     key = cached_rounds.call_key("all_reduce", op, tensor)
@@ -129,7 +129,7 @@ def all_gather(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `tensor`, in group-rank order, into every rank's `tensor_list`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_gather")
     if runner is None:
         return None
 
@@ -156,7 +156,7 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `input_tensor`, concatenated along dim 0 in group-rank order, into `output_tensor`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_gather_single")
     if runner is None:
         return None
     key = cached_rounds.call_key("all_gather_into_tensor", None, output_tensor, input_tensor)
@@ -238,7 +238,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `input` (n equal chunks along dim 0) over the group; group rank i gets chunk i."""
-    runner = runner_for(group)
+    runner = runner_for(group, "reduce_scatter_single")
     if runner is None:
         return None
 
@@ -261,7 +261,7 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce `input_list[i]` over the group into group rank i's `output` (the list form of
     `reduce_scatter_tensor`; the inputs are packed into one scratch buffer, never modified)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "reduce_scatter")
     if runner is None:
         return None
 

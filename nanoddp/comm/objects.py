@@ -35,7 +35,7 @@ def broadcast_object_list(
     group_src: int | None = None,
 ) -> None:
     """Replace every rank's `object_list` items, in place, with the root's (pickled; trusted ranks only)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "broadcast_object_list")
     if runner is None:
         return
     peers = runner.peers
@@ -60,7 +60,7 @@ def broadcast_object_list(
 
 def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
     """Every rank's `obj`, in group-rank order, into every rank's `object_list` (trusted ranks only)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "all_gather_object")
     if runner is None:
         return
     peers = runner.peers
@@ -81,7 +81,7 @@ def gather_object(
     group_dst: int | None = None,
 ) -> None:
     """Every rank's `obj` into the root's `object_gather_list` (pickled; trusted ranks only)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "gather_object")
     if runner is None:
         return
     peers = runner.peers
@@ -114,7 +114,7 @@ def scatter_object_list(
     group_src: int | None = None,
 ) -> None:
     """The root's `scatter_object_input_list[i]` into group rank i's `scatter_object_output_list[0]`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "scatter_object_list")
     if runner is None:
         return
     peers = runner.peers

@@ -37,7 +37,7 @@ def reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduce `tensor` over the group into global rank `dst`'s tensor (others are left as they were)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "reduce")
     if runner is None:
         return None
 
@@ -80,7 +80,7 @@ def broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Copy global rank `src`'s tensor into every other rank's `tensor`."""
-    runner = runner_for(group)
+    runner = runner_for(group, "broadcast")
     if runner is None:
         return None
     key = cached_rounds.call_key("broadcast", src, tensor)
@@ -155,7 +155,7 @@ def scatter(
     async_op: bool = False,
 ) -> Work | None:
     """Global rank `src` sends `scatter_list[i]` to group rank i's `tensor` (the list is read on src only)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "scatter")
     if runner is None:
         return None
 
@@ -207,7 +207,7 @@ def gather(
     async_op: bool = False,
 ) -> Work | None:
     """Every rank's `tensor` into global rank `dst`'s `gather_list` (the list is used on dst only)."""
-    runner = runner_for(group)
+    runner = runner_for(group, "gather")
     if runner is None:
         return None
 

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -188,21 +189,36 @@ _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
 _RUNNERS_LOCK = threading.Lock()
 
 
-def runner_for(group: dist.ProcessGroup | None) -> GroupRunner | None:
-    """This group's runner, or None (with a warning, like torch) on a rank outside the group."""
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None, "the default process group is not initialised"
+def runner_for(group: dist.ProcessGroup | None, op: str = "collective") -> GroupRunner | None:
+    """This group's runner; None on a rank outside the group (warning as torch does, naming
+    `op`, torch's name for the call). With no default group (never initialised, or destroyed):
+    torch's ValueError, raised rather than asserted so that `python -O` raises it too."""
+    if group is None or group is dist.GroupMember.WORLD:
+        if not dist.is_initialized():  # also drops the stale runner of a destroyed default group
+            raise ValueError(NOT_INITIALIZED)
+        group = dist.group.WORLD
+    assert group is not None  # initialised: checked above (narrows the type only)
     runner = _RUNNERS.get(group)  # the hot path: a runner exists only for a group this rank is in
-    if runner is not None:
+    if runner is not None and dist.is_initialized():
         return runner
-    if dist.get_rank(group) < 0:
-        logger.warning("this rank is not a member of the group; the collective is skipped")
+    if not dist.is_initialized() or dist.get_rank(group) < 0:
+        _warn_not_in_group(op)
         return None
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(group)
         if runner is None:
             runner = _RUNNERS[group] = GroupRunner(group)
     return runner
+
+
+# torch.distributed's words, so that code written for it (and its tests) sees the same thing.
+NOT_INITIALIZED = "Default process group has not been initialized, please make sure to call init_process_group."
+
+
+def _warn_not_in_group(op: str) -> None:
+    """torch's warning for a collective on a group this rank is not in (the call then returns None)."""
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    warnings.warn(f"Running {op} on global rank {rank} which does not belong to the given group.", stacklevel=4)
 
 
 def pending_work() -> int:

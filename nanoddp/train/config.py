@@ -68,7 +68,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only)."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this after averaging (0 = off)."""
+    """Clip the global gradient norm to this after averaging (0 = off). `nanoddp train`
+    clips at 1.0 by default; `nanoddp.Trainer` does not clip unless given one (as torch loops)."""
     on_nan: Literal["stop", "skip"] = "stop"
     """A NaN or inf loss on any rank: stop every rank before that step's update, with one line
     naming the step and the ranks (exit non-zero), or skip that step's update on every rank."""

@@ -74,7 +74,9 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
         )
     check_optimizer(model, optimizer)
     return TrainConfig(
-        **{"eval_samples": 0, **options},  # the whole eval set unless asked
+        # the whole eval set, and no clipping, unless asked: a plain torch loop (and Accelerate,
+        # Lightning) leaves the gradients as they are; `nanoddp train` keeps its own 1.0
+        **{"eval_samples": 0, "grad_clip": 0.0, **options},
         # recorded in config.json and the snapshot's fingerprint; TrainConfig.model's Literal lists
         # `nanoddp train`'s built-in --model choices, a user model's config holds its class name
         model=_class_name(model),  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -61,23 +61,85 @@ class ShardedModule(_ModuleBase):
         return {"params": sum(u.resident_bytes() for u in units), "grads": sum(u.grad_bytes() for u in units)}
 
 
+# [Note: whole tensors in state_dict]
+# A ZeRO-2 module's registered parameters are 1-D pieces, so torch's `state_dict()` would hold
+# fragments: a rank-0 `torch.save` would write 1/ws of the model in shapes no plain model loads.
+# Its hooks (`install_whole_state_dict`) swap each piece's entry for the whole tensor, which
+# ZeRO-2 keeps in memory anyway: no copy, but a gather first when an optimizer changed the
+# shards since the last one (the next forward's gather, done early). So `state_dict()` is
+# collective after an optimizer step, as FSDP1's full state dict is: call it on every rank.
+# Loading takes whole tensors and keeps this rank's piece of each.
+
+
+def install_whole_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> None:
+    """Make `module.state_dict()` hold whole tensors and `load_state_dict` take them."""
+
+    def whole_entries(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        if getattr(mod, "_raw_pieces", False):
+            return
+        pieces = _piece_names(mod, units)
+        if not pieces:
+            return
+        for unit in {id(unit): unit for unit, _ in pieces.values()}.values():
+            unit.wait_gather()
+            if unit.stale:  # collective: every rank's optimizer stepped the same shards
+                work = unit.gather()
+                if work is not None:
+                    work.wait()
+        for name, (unit, i) in pieces.items():
+            key = prefix + name
+            if key in state:
+                state[key] = unit.unsharded[i] if isinstance(state[key], nn.Parameter) else unit.unsharded[i].detach()
+
+    def take_pieces(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        for name, (unit, i) in _piece_names(mod, units).items():
+            value = state.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.shape == unit.shapes[i]:
+                piece = unit.pieces[i]
+                state[prefix + name] = value.reshape(-1)[piece.start : piece.stop]  # (piece numel,)
+
+    module.register_state_dict_post_hook(whole_entries)
+    module.register_load_state_dict_pre_hook(take_pieces)
+
+
+def _piece_names(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, tuple[FlatParamUnit, int]]:
+    """Each name a sharded parameter has in `module` (tied ones have several) -> its unit and index,
+    whether the piece or the whole view is registered now."""
+    where = {}
+    for unit in units:
+        for i, (p, u) in enumerate(zip(unit.params, unit.unsharded, strict=True)):
+            where[id(p)] = where[id(u)] = (unit, i)
+    named = module.named_parameters(remove_duplicate=False)
+    return {name: where[id(p)] for name, p in named if id(p) in where}
+
+
+@contextlib.contextmanager
+def raw_pieces(module: nn.Module) -> Iterator[None]:
+    """Inside: `module.state_dict()` holds the pieces themselves (this module's own bookkeeping)."""
+    module._raw_pieces = True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._raw_pieces = False  # type: ignore[assignment]
+
+
 def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every sharded parameter whole (CPU copies). Collective."""
     full = {}
     for unit in units:
         for p, value in zip(unit.params, unit.full_tensors(), strict=True):
             full[id(p)] = value
-    return {
-        name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True)
-        for name, v in module.state_dict(keep_vars=True).items()
-    }
+    with raw_pieces(module):
+        own = module.state_dict(keep_vars=True)
+    return {name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True) for name, v in own.items()}
 
 
 @torch.no_grad()
 def load_full_state_dict(module: nn.Module, units: list[FlatParamUnit], state: dict[str, torch.Tensor]) -> None:
     """Load whole tensors (from `full_state_dict` or a plain model, at any world size): each
     rank keeps its pieces. No communication; the next forward gathers the new values."""
-    own = module.state_dict(keep_vars=True)
+    with raw_pieces(module):
+        own = module.state_dict(keep_vars=True)
     if set(state) != set(own):
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")

@@ -17,7 +17,11 @@ The life of one step (`zero2(module)` installs it on the module, in place):
      are dropped as it is flattened;
   3. end of backward: wait for every bucket and average it into the shard pieces' `.grad`;
   4. `optimizer.step()`: a plain optimizer over `module.parameters()` (the shard pieces,
-     1-D) steps on 1/ws of the elements, so its state is 1/ws.
+     1-D) steps on 1/ws of the elements, so its state is 1/ws. Clip with
+     `nanoddp.clip_grad_norm_` (torch's would see one rank's pieces: it is refused, see clip.py).
+
+`module.state_dict()` holds whole tensors, loadable into the plain model, and `load_state_dict`
+takes them (see module.py's note: it gathers first after an optimizer step, so every rank calls it).
 
 Each bucket is one `FlatParamUnit` whose chunks are equal across ranks, so the shard of every
 rank is ceil(B/ws) per bucket: 1/ws within padding. Buckets stay whole in memory (that is the
@@ -34,9 +38,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel.sharded.clip import PIECE_GROUPS, mark_piece_grads
 from nanoddp.parallel.sharded.flat import FlatParamUnit
 from nanoddp.parallel.sharded.grad_reduce import GradReduceScatter
-from nanoddp.parallel.sharded.module import ShardedModule
+from nanoddp.parallel.sharded.module import ShardedModule, install_whole_state_dict
 from nanoddp.parallel.tensors import tensors_in
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,12 @@ def _use_sharded(module: Zero2Module) -> None:
         unit.use_sharded()
 
 
+def _after_backward(module: Zero2Module) -> None:
+    """The pieces are registered again, each with a gradient that refuses a per-rank norm."""
+    _use_sharded(module)
+    mark_piece_grads(p for unit in module._zero2_units for p in unit.params)
+
+
 def zero2(
     module: nn.Module,
     *,
@@ -119,8 +130,11 @@ def zero2(
     assert isinstance(module, Zero2Module)  # its class now derives from Zero2Module
     zmodule = module  # narrowed, for the closure below
     module._zero2_units = units
-    module._zero2_reduce = GradReduceScatter(units, after_backward=lambda: _use_sharded(zmodule))
+    module._zero2_reduce = GradReduceScatter(units, after_backward=lambda: _after_backward(zmodule))
     module.register_forward_pre_hook(_pre_forward)
     module.register_forward_hook(_post_forward)
+    install_whole_state_dict(module, units)  # state_dict(): whole tensors, never this rank's pieces
+    for p in params:  # nanoddp.clip_grad_norm_ sums these pieces' norms over the group
+        PIECE_GROUPS[p] = (group, collectives)
     logger.debug("zero2: %d buckets, %d elements", len(units), sum(u.layout.total for u in units))
     return module
