@@ -132,4 +132,55 @@ FAULTS = (
         "elif False:",
         ("tests/multiproc/test_fsdp_engine.py", "-k", "auto_wrap_picks"),
     ),
+    Mutation(
+        "fsdp: an explicit reshard_after_forward ignored",
+        "nanoddp/parallel/sharded/fsdp_state.py",
+        "        return self.reshard_after_forward\n",
+        "        return not self.is_root()\n",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "reshard_after_forward"),
+    ),
+    Mutation(
+        "fsdp: the sharded grad overwritten, not accumulated, without zero_grad",
+        "nanoddp/parallel/sharded/fsdp_param.py",
+        "cast(DTensor, grad)._local_tensor.add_(local)",
+        "cast(DTensor, grad)._local_tensor.copy_(local)",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "grads_accumulate"),
+    ),
+    Mutation(
+        "fsdp: set_requires_gradient_sync(False) ignored",
+        "nanoddp/parallel/sharded/fsdp_module.py",
+        "            s.requires_gradient_sync = requires_gradient_sync\n",
+        "            pass\n",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "gradient_sync"),
+    ),
+    Mutation(
+        "HSDP: the gradient deferred by set_requires_all_reduce(False) dropped",
+        "nanoddp/parallel/sharded/fsdp_unit.py",
+        "                output += self._partial\n",
+        "                pass\n",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "hsdp"),
+    ),
+    Mutation(
+        "fsdp: ignored_params sharded anyway",
+        "nanoddp/parallel/sharded/fsdp_init.py",
+        "{id(p) for p in ignored_params or ()}",
+        "set()",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "ignored_params"),
+    ),
+    Mutation(
+        "fsdp: mp_policy.output_dtype ignored",
+        "nanoddp/parallel/sharded/fsdp_state.py",
+        "    return cast_floats(output, state.mp.output_dtype)\n\n\ndef pre_backward",
+        "    return output\n\n\ndef pre_backward",
+        # the last return of post_forward: a unit's output as it leaves the unit
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "mixed_precision"),
+    ),
+    Mutation(
+        "fsdp: whole tensors held across a change of the shards reused (no stale check)",
+        "nanoddp/parallel/sharded/fsdp_state.py",
+        "        if unit.unsharded and unit.stale():\n            unit.reshard()\n",
+        "        pass\n",
+        # a forward after an eval forward (reshard_after_forward=False) runs the old weights
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "inplace_change"),
+    ),
 )
