@@ -2,21 +2,31 @@
 
 Why a mixin: `fully_shard` changes the module's class to a new `FSDP<Cls>` deriving from
 (`FSDPModule`, Cls), as torch does, so `isinstance(m, FSDPModule)` holds, the module keeps its
-own methods and attribute paths, and these methods are just there. Only the methods we
-implement exist: torch's others (custom collectives, streams, symmetric memory) are absent.
+own methods and attribute paths, and these methods are just there.
+
+Why it derives from torch's `FSDPModule`: code that branches on
+`isinstance(m, torch.distributed.fsdp.FSDPModule)` (torch's `register_fsdp_forward_method`,
+pipelining, memory trackers) must treat our modules as FSDP modules. torch's methods reach
+into torch's state, so every one we do not implement (custom collectives, streams, symmetric
+memory) is made absent (`_Absent`: `hasattr` is False, a call is an AttributeError naming it),
+and `_get_fsdp_state()` returns our state, which has the `_pre_forward`/`_post_forward` that
+torch's `register_fsdp_forward_method` calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+from torch.distributed.tensor import DTensor, Shard
 
-from nanoddp.parallel.sharded.fsdp_state import ModuleState
+from nanoddp.parallel.sharded.fsdp_state import ModuleState, post_forward, pre_forward
 
 # A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
 # a plain class at runtime (the module's class comes after it in the MRO).
@@ -26,7 +36,7 @@ else:
     _ModuleBase = object
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """What `unshard(async_op=True)` returns: `wait()` makes the whole parameters usable."""
 
     def __init__(self, state: ModuleState | None = None):
@@ -40,22 +50,42 @@ class UnshardHandle:
             self._state = None
 
 
-class FSDPModule(_ModuleBase):
+class _Absent:
+    """A torch `FSDPModule` method nanoddp does not implement: reading it raises AttributeError."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> NoReturn:
+        raise AttributeError(
+            f"nanoddp's FSDPModule has no {self.name}: a torch FSDP2 feature nanoddp does not implement "
+            "(torch.distributed.fsdp.fully_shard has it)"
+        )
+
+
+def no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    """`copy.deepcopy` of a sharded module: refused as torch refuses it (the copy would share
+    the hooks' state with the original)."""
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
+class FSDPModule(TorchFSDPModule, _ModuleBase):
     """Mixed in before the module's own class by `fully_shard`."""
 
     _fsdp_state: ModuleState
+    # torch's `__new__` builds the original class, found at this index of an `FSDP<Cls>`'s MRO:
+    # [FSDP<Cls>, FSDPModule, torch's FSDPModule, Cls, ...]; so slicing an `nn.Sequential` works.
+    _orig_cls_mro_index: int = 3
 
-    def __new__(cls, *args, **kwargs):
-        """Constructing an `FSDP<Cls>` (as `nn.Sequential` slicing does) builds a plain `Cls`."""
-        orig = cls.__mro__[2]
-        self = orig.__new__(orig, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
+    def _get_fsdp_state(self) -> ModuleState:  # type: ignore[override]
+        """Our state, under torch's name (torch's `register_fsdp_forward_method` calls it)."""
+        return self._fsdp_state
 
     def _fsdp_states(self, recurse: bool = True) -> list[ModuleState]:
         if not recurse:
             return [self._fsdp_state]
-        return [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)]
+        states = {id(m._fsdp_state): m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)}
+        return list(states.values())  # a unit over several modules counted once
 
     # --- parameters ------------------------------------------------------------------------------
 
@@ -78,11 +108,11 @@ class FSDPModule(_ModuleBase):
         if self._fsdp_state.unit is not None:
             self._fsdp_state.unit.reshard()
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
         """This module's pre-forward launches these modules' all-gathers (instead of the learned next)."""
         self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]
         """This module's pre-backward launches these modules' all-gathers (instead of the learned next)."""
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
@@ -160,10 +190,12 @@ class FSDPModule(_ModuleBase):
                 got, want = tuple(value.shape), tuple(target.shape)
                 raise ValueError(f"{name}: state dict has shape {got}, the parameter {want}")
             if isinstance(target, DTensor):
-                local = target._local_tensor
-                rows = -(-target.shape[0] // target.device_mesh.size(target.device_mesh.ndim - 1))
-                start = min(rows * target.device_mesh.get_local_rank(target.device_mesh.ndim - 1), target.shape[0])
-                local.copy_(value[start : start + local.shape[0]])
+                local, mesh = target._local_tensor, target.device_mesh
+                shard = target.placements[-1]
+                dim = shard.dim if isinstance(shard, Shard) else 0
+                rows = -(-target.shape[dim] // mesh.size(mesh.ndim - 1))
+                start = min(rows * mesh.get_local_rank(mesh.ndim - 1), target.shape[dim])
+                local.copy_(value.narrow(dim, start, local.shape[dim]))
             else:
                 target.copy_(value)
 
@@ -183,7 +215,31 @@ class FSDPModule(_ModuleBase):
         for s in self._fsdp_states():
             if s.unit is not None:
                 s.unit.reshard()
-        return super()._apply(fn, recurse)
+        return super(TorchFSDPModule, self)._apply(fn, recurse)  # past torch's, which reads its state
+
+
+# torch's methods we do not implement: absent, not torch's (which would reach into torch's state)
+for _name in dir(TorchFSDPModule):
+    if not _name.startswith("__") and _name not in vars(FSDPModule) and callable(getattr(TorchFSDPModule, _name)):
+        setattr(FSDPModule, _name, _Absent(_name))
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` (e.g. `generate`) gather the parameters before it runs and
+    reshard after, as forward does. A no-op for a module `fully_shard` did not shard, as in
+    torch (so the same code runs sharded or not); torch's own function works on ours too."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pre_forward(module, args, kwargs)
+        return post_forward(module, args, kwargs, method(*args, **kwargs))
+
+    setattr(module, method_name, gathered)
 
 
 def _state_of(module: nn.Module) -> ModuleState:

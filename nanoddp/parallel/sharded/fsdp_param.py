@@ -7,9 +7,13 @@ plain one. So the module's `_parameters` entry is swapped: `sharded` (an nn.Para
 a DTensor) normally, `unsharded` (an nn.Parameter of the full shape, in the compute dtype) from
 the unit's all-gather until it reshards.
 
-The cut is torch.chunk's along dim 0: each shard rank holds `rows = ceil(d0 / ws)` rows, the
-last ranks fewer or none. For the collectives every rank's part is padded to `rows` rows, so a
-unit's all-gather and reduce-scatter move equal-sized pieces (`padded_numel` per rank).
+The cut is torch.chunk's along the shard dim, dim 0 unless `shard_placement_fn` says
+`Shard(d)`: each shard rank holds `rows = ceil(size / ws)` slices, the last ranks fewer or none.
+For the collectives every rank's part is padded to `rows` slices, so a unit's all-gather and
+reduce-scatter move equal-sized pieces (`padded_numel` per rank). Along a dim other than 0 the
+cut must be even (torch's rule too): no padding, and each part is made contiguous, so the
+gathered parts are concatenated along that dim (`copy_out`) and a gradient's parts are its
+chunks along it (`write_padded_grad`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from nanoddp.parallel.sharded.mesh import MeshInfo
 
@@ -32,24 +36,54 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def check_shardable(name: str, param: nn.Parameter, shard: Shard, shard_size: int) -> Shard:
+    """Refuse what torch's FSDP2 refuses, with its error types, before anything is changed;
+    return `shard` with a negative dim made positive (Shard(-1) of a matrix is Shard(1))."""
+    if param.dim() == 0:
+        raise ValueError(
+            f"fully_shard doesn't support scalar parameters. Change {name} to a 1D tensor with numel equal to 1."
+        )
+    if not param.is_contiguous():  # e.g. channels_last: the flat collectives assume row-major parts
+        raise NotImplementedError(
+            f"FSDP does not support non-contiguous parameters yet: {name}: param.shape={param.shape} "
+            f"param.stride()={param.stride()}; make it contiguous (e.g. .contiguous()) before fully_shard"
+        )
+    dim = shard.dim + param.dim() if shard.dim < 0 else shard.dim
+    if not 0 <= dim < param.dim():
+        raise AssertionError(f"Shard dim {shard.dim} is invalid for {param.dim()}D tensor: {param.shape} ({name})")
+    if dim > 0 and param.shape[dim] % shard_size != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world size: {shard_size}) "
+            f"({name}); shard it on dim 0 (return None from shard_placement_fn) or on an even dim"
+        )
+    return Shard(dim)
+
+
 class ShardedParam:
     """`param`'s rows of this shard rank as a DTensor, and a whole-tensor stand-in on demand."""
 
-    def __init__(self, param: nn.Parameter, mesh: MeshInfo, locations: list[tuple[nn.Module, str]]):
-        if param.dim() == 0:
-            raise ValueError("fully_shard shards along dim 0: a 0-dim parameter can't be sharded, ignore it")
+    def __init__(self, param: nn.Parameter, mesh: MeshInfo, locations: list[tuple[nn.Module, str]], shard: Shard):
         if isinstance(param, DTensor):
             raise ValueError("fully_shard takes plain parameters; this one is already a DTensor")
         self.shape = param.shape
+        self.dim = shard.dim  # the tensor dim cut over the shard ranks (check_shardable normalised it)
         self.locations = locations  # every (module, name) this parameter is registered under
-        self.rows = -(-self.shape[0] // mesh.shard_size)  # ceil(d0 / ws)
-        self.row_numel = math.prod(self.shape[1:])
+        self.rows = -(-self.shape[self.dim] // mesh.shard_size)  # ceil(size / ws) slices along dim
+        self.row_numel = math.prod(s for i, s in enumerate(self.shape) if i != self.dim)  # numel of one slice
         self.padded_numel = self.rows * self.row_numel  # this rank's part in the collectives
-        start = min(mesh.shard_rank * self.rows, self.shape[0])
-        self.local_rows = min(self.rows, self.shape[0] - start)
-        local = param.detach()[start : start + self.local_rows].clone()  # (local_rows, *shape[1:])
+        # dim 0 may be uneven: the last ranks hold fewer rows, or none
+        start = min(mesh.shard_rank * self.rows, self.shape[0]) if self.dim == 0 else mesh.shard_rank * self.rows
+        self.local_rows = min(self.rows, self.shape[self.dim] - start)
+        self.local_shape = torch.Size([*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :]])
+        # (local_rows, *shape[1:]) for dim 0; a contiguous copy of the chunk for another dim
+        local = param.detach().narrow(self.dim, start, self.local_rows).clone(memory_format=torch.contiguous_format)
         dtensor = DTensor.from_local(
-            local, mesh.mesh, mesh.placements, run_check=False, shape=self.shape, stride=_contiguous_stride(self.shape)
+            local,
+            mesh.mesh,
+            mesh.placements_for(shard),
+            run_check=False,
+            shape=self.shape,
+            stride=_contiguous_stride(self.shape),
         )
         self.sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None
@@ -68,6 +102,15 @@ class ShardedParam:
     def _dtensor(self) -> DTensor:
         """The shard as the DTensor it is (nn.Parameter keeps a DTensor's class; torch's stubs say Parameter)."""
         return cast(DTensor, self.sharded)
+
+    def copy_out(self, column: torch.Tensor, whole: torch.Tensor) -> None:
+        """Every rank's gathered part (`column`: (ws, padded_numel)) into the whole tensor: end
+        to end for dim 0 (dropping the padding), concatenated along the shard dim otherwise."""
+        if self.dim == 0:
+            whole.view(-1).copy_(column.reshape(-1)[: whole.numel()])
+            return
+        parts = column.reshape(column.shape[0], *self.local_shape)  # (ws, *local_shape)
+        whole.copy_(parts.movedim(0, self.dim).reshape(self.shape))  # rank r's chunk r along dim
 
     def write_padded_local(self, into: torch.Tensor) -> None:
         """This rank's rows flat, zero-padded to `padded_numel`, cast to `into`'s dtype: its part
@@ -108,14 +151,26 @@ class ShardedParam:
             module._parameters[name] = p
 
     def adopt_registered(self) -> None:
-        """After `load_state_dict(assign=True)` put a new DTensor where the shard was: take it as
-        the shard (on every location of a tied parameter)."""
+        """After `load_state_dict(assign=True)`, or an assignment before the first forward (which
+        calls this, as torch's lazy init re-reads the registered parameter), a new DTensor sits
+        where the shard was: take it as the shard (on every location of a tied parameter)."""
         module, name = self.locations[0]
         p = module._parameters[name]
         if p is self.sharded or p is self.unsharded or p is None:
             return
-        if not isinstance(p, DTensor) or p.shape != self.shape or p.to_local().shape[0] != self.local_rows:
-            raise ValueError(f"{name}: assigned {type(p).__name__} {tuple(p.shape)} is not this shard's DTensor")
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"{name}: a plain {type(p).__name__} {tuple(p.shape)} was assigned after fully_shard; assign "
+                f"nn.Parameter(distribute_tensor(value, mesh, {list(self._dtensor().placements)})), as torch's "
+                "FSDP2 needs too, or assign before fully_shard"
+            )
+        placements = self._dtensor().placements
+        if p.shape != self.shape or p.to_local().shape != self.local_shape or p.placements != placements:
+            raise ValueError(
+                f"{name}: assigned DTensor {tuple(p.shape)} placed {p.placements} with local shape "
+                f"{tuple(p.to_local().shape)}; this shard is {tuple(self.shape)} placed "
+                f"{self._dtensor().placements} with local shape {tuple(self.local_shape)}"
+            )
         self.sharded = p if isinstance(p, nn.Parameter) else nn.Parameter(p, requires_grad=self.requires_grad)
         self.register(unsharded=False)
 
@@ -129,6 +184,10 @@ class ShardedParam:
         if g is None:
             out.zero_()
             return
+        if self.dim != 0:  # even: row r is chunk r along the dim, flattened
+            parts = g.reshape(*self.shape[: self.dim], out.shape[0], self.rows, *self.shape[self.dim + 1 :])
+            out.copy_(parts.movedim(self.dim, 0).reshape(out.shape[0], -1))
+            return
         flat = g.reshape(-1)
         full = flat.numel() // self.padded_numel  # ranks whose part is all rows
         out[:full].copy_(flat[: full * self.padded_numel].view(full, self.padded_numel))
@@ -140,7 +199,7 @@ class ShardedParam:
 
     def accumulate_grad(self, padded: torch.Tensor) -> None:
         """Hand this rank's reduced rows (padded_numel,) to the sharded parameter's `.grad`."""
-        local = padded[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
+        local = padded[: self.local_rows * self.row_numel].view(self.local_shape)
         local = local.to(self.sharded.dtype)
         grad = self.sharded.grad
         if grad is None:

@@ -5,15 +5,22 @@ and its attribute paths, so all the work happens in hooks `fully_shard` register
   1. pre-forward: cast floating inputs to `param_dtype`; finish this unit's all-gather (started
      here, or earlier by a prefetch or `unshard()`) and register the whole tensors; launch the
      all-gathers of the units expected next (prefetch);
-  2. post-forward: register the DTensor shards again; free the whole tensors if
-     `reshard_after_forward` (autograd keeps the objects, their bytes come back in 3); hook the
-     outputs so backward reaching them runs 3; cast outputs to `output_dtype`;
+  2. post-forward: if `reshard_after_forward`, free the whole tensors and register the DTensor
+     shards again (autograd keeps the objects, their bytes come back in 3); if not, the whole
+     tensors stay registered, as torch's FSDP2 leaves them, until a reshard (end of backward,
+     `reshard()`, `state_dict()`); hook the outputs so backward reaching them runs 3; cast
+     outputs to `output_dtype`;
   3. pre-backward: all-gather again; prefetch the unit backward reaches next;
   4. post-accumulate-grad hooks on the whole tensors: when every trainable one of a unit has its
      gradient, launch the unit's reduce-scatter and free its whole tensors;
   5. end of backward (an autograd engine callback, queued once per backward): launch the units
      that began backward but never completed, wait for every reduce-scatter, hand the shards
      their `.grad`, reshard everything.
+
+A unit over several modules (`fully_shard([a, b])`, one state for all of them): each module's
+pre-forward gathers (the first one does the work), and the post-forward of the last of them to
+run finishes the unit (2). When the root's forward ran only some of them (a head called later,
+chunk by chunk), the root's post-forward finishes the unit; a later call gathers it again.
 
 Prefetch, by default learned: the first step records the order in which units run forward and
 begin backward (every rank runs the same code, so every rank records the same order); from
@@ -65,8 +72,11 @@ class ModuleState:
     """What `fully_shard` attached to one module: its unit (None if it took no parameters),
     its policies and switches, and the tree it belongs to."""
 
-    def __init__(self, module: nn.Module, unit: ShardedUnit | None, mp: MixedPrecisionPolicy, reshard: bool | None):
-        self.module = module
+    def __init__(
+        self, modules: tuple[nn.Module, ...], unit: ShardedUnit | None, mp: MixedPrecisionPolicy, reshard: bool | None
+    ):
+        self.modules = modules  # one for fully_shard(module); every module of fully_shard([a, b])
+        self.to_run: list[nn.Module] = []  # this forward pass: the unit's modules whose forward has not ended
         self.unit = unit
         self.mp = mp
         self.reshard_after_forward = reshard  # None: True except for the root
@@ -84,6 +94,14 @@ class ModuleState:
     def is_root(self) -> bool:
         return self.tree.root is self
 
+    # --- torch's names, for torch's `register_fsdp_forward_method` on our modules ----------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return post_forward(module, args, {}, output)
+
     def resharding_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
             return not self.is_root()
@@ -95,6 +113,8 @@ class ModuleState:
         """Whole tensors ready (gathered now, or a prefetch waited for) and hooked for grads."""
         unit = self.unit
         assert unit is not None  # called for states with a unit only
+        # A parameter assigned since (a DTensor, as torch's lazy init re-reads it) becomes the shard
+        unit.adopt_registered()
         if unit.unsharded and unit.stale():
             unit.reshard()
         unit.finish_unshard()
@@ -135,7 +155,18 @@ class ModuleState:
             self._launch()
         self._fired, self._launched, self._began_backward = set(), False, False
 
+    def finish_forward(self, output: Any) -> None:
+        """The unit's forward ended (its last module's, or forced by the root's): reshard or keep
+        the whole tensors registered, and hook `output` so backward reaching it gathers again."""
+        self.to_run = []
+        if self.unit is not None and self.resharding_after_forward():
+            self.unit.reshard()
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: pre_backward(self), mode="any")
+
     def after_backward(self) -> None:
+        self.to_run = []
         if self.unit is None:
             return
         if self.reshard_after_backward:
@@ -186,6 +217,13 @@ class TreeState:
             return state.forward_prefetch
         return self._after(self.forward_order, state)
 
+    def finish_partial_units(self, output: Any) -> None:
+        """The root's forward ended: finish the units of which only some modules ran (their
+        rest runs later, e.g. a head called per chunk), hooking the root's output for them."""
+        for s in reversed(self.states):
+            if s is not self.root and s.to_run:
+                s.finish_forward(output)
+
     def ran_backward(self, state: ModuleState) -> list[ModuleState]:
         if self.backward_order is None and state not in self._backward_recording:
             self._backward_recording.append(state)
@@ -226,6 +264,7 @@ def _state_of(module: nn.Module) -> ModuleState:
 
 
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before `module`'s forward (or a method given to `register_fsdp_forward_method`)."""
     state = _state_of(module)
     if state.mp.cast_forward_inputs and state.mp.param_dtype is not None:
         args, kwargs = cast_floats(args, state.mp.param_dtype), cast_floats(kwargs, state.mp.param_dtype)
@@ -236,29 +275,39 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         return args, kwargs
     tree = state.tree
     if state.is_root():
+        if len(state.modules) > 1:  # nothing would run before its first module or after its last
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {state.modules}: call fully_shard on a "
+                "module that contains them all after fully_shard([...])"
+            )
         tree.forward_begins()
+    first_of_unit = not state.to_run
+    if first_of_unit:
+        state.to_run = list(state.modules)
     if state.unit is not None:
         state.unshard()
         state.unit.register(unsharded=True)
-    state.prefetch(tree.ran_forward(state))
+    if first_of_unit:
+        state.prefetch(tree.ran_forward(state))
     return args, kwargs
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """After `module`'s forward: finish the unit once all of its modules that run have run."""
     state = _state_of(module)
     if _in_backward():
         if state.unit is not None:
             state.unit.register(unsharded=False)
         return cast_floats(output, state.mp.output_dtype)
+    if module in state.to_run:
+        state.to_run.remove(module)
+    if state.to_run:  # more of the unit's modules to run: keep the whole tensors (torch: cast only)
+        return cast_floats(output, state.mp.output_dtype)
     if state.is_root():
         state.tree.forward_ends()
-    if state.unit is not None:
-        state.unit.register(unsharded=False)
-        if state.resharding_after_forward():
-            state.unit.reshard()
-    outputs = [t for t in tensors_in(output) if t.requires_grad]
-    if outputs:
-        torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: pre_backward(state), mode="any")
+    state.finish_forward(output)
+    if state.is_root():
+        state.tree.finish_partial_units(output)
     return cast_floats(output, state.mp.output_dtype)
 
 

@@ -4,7 +4,8 @@ Why grouped: a collective per parameter would pay the per-message cost dozens of
 block. A unit lays its parameters' padded per-rank parts end to end (`ShardedParam.padded_numel`
 each, `numel` in all), so rank r's contribution to the all-gather is one flat tensor and the
 gathered buffer is (ws, numel) with rank r's parts in row r. Copy-out turns each parameter's
-column of that buffer back into its whole (d0, ...) tensor. Gradients go the other way: every
+column of that buffer back into its whole tensor (`ShardedParam.copy_out`: end to end along
+dim 0, concatenated along another shard dim). Gradients go the other way: every
 parameter's padded whole gradient as a (ws, padded_numel) column, one reduce-scatter (AVG in
 the reduce dtype), each rank's row cut back into its parameters' `.grad` DTensors.
 
@@ -90,7 +91,7 @@ class ShardedUnit:
         for p in self.params:
             whole = p.alloc_unsharded(output.dtype, output.device)  # (d0, ...)
             column = columns[:, offset : offset + p.padded_numel]  # (ws, padded_numel)
-            whole.view(-1).copy_(column.reshape(-1)[: whole.numel()])
+            p.copy_out(column, whole)
             offset += p.padded_numel
         self.unsharded = True
         self._gathered_versions = self._versions()

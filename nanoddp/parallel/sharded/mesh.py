@@ -4,7 +4,10 @@ Why a mesh and not a process group: FSDP2 code passes a `DeviceMesh`, and the sh
 parameters are DTensors that name it, so `full_tensor()`, `clip_grad_norm_` and
 `torch.distributed.checkpoint` know where the other shards are. A 1-D mesh shards over all of
 it (`Shard(0)`); a 2-D mesh is HSDP: dim 0 replicates, dim 1 shards (`Replicate(), Shard(0)`).
-This module turns a mesh into the process groups and coordinates the collectives need.
+A `shard_placement_fn` may cut a parameter along another tensor dim (`Shard(1)`): the mesh is
+the same, only the placement's tensor dim differs (`placements_for`).
+This module turns a mesh into the process groups and coordinates the collectives need, and
+refuses the meshes torch's FSDP2 refuses, with its error types.
 """
 
 from __future__ import annotations
@@ -40,8 +43,15 @@ class MeshInfo:
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshInfo:
+        """The groups of a 1-D or 2-D mesh; anything else refused as torch refuses it."""
         if mesh.ndim not in (1, 2):
-            raise ValueError(f"fully_shard takes a 1-D (FSDP) or 2-D (HSDP) mesh, got {mesh.ndim}-D")
+            raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            # torch raises an AssertionError here; the same type, so code catching it works on ours
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified, "
+                "e.g. init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+            )
         shard_dim = mesh.ndim - 1
         replicate = mesh.get_group(0) if mesh.ndim == 2 else None
         placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
@@ -53,6 +63,10 @@ class MeshInfo:
             replicate_group=replicate,
             placements=placements,
         )
+
+    def placements_for(self, shard: Shard) -> tuple[Placement, ...]:
+        """The DTensor placements of a parameter cut along tensor dim `shard.dim`."""
+        return (Replicate(), shard) if self.mesh.ndim == 2 else (shard,)
 
     @property
     def data_parallel_size(self) -> int:
