@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def parse_junit(junit: Path) -> dict:
 def first_error(node: ET.Element) -> str:
     """The exception line of a failure: the last `SomeError: ...` line of its traceback (a
     rank's own error, not the "Process 0 exited" summary), else pytest's message."""
-    lines = [ln.strip() for ln in (node.text or "").splitlines()]
+    lines = [re.sub(r"^E\s+", "", ln.strip()) for ln in (node.text or "").splitlines()]
     errors = [ln for ln in lines if ln.split(":")[0].rsplit(".", 1)[-1].endswith(("Error", "Exception", "Interrupt"))]
     errors = [ln for ln in errors if "exited with exception" not in ln and "exited with error code" not in ln]
     return (errors[-1] if errors else (node.get("message") or "").strip().split("\n")[0])[:300]
@@ -135,7 +136,8 @@ def render(results: dict) -> str:
             lines += ["| test | with nanoddp |", "| --- | --- |"]
             for n in differ:
                 got = ours.get(n, {"outcome": "not run", "message": ""})
-                lines.append(f"| `{n}` | {got['outcome']}: {got['message'].replace('|', '/')} |")
+                message = re.sub(r"^E\s+", "", got["message"]).replace("|", "/")
+                lines.append(f"| `{n}` | {got['outcome']}: {message} |")
             lines.append("")
     return "\n".join(lines)
 
