@@ -51,7 +51,8 @@ def _check_own_pieces_only(trainer: Trainer, directory: str, env: DistEnv) -> No
     manifest = snapshot.companion_path(snapshot.snapshot_path(directory, STOP))
     (mine,) = manifest.parent.glob(f"{manifest.name}.*.rank{env.rank}-of-{env.world_size}")
     held = {k: v.numel() for k, v in snapshot.load(mine)["model"]["tensors"].items()}
-    local = {k: getattr(v, "_local_tensor", v).numel() for k, v in trainer.module.state_dict().items()}
+    pieces = trainer.module.state_dict(keep_vars=True)  # the registered parameters: this rank's pieces
+    local = {k: getattr(v, "_local_tensor", v).numel() for k, v in pieces.items()}
     assert held == {k: n for k, n in local.items() if k in held}  # this rank's piece of each, no more
     whole = sum(p.numel() for p in trainer.engine.state_dict().values())  # collective
     assert 0 < sum(held.values()) < whole  # a part of the model, not all of it

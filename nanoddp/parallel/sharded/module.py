@@ -68,16 +68,18 @@ class ShardedModule(_ModuleBase):
 # ZeRO-2 keeps in memory anyway: no copy, but a gather first when an optimizer changed the
 # shards since the last one (the next forward's gather, done early). So `state_dict()` is
 # collective after an optimizer step, as FSDP1's full state dict is: call it on every rank.
-# Loading takes whole tensors and keeps this rank's piece of each.
+# `state_dict(keep_vars=True)` asks for the registered parameters themselves and gets them: the
+# pieces (what the sharded checkpoint writes per rank). Loading takes whole tensors and keeps
+# this rank's piece of each (pieces load as they are).
 
 
 def install_whole_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> None:
     """Make `module.state_dict()` hold whole tensors and `load_state_dict` take them."""
 
     def whole_entries(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-        if getattr(mod, "_raw_pieces", False):
-            return
         pieces = _piece_names(mod, units)
+        # keep_vars=True asks for the registered parameters themselves: the pieces (no gather)
+        pieces = {name: at for name, at in pieces.items() if not isinstance(state.get(prefix + name), nn.Parameter)}
         if not pieces:
             return
         for unit in {id(unit): unit for unit, _ in pieces.values()}.values():
@@ -87,9 +89,8 @@ def install_whole_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> N
                 if work is not None:
                     work.wait()
         for name, (unit, i) in pieces.items():
-            key = prefix + name
-            if key in state:
-                state[key] = unit.unsharded[i] if isinstance(state[key], nn.Parameter) else unit.unsharded[i].detach()
+            if prefix + name in state:
+                state[prefix + name] = unit.unsharded[i].detach()
 
     def take_pieces(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         for name, (unit, i) in _piece_names(mod, units).items():
@@ -113,24 +114,13 @@ def _piece_names(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, tup
     return {name: where[id(p)] for name, p in named if id(p) in where}
 
 
-@contextlib.contextmanager
-def raw_pieces(module: nn.Module) -> Iterator[None]:
-    """Inside: `module.state_dict()` holds the pieces themselves (this module's own bookkeeping)."""
-    module._raw_pieces = True  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        module._raw_pieces = False  # type: ignore[assignment]
-
-
 def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every sharded parameter whole (CPU copies). Collective."""
     full = {}
     for unit in units:
         for p, value in zip(unit.params, unit.full_tensors(), strict=True):
             full[id(p)] = value
-    with raw_pieces(module):
-        own = module.state_dict(keep_vars=True)
+    own = module.state_dict(keep_vars=True)  # the pieces themselves
     return {name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True) for name, v in own.items()}
 
 
@@ -138,8 +128,7 @@ def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, 
 def load_full_state_dict(module: nn.Module, units: list[FlatParamUnit], state: dict[str, torch.Tensor]) -> None:
     """Load whole tensors (from `full_state_dict` or a plain model, at any world size): each
     rank keeps its pieces. No communication; the next forward gathers the new values."""
-    with raw_pieces(module):
-        own = module.state_dict(keep_vars=True)
+    own = module.state_dict(keep_vars=True)  # the pieces themselves
     if set(state) != set(own):
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
