@@ -10,15 +10,20 @@ The same functions work on `nanoddp.DistributedDataParallel` (they then reduce w
 
 - `allreduce_hook`: what the engine does by default.
 - `fp16_compress_hook` / `bf16_compress_hook`: send half the bytes. The bucket is cast to 16
-  bits (after dividing by the world size, so the sum cannot overflow fp16), all-reduced and
-  cast back. Gradients then carry 16-bit rounding error; worth it when the network, not the
-  compute, is the bottleneck. (torch DDP refuses any hook *named* bf16_compress_hook unless
-  NCCL is available; nanoddp's engine has no such restriction.)
+  bits, divided by the world size (in 16 bits, as torch's hooks do, so the sum cannot
+  overflow fp16), all-reduced and cast back. Gradients then carry 16-bit rounding error;
+  worth it when the network, not the compute, is the bottleneck. (torch DDP refuses any hook
+  *named* bf16_compress_hook unless NCCL is available; nanoddp's engine has no such restriction.)
 
-The return annotations are real objects (no `from __future__ import annotations`): torch DDP
-checks that a hook's return annotation is exactly `torch.futures.Future[torch.Tensor]`.
+A sparse bucket (an Embedding built with sparse=True: nanoddp.parallel.ddp.sparse) holds the
+sparse gradient itself; these hooks average it as a sparse tensor.
+
+The annotations are real objects (no `from __future__ import annotations`): torch DDP checks
+that a hook's `bucket` annotation is `dist.GradBucket` and its return annotation exactly
+`torch.futures.Future[torch.Tensor]`, and so does `check_comm_hook` for nanoddp's.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +31,30 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.parallel.ddp.buckets import GradBucket
+from nanoddp.parallel.ddp.sparse import sparse_all_reduce
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+
+
+def check_comm_hook(hook: Any) -> None:
+    """Refuse a hook as torch DDP's `_check_comm_hook` does, with its error types and messages:
+    not callable, a `bucket` annotated other than GradBucket, or a return annotated other than
+    `torch.futures.Future[torch.Tensor]`. (torch also refuses hooks *named* bf16_compress_hook
+    without NCCL: nanoddp reduces bfloat16 on any backend, so it does not. torch fails with a
+    KeyError on a hook whose second parameter is not named `bucket`; nanoddp then checks that
+    parameter's annotation instead.)"""
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    signature = inspect.signature(hook)
+    bucket = signature.parameters.get("bucket")
+    if bucket is None and len(signature.parameters) >= 2:
+        bucket = list(signature.parameters.values())[1]
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket, GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    returns = signature.return_annotation
+    if returns is not inspect.Signature.empty and returns != torch.futures.Future[torch.Tensor]:
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
 
 
 def _collectives_and_group(state: Any, bucket) -> tuple[Collectives, Any]:
@@ -51,8 +78,10 @@ def _future_when_done(work, on_done: Callable[[], torch.Tensor]) -> torch.future
 def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over ranks: divide by the world size, then all-reduce (SUM) in place."""
     collectives, group = _collectives_and_group(process_group, bucket)
-    tensor = bucket.buffer()  # (N,)
+    tensor = bucket.buffer()  # (N,), or the sparse gradient of a sparse bucket
     tensor.div_(dist.get_world_size(group))
+    if tensor.is_sparse:
+        return sparse_all_reduce(tensor, collectives, group)
     work = collectives.all_reduce(tensor, group=group, async_op=True)
     return _future_when_done(work, lambda: tensor)
 
@@ -60,7 +89,9 @@ def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
 def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
     collectives, group = _collectives_and_group(process_group, bucket)
     buffer = bucket.buffer()  # (N,) in the gradients' dtype
-    compressed = buffer.to(dtype).div_(dist.get_world_size(group))  # (N,) 16-bit
+    compressed = buffer.to(dtype).div_(dist.get_world_size(group))  # (N,) 16-bit: what goes on the wire
+    if buffer.is_sparse:
+        return sparse_all_reduce(compressed, collectives, group).then(lambda fut: fut.value().to(buffer.dtype))
     work = collectives.all_reduce(compressed, group=group, async_op=True)
 
     def decompress() -> torch.Tensor:

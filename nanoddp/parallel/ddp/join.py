@@ -38,6 +38,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.algorithms import JoinHook
 
 from nanoddp.parallel.ddp.buckets import Bucket
+from nanoddp.parallel.ddp.ignored import synced_buffers, synced_parameters
 from nanoddp.parallel.ddp.reducer import Reducer
 from nanoddp.parallel.replicas import broadcast_coalesced
 
@@ -50,16 +51,22 @@ class DDPJoinHook(JoinHook):
     """
 
     def __init__(
-        self, reducer: Reducer, module: nn.Module, broadcast_buffers: bool, divide_by_initial_world_size: bool
+        self,
+        reducer: Reducer,
+        module: nn.Module,
+        ignored: frozenset[str],
+        broadcast_buffers: bool,
+        divide_by_initial_world_size: bool,
     ):
         self.reducer, self.module, self.broadcast_buffers = reducer, module, broadcast_buffers
+        self.ignored = ignored  # left alone, as by the wrapper (nanoddp.parallel.ddp.ignored)
         reducer.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
-        shadow_iteration(self.reducer, self.module, self.broadcast_buffers)
+        shadow_iteration(self.reducer, self.module, self.ignored, self.broadcast_buffers)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        sync_final_model(self.reducer, self.module, self.broadcast_buffers, is_last_joiner)
+        sync_final_model(self.reducer, self.module, self.ignored, self.broadcast_buffers, is_last_joiner)
 
 
 def global_requires_sync(reducer: Reducer, wants_sync: bool) -> bool:
@@ -78,14 +85,16 @@ def common_rank(reducer: Reducer, candidate: bool) -> int:
     return int(rank.item())
 
 
-def broadcast_buffers_from_trainer(reducer: Reducer, module: nn.Module, training: bool) -> None:
+def broadcast_buffers_from_trainer(
+    reducer: Reducer, module: nn.Module, ignored: frozenset[str], training: bool
+) -> None:
     """The pre-forward buffer broadcast under a Join context, from a rank still training."""
-    buffers = list(module.buffers())
+    buffers = synced_buffers(module, ignored)
     if buffers:
         broadcast_coalesced(buffers, reducer.collectives, reducer.group, common_rank(reducer, training))
 
 
-def shadow_iteration(reducer: Reducer, module: nn.Module, broadcast_buffers: bool) -> None:
+def shadow_iteration(reducer: Reducer, module: nn.Module, ignored: frozenset[str], broadcast_buffers: bool) -> None:
     """Issue, with zeros, every collective one forward+backward of a non-joined rank issues."""
     if reducer.world_size == 1:
         return
@@ -93,13 +102,13 @@ def shadow_iteration(reducer: Reducer, module: nn.Module, broadcast_buffers: boo
     if reducer.rebuild_due:
         reducer.rebuild_buckets()
     if broadcast_buffers:
-        broadcast_buffers_from_trainer(reducer, module, training=False)
+        broadcast_buffers_from_trainer(reducer, module, ignored, training=False)
     if not global_requires_sync(reducer, False):
         return
     reducer.reset()
     works = []
     for bucket in reducer.buckets:  # zero stand-ins: the real buffers may be the .grad views
-        stand_in = Bucket(bucket.index, bucket.params, bucket.param_indices, bucket.buffer.dtype)
+        stand_in = Bucket(bucket.index, bucket.params, bucket.param_indices, bucket.buffer.dtype, bucket.sparse)
         reducer.launch(stand_in)
         works.append(stand_in.handle)
     for work in works:
@@ -108,13 +117,15 @@ def shadow_iteration(reducer: Reducer, module: nn.Module, broadcast_buffers: boo
     reducer.after_sync_iteration(use_counts=None, shadowed=True)
 
 
-def sync_final_model(reducer: Reducer, module: nn.Module, broadcast_buffers: bool, is_last_joiner: bool) -> None:
+def sync_final_model(
+    reducer: Reducer, module: nn.Module, ignored: frozenset[str], broadcast_buffers: bool, is_last_joiner: bool
+) -> None:
     """Broadcast the model from the last rank to join (ties: the highest rank), as torch does:
     the joined ranks stopped stepping, the last joiner holds the fully trained replica."""
     if reducer.world_size == 1:
         return
     src = common_rank(reducer, is_last_joiner)
-    tensors: list[torch.Tensor] = list(module.parameters())
+    tensors = synced_parameters(module, ignored)
     if broadcast_buffers:
-        tensors += list(module.buffers())
+        tensors += synced_buffers(module, ignored)
     broadcast_coalesced(tensors, reducer.collectives, reducer.group, src)

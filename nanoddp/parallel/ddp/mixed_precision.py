@@ -67,6 +67,11 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+def _ddp_ignored(tensor: torch.Tensor) -> bool:
+    """Marked by `_set_params_and_buffers_to_ignore_for_model` (nanoddp.parallel.ddp.ignored)."""
+    return bool(getattr(tensor, "_ddp_ignored", False))
+
+
 def _restore_trampoline(ref: weakref.ref, grad: torch.Tensor) -> None:
     helper = ref()
     if helper is not None and not helper.restore_queued:
@@ -85,7 +90,7 @@ class MixedPrecision:
         self._full: list[tuple[nn.Parameter, torch.Tensor]] | None = None  # (param, full data) while swapped
         if config.buffer_dtype is not None:
             for buffer in module.buffers():
-                if buffer.is_floating_point():
+                if buffer.is_floating_point() and not _ddp_ignored(buffer):
                     buffer.data = buffer.data.to(config.buffer_dtype)
 
     @torch.no_grad()
@@ -97,6 +102,8 @@ class MixedPrecision:
         if self._full is None:
             self._full = []
             for param in self.module.parameters():
+                if _ddp_ignored(param):
+                    continue  # left alone by DDP, in full precision too (as torch)
                 self._full.append((param, param.data))
                 if param.grad is not None:
                     param.grad.data = param.grad.to(self.param_dtype)

@@ -22,6 +22,8 @@ import torch
 from nanoddp.comm.backend import Collectives
 from nanoddp.parallel.ddp import buckets as bucketing
 from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
+from nanoddp.parallel.ddp.comm_hooks import check_comm_hook
+from nanoddp.parallel.ddp.sparse import empty_sparse_like, sparse_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,10 @@ class Reducer:
         group: Any,
         world_size: int,
         src: int,
+        expect_sparse: Sequence[bool] = (),
     ):
         self.params, self.param_names = list(params), list(names)
+        self.expect_sparse = list(expect_sparse) or [False] * len(self.params)  # own buckets (sparse.py)
         self.bucket_limits, self.custom_bucket_caps = bucket_limits, custom_bucket_caps
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype
@@ -85,12 +89,14 @@ class Reducer:
 
     def build_initial_buckets(self) -> None:
         """The layout before any gradient has been seen (see buckets.initial_groups)."""
-        self._build(bucketing.initial_groups(self.params, self.bucket_limits, self.custom_bucket_caps))
+        self._build(
+            bucketing.initial_groups(self.params, self.bucket_limits, self.custom_bucket_caps, self.expect_sparse)
+        )
 
     def _build(self, groups: Sequence[Sequence[int]]) -> None:
         """(Re)create the buckets: `groups` of parameter indices, in launch order."""
         self.buckets, self._slot_of = build_buckets(
-            self.params, groups, self.gradient_as_bucket_view, self.reduce_dtype
+            self.params, groups, self.gradient_as_bucket_view, self.reduce_dtype, self.expect_sparse
         )
         logger.debug("built %d buckets of sizes %s", len(self.buckets), [b.nbytes for b in self.buckets])
 
@@ -105,7 +111,9 @@ class Reducer:
             self._ready_order = [i for bucket in self.buckets for i in bucket.param_indices]
         order = torch.tensor(self._ready_order, dtype=torch.int64)  # (P,)
         self.collectives.broadcast(order, src=self.src, group=self.group)
-        groups = bucketing.group_in_order(self.params, order.tolist(), self.bucket_limits)
+        groups = bucketing.group_in_order(
+            self.params, order.tolist(), self.bucket_limits, self.expect_sparse, sort=False
+        )
         if groups != [bucket.param_indices for bucket in self.buckets]:
             self._build(groups)
         self.rebuild_due, self._ready_order = False, None
@@ -115,13 +123,17 @@ class Reducer:
         return [[self.param_names[i] for i in b.param_indices] for b in self.buckets]
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """torch's contract and checks; see DistributedDataParallel.register_comm_hook."""
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}")
+        """torch's contract and checks; see DistributedDataParallel.register_comm_hook.
+
+        As torch, a hook may be registered after some iterations (the next synchronised
+        backward uses it), never while a backward is in flight, and only once."""
+        check_comm_hook(hook)
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel")
-        if self.sync_iterations > 0:
-            raise RuntimeError("register_comm_hook must be called before the first synchronised backward")
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self.backward_started:
+            raise RuntimeError(
+                "register_comm_hook was called during a synchronised backward; register it between iterations"
+            )
         self.comm_hook, self.comm_hook_state = hook, state
         # gloo (CPU tensors) completes futures, and so runs their callbacks, on its own threads:
         # a hook that issues collectives from a callback (torch's PowerSGD: its second
@@ -196,6 +208,16 @@ class Reducer:
         entry = self._slot_of[index]
         assert entry is not None, f"parameter {index} has no bucket slot"  # only reduced ones reach here
         bucket, slot = entry
+        if bucket.sparse:
+            self._sparse_grad_ready(bucket, index)
+        else:
+            self._copy_into_bucket(bucket, index, slot)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _copy_into_bucket(self, bucket: Bucket, index: int, slot: int) -> None:
+        """A dense gradient: copied into its slot of the flat buffer (or already there, as a view)."""
         param, view = self.params[index], bucket.views[slot]
         grad = param.grad
         if grad is None:
@@ -204,9 +226,24 @@ class Reducer:
             view.copy_(grad)
             if self.gradient_as_bucket_view:
                 param.grad = view
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready_buckets()
+
+    def _sparse_grad_ready(self, bucket: Bucket, index: int) -> None:
+        """A sparse gradient is its bucket's buffer (torch's reducer does the same). Without a
+        comm hook it is averaged here, in place, as torch divides it before its all-reduce."""
+        param = self.params[index]
+        grad = param.grad
+        if grad is None:
+            bucket.buffer = empty_sparse_like(param)  # no gradient here: contribute no rows
+            return
+        if not grad.is_sparse:
+            raise RuntimeError(
+                f"parameter '{self.param_names[index]}' belongs to an Embedding/EmbeddingBag built with "
+                f"sparse=True but its gradient is {grad.layout}; DistributedDataParallel expects a sparse "
+                "gradient there (as torch's does): build the module with sparse=False to reduce it densely"
+            )
+        if self.comm_hook is None:
+            grad.div_(self.divisor)
+        bucket.buffer = grad
 
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets in index order; a complete bucket behind an incomplete one
@@ -218,7 +255,9 @@ class Reducer:
     def launch(self, bucket: Bucket) -> None:
         """Start reducing one bucket (the default averaging all-reduce, or the comm hook)."""
         self.trace("launch", bucket.index)
-        if self.comm_hook is None:
+        if self.comm_hook is None and bucket.sparse:
+            bucket.handle = sparse_all_reduce(bucket.buffer, self.collectives, self.group)  # averaged when ready
+        elif self.comm_hook is None:
             # average as we sum: (N,). torch's reducer multiplies by 1/n when it copies a gradient
             # into its bucket and divides a bucket-view gradient in place; the same ops here
             # give its rounding bit for bit when n is not a power of two.
@@ -293,6 +332,9 @@ class Reducer:
     @torch.no_grad()
     def _wait_and_write_back(self, bucket: Bucket, use_counts: list[int] | None) -> None:
         """Block until `bucket` is reduced, then make each parameter's `.grad` the average."""
+        if bucket.sparse:
+            self._write_back_sparse(bucket, use_counts)
+            return
         if self.comm_hook is None:
             bucket.handle.wait()
         else:
@@ -314,6 +356,24 @@ class Reducer:
                 param.grad = view.to(param.dtype, copy=True)  # clone, or cast up (mixed precision)
             else:
                 param.grad.copy_(view)
+
+    def _write_back_sparse(self, bucket: Bucket, use_counts: list[int] | None) -> None:
+        """A sparse bucket's result becomes its parameter's `.grad` (copied into the local
+        gradient, which keeps its identity, as torch's reducer does)."""
+        result = bucket.handle.wait()
+        index, param = bucket.param_indices[0], bucket.params[0]
+        if not isinstance(result, torch.Tensor) or not result.is_sparse or result.shape != param.shape:
+            raise RuntimeError(
+                f"comm hook must return a Future holding a sparse tensor of shape {tuple(param.shape)} for the "
+                f"sparse gradient of '{self.param_names[index]}', got "
+                f"{getattr(result, 'layout', type(result).__name__)} {tuple(getattr(result, 'shape', ()))}"
+            )
+        if index in self._global_unused or (use_counts is not None and use_counts[index] == 0):
+            return  # unused on every rank: leave .grad alone, like torch DDP
+        if param.grad is None:
+            param.grad = result
+        elif result is not param.grad:
+            param.grad.copy_(result)
 
     def _raise_if_unused(self, use_counts: list[int]) -> None:
         """Raised on every rank (all see the same counts), after all collectives completed."""

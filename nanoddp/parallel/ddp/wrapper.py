@@ -37,9 +37,16 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.ddp.args import resolve_args
 from nanoddp.parallel.ddp.delayed_params import DelayedAllReduce
+from nanoddp.parallel.ddp.ignored import (
+    ignored_names,
+    set_params_and_buffers_to_ignore,
+    synced_buffers,
+    synced_parameters,
+)
 from nanoddp.parallel.ddp.join import DDPJoinHook, broadcast_buffers_from_trainer, global_requires_sync
 from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
 from nanoddp.parallel.ddp.reducer import CommHook, Reducer
+from nanoddp.parallel.ddp.sparse import expects_sparse_grad
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 from nanoddp.parallel.sharded.detect import refuse_sharded
 from nanoddp.parallel.tensors import move_to, tensors_in
@@ -145,14 +152,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._world_size, _rank, src = 1, 0, 0
         else:
             self._world_size, _rank, src = group_size_rank_src(process_group)
-        delayed_names = {name for name, _ in args.delayed}  # reduced apart: see delayed_params.py
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in delayed_names]
+        self._ignored = ignored_names(module)  # left alone: rank-local (nanoddp.parallel.ddp.ignored)
+        skipped = self._ignored | {name for name, _ in args.delayed}  # delayed: reduced apart (delayed_params.py)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in skipped]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], bucket_limits=args.bucket_limits,
             custom_bucket_caps=args.custom_bucket_caps, gradient_as_bucket_view=gradient_as_bucket_view,
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
             collectives=collectives_for(comm_backend), group=process_group, world_size=self._world_size, src=src,
+            expect_sparse=expects_sparse_grad(module, [p for _, p in named]),
         )  # fmt: skip
         if self._world_size == 1:
             return  # the same object, as a pass-through: no hooks, no communication
@@ -166,7 +175,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 return  # every trainable parameter is delayed: nothing else to do (as torch)
         if init_sync:
             check_same_structure(module, collectives, process_group)
-            states = list(module.parameters()) + (list(module.buffers()) if args.init_sync_buffers else [])
+            states = synced_parameters(module, self._ignored)
+            states += synced_buffers(module, self._ignored) if args.init_sync_buffers else []
             broadcast_coalesced(states, collectives, process_group, src)
         self.reducer.build_initial_buckets()
         ddp_ref = weakref.ref(self)
@@ -219,8 +229,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             reducer.rebuild_buckets()
         if self.broadcast_buffers:
             if self._join_config.enable:
-                broadcast_buffers_from_trainer(reducer, self.module, training=True)
-            elif buffers := list(self.module.buffers()):
+                broadcast_buffers_from_trainer(reducer, self.module, self._ignored, training=True)
+            elif buffers := synced_buffers(self.module, self._ignored):
                 broadcast_coalesced(buffers, reducer.collectives, self.process_group, reducer.src)
         reducer.reset()
         self._finalize_queued = False
@@ -273,8 +283,15 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the default all-reduce with `hook(state, bucket) -> Future[Tensor]` (torch's
-        contract; see nanoddp.parallel.ddp.comm_hooks). Register once, before the first backward."""
+        contract and checks; see nanoddp.parallel.ddp.comm_hooks). Register once, between
+        iterations: the next synchronised backward uses it."""
         self.reducer.register_comm_hook(state, hook)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch's way to name (fully qualified) the parameters and buffers DDP leaves alone; call it
+        on the module before wrapping it (see nanoddp.parallel.ddp.ignored)."""
+        set_params_and_buffers_to_ignore(module, params_and_buffers_to_ignore)
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
@@ -319,7 +336,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "too); give every rank the same number of batches, or leave the parameters in the buckets"
             )
         divide = kwargs.get("divide_by_initial_world_size", True)
-        return DDPJoinHook(self.reducer, self.module, self.broadcast_buffers, divide)
+        return DDPJoinHook(self.reducer, self.module, self._ignored, self.broadcast_buffers, divide)
 
     @property
     def join_device(self) -> torch.device:
