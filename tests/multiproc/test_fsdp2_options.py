@@ -391,26 +391,7 @@ def suite(tmp_path_factory):
     return suites_by_world_size(options_suite, tmp_path_factory, "fsdp2-options", timeout=300)
 
 
-# Known divergences from torch, kept failing here until fixed (strict: once fixed, the pass fails
-# and the entry must go). load_while_gathered: the stale check compares the shards' local tensors'
-# version counters, but load_state_dict copies through the DTensor parameter, which bumps the
-# DTensor's own counter and not its local tensor's, so the held whole tensors pass as current
-# (torch reshards in a load_state_dict pre-hook). registered_after_forward: ours registers the
-# shards after every forward, torch keeps a unit's whole tensors registered until it reshards.
-KNOWN_BUGS = {
-    "load_while_gathered": "ShardedUnit.stale() misses a load_state_dict: the DTensor's version moves, not its local's",
-    "registered_after_forward": "post_forward registers the DTensor shards again even when the whole tensors stay",
-}
-
-
-def params():
-    for ws in (2, 4):
-        for name, _ in cases(ws):
-            bug = KNOWN_BUGS.get(name)
-            yield pytest.param(ws, name, marks=[pytest.mark.xfail(strict=True, reason=bug)] if bug else [])
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size,case", list(params()), ids=str)
+@pytest.mark.parametrize("world_size,case", [(ws, name) for ws in (2, 4) for name, _ in cases(ws)], ids=str)
 def test_option(suite, world_size, case):
     suite(world_size).check(case)
