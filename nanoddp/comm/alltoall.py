@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nanoddp.comm import cached_rounds, header_round, watchdog, wire
 from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
+from nanoddp.comm.collectives_only import or_torch_on_collectives_only
 from nanoddp.comm.runner import GroupRunner, Work, runner_for
 from nanoddp.comm.transport import Peers, posted, wait_all
 from nanoddp.comm.wire import DTYPE_CODES
@@ -36,6 +37,7 @@ DEFAULT_BARRIER_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for 
 T = TypeVar("T")
 
 
+@or_torch_on_collectives_only("all_to_all_single")
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -71,6 +73,7 @@ def all_to_all_single(
     return submit(runner, "all_to_all", "all_to_all_single", prepare, async_op)
 
 
+@or_torch_on_collectives_only("all_to_all")
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
@@ -160,6 +163,7 @@ def _all_to_all(peers: Peers, sends: list[torch.Tensor], recvs: list[torch.Tenso
     wait_all(works)
 
 
+@or_torch_on_collectives_only("barrier")
 def barrier(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
@@ -203,6 +207,7 @@ def agree(runner: GroupRunner, kind: str, check_call: Callable[[], T]) -> T:
     return box["value"]
 
 
+@or_torch_on_collectives_only("monitored_barrier")
 def monitored_barrier(
     group: dist.ProcessGroup | None = None,
     timeout: datetime.timedelta | float | None = None,

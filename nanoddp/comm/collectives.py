@@ -43,6 +43,7 @@ from torch.distributed import ReduceOp
 from nanoddp.comm import cached_rounds, halving_doubling, header_round, wire
 from nanoddp.comm.cached_rounds import header_then
 from nanoddp.comm.checks import Op, Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
+from nanoddp.comm.collectives_only import or_torch_on_collectives_only
 from nanoddp.comm.exchange import start_exchange_reduce
 from nanoddp.comm.header_round import others_for, unpack
 from nanoddp.comm.pieces import balanced_bounds
@@ -55,6 +56,7 @@ from nanoddp.comm.transport import Peers
 # --- all_reduce -----------------------------------------------------------------------------------
 
 
+@or_torch_on_collectives_only("all_reduce")
 def all_reduce(
     tensor: torch.Tensor,
     op: Op = ReduceOp.SUM,
@@ -122,6 +124,7 @@ def _pair_all_reduce(pair: cached_rounds.PairRound, op: str, rank: int):
 # --- all_gather -----------------------------------------------------------------------------------
 
 
+@or_torch_on_collectives_only("all_gather")
 def all_gather(
     tensor_list: list[torch.Tensor],
     tensor: torch.Tensor,
@@ -149,6 +152,7 @@ def all_gather(
     return submit(runner, "all_gather", "all_gather", prepare, async_op)
 
 
+@or_torch_on_collectives_only("all_gather_single")
 def all_gather_into_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
@@ -230,6 +234,7 @@ def _pair_all_gather(pair: cached_rounds.PairRound, rank: int):
 # --- reduce_scatter -------------------------------------------------------------------------------
 
 
+@or_torch_on_collectives_only("reduce_scatter_single")
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -252,6 +257,7 @@ def reduce_scatter_tensor(
     return submit(runner, "reduce_scatter", "reduce_scatter_tensor", prepare, async_op)
 
 
+@or_torch_on_collectives_only("reduce_scatter")
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from nanoddp.comm.alltoall import agree
 from nanoddp.comm.checks import default_device
 from nanoddp.comm.collectives import all_gather_into_tensor
+from nanoddp.comm.collectives_only import or_torch_on_collectives_only
 from nanoddp.comm.rooted import broadcast, gather, scatter
 from nanoddp.comm.runner import runner_for
 from nanoddp.comm.transport import Peers
 
 
+@or_torch_on_collectives_only("broadcast_object_list")
 def broadcast_object_list(
     object_list: list[Any],
     src: int | None = None,
@@ -58,6 +60,7 @@ def broadcast_object_list(
         object_list[:] = _unpickle_all(data, sizes.tolist())
 
 
+@or_torch_on_collectives_only("all_gather_object")
 def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
     """Every rank's `obj`, in group-rank order, into every rank's `object_list` (trusted ranks only)."""
     runner = runner_for(group, "all_gather_object")
@@ -73,6 +76,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup
     object_list[:] = _all_gather_pickles(peers, mine, group)
 
 
+@or_torch_on_collectives_only("gather_object")
 def gather_object(
     obj: Any,
     object_gather_list: list[Any] | None = None,
@@ -106,6 +110,7 @@ def gather_object(
         object_gather_list[:] = [_unpickle(s[:n]) for s, n in zip(slots, sizes.tolist(), strict=True)]
 
 
+@or_torch_on_collectives_only("scatter_object_list")
 def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,

@@ -19,6 +19,7 @@ from nanoddp.comm.cached_rounds import header_then
 from nanoddp.comm.checks import Op, Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
 from nanoddp.comm.checks import flat as _flat
 from nanoddp.comm.checks import write_back as _write_back
+from nanoddp.comm.collectives_only import or_torch_on_collectives_only
 from nanoddp.comm.header_round import others_for, unpack
 from nanoddp.comm.plan import Path, plan
 from nanoddp.comm.reduce import reduce_in_rank_order
@@ -29,6 +30,7 @@ from nanoddp.comm.wire import as_bytes
 _submit, _header, _nbytes = submit, header, nbytes
 
 
+@or_torch_on_collectives_only("reduce")
 def reduce(
     tensor: torch.Tensor,
     dst: int,
@@ -76,6 +78,7 @@ def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
         _write_back(tensor, data)
 
 
+@or_torch_on_collectives_only("broadcast")
 def broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
@@ -147,6 +150,7 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None)
         _write_back(tensor, data)
 
 
+@or_torch_on_collectives_only("scatter")
 def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
@@ -199,6 +203,7 @@ def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | N
     _write_back(tensor, data)
 
 
+@or_torch_on_collectives_only("gather")
 def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
