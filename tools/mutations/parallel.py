@@ -183,4 +183,11 @@ FAULTS = (
         # a forward after an eval forward (reshard_after_forward=False) runs the old weights
         ("tests/multiproc/test_fsdp2_options.py", "-k", "inplace_change"),
     ),
+    Mutation(
+        "fsdp: load_state_dict while whole tensors are held: no reshard first",
+        "nanoddp/parallel/sharded/fsdp_init.py",
+        "        module._register_load_state_dict_pre_hook(lambda *_: unit.reshard())\n",
+        "        pass\n",
+        ("tests/multiproc/test_fsdp2_options.py", "-k", "load_while_gathered"),
+    ),
 )
