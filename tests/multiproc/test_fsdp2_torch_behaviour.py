@@ -3,7 +3,8 @@
 Every case runs torch's `torch.distributed.fsdp.fully_shard` and ours on the same model, seed
 and batches (ws 2, gloo, one launch for all cases): a tie across two calls, a unit over a
 list of modules (grouped, tied, and a partial forward with the head called per chunk),
-`reshard_after_forward` as an int or False, `Shard(1)` from `shard_placement_fn`,
+`reshard_after_forward` as an int (rows of 2 of 4 ranks: the one ws-4 launch) or False,
+`Shard(1)` from `shard_placement_fn`,
 `register_fsdp_forward_method` and `isinstance` of torch's `FSDPModule`, a DTensor parameter
 assigned before the first forward, `copy.deepcopy`, and the refusals (same error type, and
 torch's message inside ours).
@@ -221,6 +222,37 @@ def case_reshard_after_forward_int(env) -> None:
         assert_same_training(env, models["ours"], models["torch"])
 
 
+def ws4_reshard_to_rows_of_two(env) -> None:
+    """ws 4, `reshard_after_forward=2`: after forward each rank holds its block of 2 of the 4
+    ranks' parts (rows {0,1} and {2,3} hold the whole parameters between them), backward
+    gathers within the row. Bitwise torch's with the same reduce-scatter (torch's, as the
+    sum of 4 terms depends on the order); bitwise our reshard-to-all run on our collectives."""
+    runs = {}
+    for name, fully_shard, value, backend in (
+        ("torch", torch_fsdp.fully_shard, 2, "torch"),
+        ("ours-torch-comm", our_fsdp.fully_shard, 2, "torch"),
+        ("ours", our_fsdp.fully_shard, 2, "nanoddp"),
+        ("ours-to-all", our_fsdp.fully_shard, True, "nanoddp"),
+    ):
+        our_fsdp.settings.comm_backend = backend
+        model = build()
+        fully_shard(model.block, reshard_after_forward=value)
+        fully_shard(model)
+        runs[name] = model
+    our_fsdp.settings.comm_backend = "nanoddp"
+    unit = runs["ours"].block._fsdp_state.unit
+    x, y = batch(0, env.rank)
+    before = runs["ours"].block.sharded_bytes()["params"]
+    loss = F.cross_entropy(runs["ours"](x).flatten(0, 1), y.flatten())
+    block_bytes = unit.numel * 2 * 4  # 2 of the 4 ranks' parts, float32
+    assert runs["ours"].block.sharded_bytes()["params"] == before + block_bytes, (before, block_bytes)
+    loss.backward()
+    runs["ours"].zero_grad(set_to_none=True)
+    assert runs["ours"].block.sharded_bytes()["params"] == before  # backward consumed the block
+    assert_same_training(env, runs["ours-torch-comm"], runs["torch"])
+    assert_same_training(env, runs["ours"], runs["ours-to-all"])
+
+
 def registered_kinds(model: nn.Module) -> list[str]:
     return [type(p.data).__name__ for p in model.parameters()]
 
@@ -372,11 +404,14 @@ def case_refusals_match_torch(env) -> None:
     assert_same_refusal(twice, "twice")
 
 
-CASES = [(fn.__name__.removeprefix("case_"), fn) for name, fn in sorted(globals().items()) if name.startswith("case_")]
+CASES = {
+    2: [(fn.__name__.removeprefix("case_"), fn) for name, fn in sorted(globals().items()) if name.startswith("case_")],
+    4: [("reshard_to_rows_of_two", ws4_reshard_to_rows_of_two)],  # the smallest shard size with a row size
+}
 
 
 def behaviour_suite(env, out_dir):
-    run_cases(env, CASES, out_dir)
+    run_cases(env, CASES[env.world_size], out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -385,16 +420,15 @@ def suite(tmp_path_factory):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", [name for name, _ in CASES])
-def test_behaves_as_torch(suite, case):
-    suite(2).check(case)
+@pytest.mark.parametrize("world_size,case", [(ws, name) for ws, cases in CASES.items() for name, _ in cases])
+def test_behaves_as_torch(suite, world_size, case):
+    suite(world_size).check(case)
 
 
-def test_int_reshard_to_a_smaller_group_is_refused_with_the_fix():
-    """An int that is a non-trivial factor of the shard size (torch reshards to groups of that
-    size): refused, naming what to pass instead; trivial ones mean what torch says they mean."""
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2 .* pass True .* or False"):
-        _reshard_after_forward(2, 4)
+def test_int_reshard_after_forward_is_torchs():
+    """An int is a row size: a non-trivial factor of the shard size is kept; 1 is False and the
+    shard size True, as torch says; anything else is torch's ValueError."""
+    assert _reshard_after_forward(2, 4) == 2 and _reshard_after_forward(2, 4) is not True
     assert _reshard_after_forward(4, 4) is True and _reshard_after_forward(1, 4) is False
     with pytest.raises(ValueError, match="it should be a factor of 4, not 3"):
         _reshard_after_forward(3, 4)

@@ -101,8 +101,10 @@ def fully_shard(
     shard, then `to_empty` and initialise). Build the optimizer afterwards: the registered
     parameters become new DTensor parameters. `reshard_after_forward`: None is True except for
     the root (the outermost call); False keeps the whole (plain tensor) parameters registered
-    from forward until they are resharded; an int must divide the shard size: 1 is False, the
-    shard size is True, and the others (torch's reshard to a smaller group) are refused.
+    from forward until they are resharded; an int g must divide the shard size: 1 is False, the
+    shard size is True, another g keeps the parameters spread over rows of g consecutive ranks
+    after forward (1/g of them on each) and backward gathers within the row (torch's reshard
+    to a smaller group, e.g. the ranks of a node); the shards stay the registered parameters.
     `shard_placement_fn` may return `Shard(d)` for any tensor dim (d > 0 must divide evenly).
     `offload_policy=CPUOffloadPolicy()` on a CPU mesh is the identity (everything is in CPU
     memory already). Refused as torch refuses them (its error types): a container without a
@@ -135,7 +137,9 @@ def fully_shard(
         for sub in m.modules()
         if isinstance(sub, FSDPModule) and sub._fsdp_state.is_root()
     }.values()
-    state = ModuleState(modules, unit, mp_policy, reshard)
+    if unit is not None and not isinstance(reshard, bool) and isinstance(reshard, int):
+        unit.post_forward_mesh = info.post_forward(reshard)
+    state = ModuleState(modules, unit, mp_policy, None if reshard is None else bool(reshard))
     state.tree.learned_prefetch = settings.learned_prefetch
     for tree in inner_roots:
         state.tree.adopt(tree)
@@ -178,8 +182,9 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
     return modules
 
 
-def _reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | None:
-    """torch's rules for an int: a factor of the shard size; 1 means False, the size True."""
+def _reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | int | None:
+    """torch's rules for an int: a factor of the shard size; 1 means False, the size True, and
+    another factor the size of the rows of ranks that hold the parameters after forward."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -195,11 +200,7 @@ def _reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | 
         return False
     if value == shard_size:
         return True
-    raise ValueError(
-        f"reshard_after_forward={value} (resharding to groups of {value} of the {shard_size} shard ranks after "
-        "forward) is not implemented by nanoddp: pass True (reshard to all of them) or False (keep the whole "
-        "parameters until backward)"
-    )
+    return value
 
 
 def _own_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tuple[str, nn.Parameter]]:

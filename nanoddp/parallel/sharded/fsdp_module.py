@@ -130,6 +130,8 @@ class FSDPModule(TorchFSDPModule, _ModuleBase):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for s in self._fsdp_states(recurse):
             s.reshard_after_forward = reshard_after_forward
+            if s.unit is not None:  # a bool replaces a `fully_shard(reshard_after_forward=<int>)`, as torch's
+                s.unit.post_forward_mesh = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free the whole parameters once a unit's gradients are reduced (True) or keep them."""

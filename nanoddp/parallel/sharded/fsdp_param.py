@@ -184,6 +184,11 @@ class ShardedParam:
         if g is None:
             out.zero_()
             return
+        self.write_parts(g, out)
+
+    @torch.no_grad()
+    def write_parts(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """A whole tensor `g` into `out` (ws, padded_numel): each rank's padded part in its row."""
         if self.dim != 0:  # even: row r is chunk r along the dim, flattened
             parts = g.reshape(*self.shape[: self.dim], out.shape[0], self.rows, *self.shape[self.dim + 1 :])
             out.copy_(parts.movedim(self.dim, 0).reshape(out.shape[0], -1))

@@ -160,7 +160,7 @@ class ModuleState:
         the whole tensors registered, and hook `output` so backward reaching it gathers again."""
         self.to_run = []
         if self.unit is not None and self.resharding_after_forward():
-            self.unit.reshard()
+            self.unit.reshard_after_forward()
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: pre_backward(self), mode="any")

@@ -11,6 +11,12 @@ the reduce dtype), each rank's row cut back into its parameters' `.grad` DTensor
 
 States: sharded (only DTensors exist) -> gathering (an all-gather in flight, e.g. a prefetch)
 -> unsharded (whole tensors allocated and filled). `reshard()` frees the whole tensors.
+
+`reshard_after_forward=<int g>` (torch's reshard to a smaller group, e.g. the ranks of one node):
+after forward each rank keeps, besides its shard, the rows of the gathered buffer of its block
+of ranks (`post_forward_shard`: rank j of its row of g ranks keeps rows j*ws/g .. (j+1)*ws/g),
+so the row's g ranks hold the whole buffer between them; backward's all-gather runs within the
+row (g ranks, not ws) and yields the same buffer, so the values are the same bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ShardedUnit:
         self.all_reduce = True  # HSDP: False skips the all-reduce across replicas (accumulation)
         self._partial: torch.Tensor | None = None  # HSDP gradients reduce-scattered, not all-reduced yet
         self._gathered_versions: tuple[tuple[int, int], ...] = ()
+        self.post_forward_mesh: MeshInfo | None = None  # reshard_after_forward=<int>: the rows
+        self._post_forward: tuple[torch.Tensor, tuple[tuple[int, int], ...]] | None = None  # (rows, versions)
 
     def compute_dtype(self) -> torch.dtype:
         return self.mp.param_dtype or self.params[0].sharded.dtype
@@ -59,6 +67,15 @@ class ShardedUnit:
         ws, rank = self.mesh.shard_size, self.mesh.shard_rank
         device = self.params[0].local().device
         output = torch.empty(ws * self.numel, dtype=self.compute_dtype(), device=device)  # (ws * numel,)
+        held, self._post_forward = self._post_forward, None
+        if held is not None and held[0].dtype == output.dtype and held[1] == self._versions():
+            row = self.post_forward_mesh
+            assert row is not None  # held only when resharded to the rows
+            mine = output.view(row.shard_size, -1)[row.shard_rank]  # its block of ranks' rows
+            mine.copy_(held[0])
+            work = self.comm.all_gather_into_tensor(output, mine, group=row.shard_group, async_op=True)
+            self._gather = (work, output)
+            return
         # The input is this rank's row of the output, as torch's FSDP2 lays it: no separate copy
         # of the shards, and the all-gather leaves that row as it is.
         shard = output[rank * self.numel : (rank + 1) * self.numel]  # (numel,)
@@ -103,8 +120,30 @@ class ShardedUnit:
         """Unsharded, but a shard changed since (an optimizer step, a load, `to_empty`)."""
         return self.unsharded and self._versions() != self._gathered_versions
 
+    @torch.no_grad()
+    def reshard_after_forward(self) -> None:
+        """Free the whole tensors; with a row mesh (`reshard_after_forward=<int>`) keep this
+        rank's block of the gathered buffer first, for backward's all-gather within the row."""
+        row = self.post_forward_mesh
+        if row is None or not self.unsharded:
+            self.reshard()
+            return
+        ws = self.mesh.shard_size
+        parts = torch.empty(ws, self.numel, dtype=self.compute_dtype(), device=self.params[0].local().device)
+        offset = 0
+        for p in self.params:  # the gathered buffer again, from the whole tensors
+            assert p.unsharded is not None  # unsharded
+            p.write_parts(p.unsharded.detach(), parts[:, offset : offset + p.padded_numel])
+            offset += p.padded_numel
+        block = ws // row.shard_size
+        kept = parts[row.shard_rank * block : (row.shard_rank + 1) * block].reshape(-1).clone()  # (block * numel,)
+        versions = self._gathered_versions
+        self.reshard()
+        self._post_forward = (kept, versions)
+
     def reshard(self) -> None:
         """Free the whole tensors (waiting out a gather still in flight) and register the shards."""
+        self._post_forward = None
         if self._gather is not None:
             work, _ = self._gather
             self._gather = None
@@ -183,6 +222,8 @@ class ShardedUnit:
     # --- bookkeeping -----------------------------------------------------------------------------
 
     def resident_bytes(self) -> int:
-        """Parameter bytes held now: the shards plus any allocated whole tensors."""
+        """Parameter bytes held now: the shards, any allocated whole tensors, a post-forward block."""
         held = sum(p.local().numel() * p.local().element_size() for p in self.params)
+        if self._post_forward is not None:
+            held += self._post_forward[0].numel() * self._post_forward[0].element_size()
         return held + sum(p.nbytes for p in self.params if p.unsharded_allocated())

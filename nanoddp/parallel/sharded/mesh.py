@@ -28,6 +28,11 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+# Row meshes for `reshard_after_forward=<int>`, one per (mesh, size): their process groups are
+# made once, not by every fully_shard call.
+_post_forward_meshes: dict[tuple, DeviceMesh] = {}
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """The groups one unit's collectives run over: all-gather / reduce-scatter within
@@ -63,6 +68,18 @@ class MeshInfo:
             replicate_group=replicate,
             placements=placements,
         )
+
+    def post_forward(self, group_size: int) -> MeshInfo:
+        """`reshard_after_forward=group_size`: the mesh's ranks in rows of `group_size`
+        consecutive ranks (torch's `mesh.view(-1, group_size)`); between forward and backward
+        the ranks of one row hold the whole parameters between them. Collective: every rank
+        builds the row groups."""
+        key = (self.mesh.device_type, tuple(self.mesh.mesh.flatten().tolist()), group_size)
+        if key not in _post_forward_meshes:
+            rows = self.mesh.mesh.reshape(-1, group_size)  # (replicas * shard_size / group_size, group_size)
+            names = ("post_forward_replicate", "post_forward_shard")
+            _post_forward_meshes[key] = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=names)
+        return MeshInfo.of(_post_forward_meshes[key])
 
     def placements_for(self, shard: Shard) -> tuple[Placement, ...]:
         """The DTensor placements of a parameter cut along tensor dim `shard.dim`."""
