@@ -167,6 +167,11 @@ def _hook(module: Any, state: ModuleState) -> None:
         module.register_load_state_dict_post_hook(unit.adopt_registered)
 
 
+class AlreadyShardedError(AssertionError, ValueError):
+    """`fully_shard` on a module it already sharded: torch's type (its composable-API check
+    raises an AssertionError), and a ValueError as every other refused argument here is."""
+
+
 def _check_modules(module) -> tuple[nn.Module, ...]:
     """The modules of one call, refused as torch refuses them."""
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
@@ -174,10 +179,11 @@ def _check_modules(module) -> tuple[nn.Module, ...]:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             # its hooks would never run: nothing calls a container's forward
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
-        if isinstance(m, FSDPModule):  # torch's composable-API check raises an AssertionError
-            raise AssertionError(
+        if isinstance(m, FSDPModule):
+            raise AlreadyShardedError(
                 "Each distinct composable distributed API can only be applied to a module once. "
-                f"fully_shard has already been applied to the following module:\n{m}"
+                f"fully_shard has already been applied to the following module:\n{m}\n"
+                f"{type(m).__name__} is already sharded: call fully_shard once per module"
             )
     return modules
 
