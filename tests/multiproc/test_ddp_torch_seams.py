@@ -1,13 +1,16 @@
 """nanoddp's DDP against torch's DDP where torch users meet its edges: sparse gradients, 16-bit
-compress hooks (and their bytes on the wire), `_ddp_params_and_buffers_to_ignore`, and the
-refusals of `register_comm_hook`. Every case runs torch's DDP on the same model and data and
-compares bit for bit. One launch per world size: ws=2 for everything, ws=3 for the sparse cases
-(with three ranks the order of the sums matters).
+compress hooks (and their bytes on the wire), `_ddp_params_and_buffers_to_ignore`, the
+refusals of `register_comm_hook` and of the constructor, and pickling (torch.save, deepcopy).
+Every case runs torch's DDP on the same model and data and compares bit for bit (errors: type
+and text). One launch per world size: ws=2 for everything, ws=3 for the sparse cases (with
+three ranks the order of the sums matters).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 import types
 
 import pytest
@@ -16,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from helpers import run_cases, suites_by_world_size
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
 
@@ -314,6 +318,139 @@ def case_hook_checks_as_torch(env, backend):
         assert torch.equal(p.grad, q.grad)
 
 
+# ---- pickling, and torch's construction-time refusals ------------------------------------------
+
+
+def _save_and_load(engine: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(engine, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _sgd_step(engine: nn.Module, rank: int, step: int) -> None:
+    """One step by hand (a copy has new parameters: no optimizer to carry over)."""
+    engine(dense_batch(10 * step + rank)).pow(2).mean().backward()
+    if isinstance(engine, TorchDDP) and engine._delay_all_reduce_params:
+        # torch never waits for its delayed all-reduce (it drops the Work), so its .grad may
+        # still be changing when backward() returns; gloo's barrier waits for all earlier work
+        dist.barrier()
+    with torch.no_grad():
+        for p in engine.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+
+
+def _assert_same_model(ours: nn.Module, theirs: nn.Module, what: str) -> None:
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p, q), f"{what}: {name} differs from torch DDP's"
+
+
+def case_pickles_as_torch(env, backend):
+    """After a step, torch.save/torch.load and copy.deepcopy copy the wrapper as torch DDP's:
+    the copy trains on with averaged gradients (hooks on its own parameters, buckets built and
+    rebuilt again) bit for bit as torch's copy, and leaves the original alone, which trains on
+    too. Over a group other than the default one, pickling is refused as torch refuses it."""
+    ours = DistributedDataParallel(build_mlp(), bucket_cap_mb=0.001, comm_backend=backend)
+    theirs = TorchDDP(build_mlp(), bucket_cap_mb=0.001)
+    for engine in (ours, theirs):
+        _sgd_step(engine, env.rank, 0)
+    for copy_fn in (_save_and_load, copy.deepcopy):
+        copies = [copy_fn(e) for e in (ours, theirs)]
+        assert copies[0].module is not ours.module and copies[0].reducer is not ours.reducer
+        for step in (1, 2):  # the second runs on rebuilt buckets
+            for engine in copies:
+                _sgd_step(engine, env.rank, step)
+            _assert_same_model(copies[0].module, copies[1].module, f"{copy_fn.__name__} step {step}")
+        assert copies[0].bucket_param_names == torch_layout(copies[1])
+        _assert_same_model(ours.module, theirs.module, f"original after {copy_fn.__name__}")
+    for engine in (ours, theirs):
+        _sgd_step(engine, env.rank, 3)
+    _assert_same_model(ours.module, theirs.module, "original, trained on")
+    group = dist.new_group(list(range(env.world_size)))  # the same ranks, not the default group
+    over_group = [DistributedDataParallel(build_mlp(), process_group=group, comm_backend=backend),
+                  TorchDDP(build_mlp(), process_group=group)]  # fmt: skip
+    refusals = [_refusal_of(torch.save, engine, io.BytesIO()) for engine in over_group]
+    assert refusals[0] == refusals[1] and refusals[1][0] == "RuntimeError", refusals
+
+
+def case_pickled_delayed_params(env, backend):
+    """delay_all_reduce_named_params survive a torch.save/torch.load: the loaded wrapper still
+    averages the delayed gradients, as an unpickled torch DDP does. (torch's own copy does not:
+    its __setstate__ rebuilds the reducer but not the delayed hook, so the copy is no reference.)"""
+    engines = []
+    for engine_type in (DistributedDataParallel, TorchDDP):
+        model = build_mlp()
+        kwargs = {"comm_backend": backend} if engine_type is DistributedDataParallel else {}
+        delayed = [("2.weight", model[2].weight)]
+        engines.append(engine_type(model, delay_all_reduce_named_params=delayed,
+                                   param_to_hook_all_reduce=model[0].weight, **kwargs))  # fmt: skip
+    for engine in engines:
+        _sgd_step(engine, env.rank, 0)
+    ours, theirs = _save_and_load(engines[0]), engines[1]
+    for step in (1, 2):
+        for engine in (ours, theirs):
+            _sgd_step(engine, env.rank, step)
+        _assert_same_model(ours.module, theirs.module, f"step {step}")
+
+
+def _refusal_of(fn, *args, **kwargs) -> tuple[str, str]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # the type and text are what is compared
+        return type(exc).__name__, str(exc)
+    return "accepted", ""
+
+
+def _frozen() -> nn.Module:
+    model = build_mlp()
+    model.requires_grad_(False)
+    return model
+
+
+def _ignore(engine_type, model: nn.Module, names: list[str]) -> None:
+    """The engine's own static method (ours, or torch's for torch's engine)."""
+    engine = engine_type.func if isinstance(engine_type, functools.partial) else engine_type
+    engine._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def _all_trainable_ignored(engine_type) -> nn.Module:
+    model = build_mlp()
+    model[2].requires_grad_(False)
+    _ignore(engine_type, model, ["0.weight", "0.bias"])
+    return model
+
+
+def case_refusals_as_torch(env, backend):
+    """torch's type and text where it refuses: no parameter to train (frozen, or every trainable
+    one ignored), process_group with device_mesh, a 2-D mesh, two device_ids. Delayed
+    parameters alone are accepted, as by torch."""
+    mesh_1d = init_device_mesh("cpu", (env.world_size,))
+    mesh_2d = init_device_mesh("cpu", (1, env.world_size), mesh_dim_names=("a", "b"))
+    calls = {
+        "frozen": lambda t: t(_frozen()),
+        "all_trainable_ignored": lambda t: t(_all_trainable_ignored(t)),
+        "group_and_mesh": lambda t: t(build_mlp(), process_group=dist.group.WORLD, device_mesh=mesh_1d),
+        "mesh_2d": lambda t: t(build_mlp(), device_mesh=mesh_2d),
+        "two_device_ids": lambda t: t(build_mlp(), device_ids=[0, 1]),
+    }
+    for what, call in calls.items():
+        expected = _refusal_of(call, TorchDDP)
+        assert expected[0] != "accepted", f"{what}: torch accepted it"
+        ours = _refusal_of(call, functools.partial(DistributedDataParallel, comm_backend=backend))
+        assert ours == expected, f"{what}: ours {ours}, torch's {expected}"
+    for engine_type in (functools.partial(DistributedDataParallel, comm_backend=backend), TorchDDP):
+        # trainable: a delayed one, and the hook's, which is ignored (torch's and nanoddp's
+        # delayed all-reduce need a hook parameter outside the delayed ones)
+        model = _frozen()
+        model[0].weight.requires_grad_(True)
+        model[2].weight.requires_grad_(True)
+        _ignore(engine_type, model, ["0.weight"])
+        only_delayed = {"delay_all_reduce_named_params": [("2.weight", model[2].weight)],
+                        "param_to_hook_all_reduce": model[0].weight}  # fmt: skip
+        assert _refusal_of(engine_type, model, **only_delayed) == ("accepted", ""), engine_type
+
+
 # ---- one launch per world size -----------------------------------------------------------------
 
 
@@ -337,6 +474,10 @@ def cases(world_size: int):
                 for pair in compress_pairs()]  # fmt: skip
         out += [(f"{b}-ignored_stay_local", p(case_ignored_stay_local, backend=b)) for b in ("torch", "nanoddp")]
         out += [("hook_checks_as_torch", p(case_hook_checks_as_torch, backend="nanoddp"))]
+        out += [(f"{b}-{name}", p(fn, backend=b)) for b in ("torch", "nanoddp")
+                for name, fn in (("pickles_as_torch", case_pickles_as_torch),
+                                 ("pickled_delayed_params", case_pickled_delayed_params),
+                                 ("refusals_as_torch", case_refusals_as_torch))]  # fmt: skip
     return out
 
 

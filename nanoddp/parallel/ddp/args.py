@@ -20,6 +20,7 @@ import torch.nn as nn
 from nanoddp.comm.backend import check_comm_backend
 from nanoddp.parallel.ddp.buckets import bucket_limits
 from nanoddp.parallel.ddp.delayed_params import check_delayed_args
+from nanoddp.parallel.ddp.ignored import ignored_names
 from nanoddp.parallel.ddp.mixed_precision import check_mixed_precision
 
 DEFAULT_BUCKET_CAP_MB = 25  # torch DDP's default, what bucket_cap_mb=None means
@@ -69,14 +70,17 @@ def resolve_args(
     limits = bucket_limits(max(1, int(bucket_cap_mb * MB)), [max(1, int(cap * MB)) for cap in caps])
     delayed = check_delayed_args(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
     check_comm_backend(comm_backend)
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids must name at most one device (one process per device), got {list(device_ids)}")
+    # torch's checks, in torch's order, with its error types and messages (code written against
+    # torch's DDP may catch them)
     if process_group is not None and device_mesh is not None:
-        raise ValueError("Cannot specify both process_group and device_mesh arguments (torch DDP's rule).")
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is not None:
         if device_mesh.ndim != 1:
-            raise ValueError(f"Only a 1-D device_mesh is supported (as in torch DDP), got {device_mesh}")
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
         process_group = device_mesh.get_group(mesh_dim=0)
+    check_some_param_requires_grad(module, delayed)
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
     if check_reduction:
         warnings.warn(
             "The `check_reduction` argument of DistributedDataParallel is deprecated (as in torch) and ignored.",
@@ -89,6 +93,18 @@ def resolve_args(
     else:
         forward = init = True if broadcast_buffers is None else bool(broadcast_buffers)
     return ResolvedArgs(bucket_cap_mb, process_group, forward, init, limits, bool(caps), delayed)
+
+
+def check_some_param_requires_grad(module: nn.Module, delayed: list[tuple[str, nn.Parameter]]) -> None:
+    """torch's refusal, word for word: a module none of whose parameters (ignored and delayed ones
+    left out) requires grad has no gradient to synchronise. Wrapping it anyway usually means the
+    model was frozen by mistake; use the module itself. Delayed parameters alone are accepted."""
+    skipped = ignored_names(module) | {name for name, _ in delayed}
+    if delayed or any(p.requires_grad for name, p in module.named_parameters() if name not in skipped):
+        return
+    raise RuntimeError(
+        "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
+    )
 
 
 def _positive_number(value: Any) -> bool:

@@ -93,6 +93,7 @@ class DelayedAllReduce:
         group: Any,
         world_size: int,
         src: int,
+        broadcast: bool = True,
     ):
         self.names = {name for name, _ in named_params}
         self.params = [p for _, p in named_params]
@@ -104,7 +105,8 @@ class DelayedAllReduce:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self._handle = None
-        broadcast_coalesced([p.detach() for p in self.params], collectives, group, src)
+        if broadcast:  # at construction; not after unpickling (the parameters are what was saved)
+            broadcast_coalesced([p.detach() for p in self.params], collectives, group, src)
         handle = hook_param.register_hook(functools.partial(_hook_trampoline, weakref.ref(self)))
         weakref.finalize(self, handle.remove)
 

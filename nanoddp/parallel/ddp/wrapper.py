@@ -23,6 +23,7 @@ iteration reads. With world size 1 the wrapper is a plain pass-through: no hooks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,20 @@ from nanoddp.parallel.ddp.sparse import expects_sparse_grad
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
 from nanoddp.parallel.sharded.detect import refuse_sharded
 from nanoddp.parallel.tensors import move_to, tensors_in
+
+
+def _check_default_group(process_group: dist.ProcessGroup | None) -> None:
+    """torch's condition and message for pickling a DDP wrapper: its group must be the default one
+    (the only group an unpickling process can name)."""
+    if dist.is_initialized() and (process_group is None or process_group == dist.group.WORLD):
+        return
+    if not dist.is_initialized() and process_group is None:
+        return  # nanoddp's pass-through wrapper without torch.distributed: nothing to rebuild
+    raise RuntimeError(
+        "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+        "is, when you have called init_process_group and have not passed process_group argument to DDP "
+        "constructor"
+    )
 
 
 def _grad_ready_trampoline(ddp_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -146,31 +161,40 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.comm_backend = comm_backend
         self.require_backward_grad_sync = True
         self._device = torch.device(self.device_ids[0]) if self.device_ids else None
+        self._args = args
+        self._param_to_hook_all_reduce = param_to_hook_all_reduce
+        self._ignored = ignored_names(module)  # left alone: rank-local (nanoddp.parallel.ddp.ignored)
+        self._build_engine(init_sync=init_sync, unpickled=False)
+
+    def _build_engine(self, init_sync: bool, unpickled: bool) -> None:
+        """At construction, and again after unpickling (without any start-up broadcast, as
+        torch): the reducer, the delayed all-reduce, and the gradient hooks on the parameters."""
+        args, module, process_group = self._args, self.module, self.process_group
         self._delayed: DelayedAllReduce | None = None
         self._finalize_queued = False
         if not dist.is_initialized():
             self._world_size, _rank, src = 1, 0, 0
         else:
             self._world_size, _rank, src = group_size_rank_src(process_group)
-        self._ignored = ignored_names(module)  # left alone: rank-local (nanoddp.parallel.ddp.ignored)
         skipped = self._ignored | {name for name, _ in args.delayed}  # delayed: reduced apart (delayed_params.py)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in skipped]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], bucket_limits=args.bucket_limits,
-            custom_bucket_caps=args.custom_bucket_caps, gradient_as_bucket_view=gradient_as_bucket_view,
+            custom_bucket_caps=args.custom_bucket_caps, gradient_as_bucket_view=self.gradient_as_bucket_view,
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
-            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-            collectives=collectives_for(comm_backend), group=process_group, world_size=self._world_size, src=src,
-            expect_sparse=expects_sparse_grad(module, [p for _, p in named]),
+            find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+            collectives=collectives_for(self.comm_backend), group=process_group, world_size=self._world_size,
+            src=src, expect_sparse=expects_sparse_grad(module, [p for _, p in named]),
         )  # fmt: skip
         if self._world_size == 1:
             return  # the same object, as a pass-through: no hooks, no communication
         collectives = self.reducer.collectives
         if args.delayed:
-            assert param_to_hook_all_reduce is not None  # resolve_args checked it with the delayed names
+            assert self._param_to_hook_all_reduce is not None  # resolve_args checked it with the delayed names
             self._delayed = DelayedAllReduce(
-                args.delayed, param_to_hook_all_reduce, collectives, process_group, self._world_size, src
-            )
+                args.delayed, self._param_to_hook_all_reduce, collectives, process_group, self._world_size, src,
+                broadcast=not unpickled,  # torch broadcasts them even with init_sync=False
+            )  # fmt: skip
             if not named:
                 return  # every trainable parameter is delayed: nothing else to do (as torch)
         if init_sync:
@@ -185,6 +209,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             for i, p in enumerate(self.reducer.params)
         ]
         weakref.finalize(self, lambda: [h.remove() for h in handles])
+
+    # ---- pickling: torch.save(ddp), copy.deepcopy(ddp) -----------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch's DDP: everything but the process group and the reducer (bucket state, the
+        collectives module, a comm hook), so only a wrapper over the default group pickles."""
+        _check_default_group(self.process_group)
+        state = dict(self.__dict__)
+        for rebuilt in ("process_group", "reducer", "_delayed", "_finalize_queued", "_world_size"):
+            del state[rebuilt]
+        state["_args"] = dataclasses.replace(self._args, process_group=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """As torch's DDP: the default group, and a fresh reducer over the unpickled parameters
+        (buckets laid out again, no comm hook, no broadcast: the parameters are what was saved)."""
+        super().__setstate__(state)
+        self.process_group = None  # the default group, the only one a pickle can come from
+        self._build_engine(init_sync=False, unpickled=True)
 
     # ---- 1. before backward: the forward ------------------------------------------------------
 
