@@ -1,8 +1,11 @@
 """nanoddp.fsdp.fully_shard accepts and refuses what torch's FSDP2 does, checked against torch.
 
 Every case runs torch's `torch.distributed.fsdp.fully_shard` and ours on the same model, seed
-and batches (ws 2, gloo, one launch for all cases): a tie across two calls, a unit over a
-list of modules (grouped, tied, and a partial forward with the head called per chunk),
+and batches (ws 2, gloo, one launch for all cases): a tie across two calls (refused at the
+first forward), `fully_shard.state`, a unit over a list of modules (grouped, tied, a partial
+forward with the head called per chunk, two partial forwards leaving the head without a
+gradient), `reset_iter_state` after an exception in forward and in backward, a change of the
+shards while the whole tensors are held (against one process: torch has no check),
 `reshard_after_forward` as an int (rows of 2 of 4 ranks: the one ws-4 launch) or False,
 `Shard(1)` from `shard_placement_fn`,
 `register_fsdp_forward_method` and `isinstance` of torch's `FSDPModule`, a DTensor parameter
@@ -138,15 +141,24 @@ def assert_same_refusal(make, what: str) -> None:
 # ---- 1. a tie across two fully_shard calls; 2. a unit over a list of modules -----------------------
 
 
-def case_tie_across_calls_refused(env) -> None:
-    def make(impl):
-        model = build(tied=True)
-        IMPLS[impl](model.emb)  # the tied weight in this unit ...
-        IMPLS[impl](model)  # ... and in the root's (head.weight): torch refuses it at the first forward
-        model(batch(0, env.rank)[0])
+def case_tie_across_calls_refused_at_first_forward(env) -> None:
+    """The tied weight in two units: the calls pass, the root's first forward (torch's lazy
+    init) refuses it, whether the root or a second call took it again."""
+    for inner in (["emb"], ["emb", "head"]):
 
-    assert_same_refusal(make, "tie across calls")
-    assert "fully_shard([module_a, module_b])" in str(raised(functools.partial(make, "ours")))
+        def make(impl, forward=True, inner=inner):
+            model = build(tied=True)
+            for name in inner:
+                IMPLS[impl](getattr(model, name))
+            IMPLS[impl](model)
+            if forward:
+                model(batch(0, env.rank)[0])
+
+        for impl in IMPLS:
+            make(impl, forward=False)  # raises nothing
+        assert_same_refusal(make, f"tie across calls {inner}")
+        message = str(raised(functools.partial(make, "ours")))
+        assert "'emb.weight' is 'head.weight'" in message or "'head.weight' is 'emb.weight'" in message, message
 
 
 def grouped(impl: str, **kwargs) -> tuple[LM, list]:
@@ -196,6 +208,77 @@ def case_partial_forward_head_per_chunk_matches_torch(env) -> None:
     assert kinds["ours"] == kinds["torch"], kinds
     assert kinds["ours"][:2] == (["DTensor"] * 4, ["Tensor"] * 4), kinds
     assert_same_training(env, ours, theirs)
+
+
+def case_state_attribute_is_torchs(env) -> None:
+    """`fully_shard.state(m)`: one state per call (a list's modules share one), None unsharded."""
+    for impl, fully_shard in IMPLS.items():
+        model, _ = grouped(impl)
+        states = [fully_shard.state(m) for m in (model, model.block, model.norm, model.head)]
+        assert states[2] is states[3] and len({id(s) for s in states}) == 3 and None not in states, impl
+        assert fully_shard.state(model.emb) is None and fully_shard.state(nn.Linear(2, 2)) is None, impl
+        if impl == "ours":
+            assert states[1] is model.block._fsdp_state
+
+
+def case_double_partial_forward_no_grad_for_unused(env) -> None:
+    """Two forwards stopping at the norm, one backward: the head (in the norm's unit) took no
+    part, so it gets no gradient, as torch's; the rest get torch's, bitwise."""
+    grads = {}
+    for impl in IMPLS:
+        model, _ = grouped(impl, run_head=False)
+        h1, h2 = model(batch(0, env.rank)[0]), model(batch(1, env.rank)[0])
+        (h1.sum() + h2.sum()).backward()
+        grads[impl] = {n: p.grad if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert grads["torch"]["head.weight"] is None and grads["torch"]["head.bias"] is None
+    for name, want in grads["torch"].items():
+        got = grads["ours"][name]
+        assert (got is None) == (want is None), f"{name}: ours {got}, torch {want}"
+        assert want is None or torch.equal(got, want), name
+
+
+def armed_raiser(armed: dict, where: str):
+    def hook(*_) -> None:
+        if armed[where]:
+            raise RuntimeError(f"boom in {where}")
+
+    return hook
+
+
+def raise_in_backward(armed: dict):
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(armed_raiser(armed, "backward"))
+
+    return hook
+
+
+def case_reset_iter_state_after_exceptions(env) -> None:
+    """An exception mid-forward (in the block, after the root's gather) and one mid-backward
+    (at the embedding's output, after the head's and block's reduce-scatters launched), each
+    followed by `reset_iter_state()` on the root: training then goes on as torch's, bitwise."""
+    models = {}
+    for impl in IMPLS:
+        armed = {"forward": False, "backward": False}
+        model = build(run_head=False)
+        model.block.register_forward_pre_hook(armed_raiser(armed, "forward"))
+        model.emb.register_forward_hook(raise_in_backward(armed))
+        IMPLS[impl](model.block)
+        IMPLS[impl]([model.norm, model.head])
+        IMPLS[impl](model)
+        for where in armed:
+            armed[where] = True
+            try:
+                loss_of(model, *batch(0, env.rank)).backward()
+            except RuntimeError as exc:
+                assert f"boom in {where}" in str(exc), exc
+            else:
+                raise AssertionError(f"{impl}: no exception in {where}")
+            armed[where] = False
+            model.reset_iter_state()
+            model.zero_grad(set_to_none=True)
+        models[impl] = model
+    assert_same_refusal(lambda impl: models[impl].block.reset_iter_state(), "reset_iter_state on a non-root")
+    assert_same_training(env, models["ours"], models["torch"])
 
 
 def case_unit_over_modules_needs_a_root(env) -> None:
@@ -283,6 +366,34 @@ def case_no_reshard_registers_whole_tensors(env) -> None:
             for n, p in model.named_parameters():
                 assert torch.equal(grads[n], p.grad.full_tensor()), n
     assert seen["ours"] == seen["torch"], seen
+
+
+def case_shards_changed_while_gathered(env) -> None:
+    """The root keeps its whole tensors after an eval forward; then its shards change through
+    the DTensor parameters: an in-place op, a for-loop and a foreach optimizer step (a foreach
+    step bumps no version counter itself). The next forward runs the new weights, as one
+    process does (torch's FSDP2 runs the copy it holds). One batch on every rank: the average
+    of two equal gradients is each, bitwise."""
+    x, y = batch(0, 0)
+    for change in ("mul_", "sgd", "sgd-foreach"):
+        model, plain = build(), build()
+        our_fsdp.fully_shard(model.block)
+        our_fsdp.fully_shard(model, reshard_after_forward=False)
+        outs = []
+        for m in (model, plain):
+            params = list(m.parameters())  # ours: the DTensors (whole tensors are registered while held)
+            opt = torch.optim.SGD(params, lr=0.1, foreach=change == "sgd-foreach")
+            F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+            with torch.no_grad():
+                m(x)  # ours: the root's whole tensors stay (reshard_after_forward=False)
+                if change == "mul_":
+                    for p in params:
+                        p.mul_(2)
+                else:
+                    opt.step()
+                outs.append(m(x))
+        assert model._fsdp_state.unit.unsharded, "nothing held: the case would not test staleness"
+        assert torch.equal(outs[0], outs[1]), f"{change}: the forward after it ran the old weights"
 
 
 # ---- 4. Shard(1) from shard_placement_fn ---------------------------------------------------------------

@@ -16,7 +16,6 @@ refuses is refused here before anything changes, with torch's error type and mes
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,24 +57,6 @@ settings = FSDPSettings()
 _DEFAULT_MP = MixedPrecisionPolicy()  # torch's defaults, built once (the signature shows them)
 _DEFAULT_OFFLOAD = OffloadPolicy()
 _fsdp_classes: dict[type, type] = {}
-# The plain parameters some `fully_shard` call took, by id, held weakly (a dropped model's go
-# with it; a WeakSet would compare tensors with ==), so a second call finding one (a tie across
-# units) refuses it.
-_managed: dict[int, weakref.ref] = {}
-
-
-def _mark_managed(p: nn.Parameter) -> None:
-    key = id(p)
-
-    def forget(_: weakref.ref) -> None:
-        _managed.pop(key, None)
-
-    _managed[key] = weakref.ref(p, forget)
-
-
-def _is_managed(p: nn.Parameter) -> bool:
-    ref = _managed.get(id(p))
-    return ref is not None and ref() is p
 
 
 def fully_shard(
@@ -109,8 +90,9 @@ def fully_shard(
     `offload_policy=CPUOffloadPolicy()` on a CPU mesh is the identity (everything is in CPU
     memory already). Refused as torch refuses them (its error types): a container without a
     forward, a module sharded twice, a 0-dim or non-contiguous parameter, a 2-D mesh without
-    `mesh_dim_names`, a 3-D mesh, a parameter tied to one another `fully_shard` call manages.
-    Not supported, a ValueError: `dp_mesh_dims`.
+    `mesh_dim_names`, a 3-D mesh; and, at the root's first forward (torch's lazy init), a
+    parameter two `fully_shard` calls took (a tie across units). Not supported, a ValueError:
+    `dp_mesh_dims`. `fully_shard.state(m)` is the state a call attached to `m` (None if none).
     """
     modules = _check_modules(module)
     if dp_mesh_dims is not None:
@@ -126,8 +108,6 @@ def fully_shard(
         check_shardable(name, p, _placement(shard_placement_fn, p), info.shard_size) for name, p in params
     ]  # every refusal before anything changes
     sharded = [ShardedParam(p, info, _locations(modules, p), sh) for (_, p), sh in zip(params, shards, strict=True)]
-    for _, p in params:
-        _mark_managed(p)
     unit = ShardedUnit(sharded, info, collectives_for(settings.comm_backend), mp_policy) if sharded else None
     for sp in sharded:
         sp.register(unsharded=False)
@@ -209,10 +189,20 @@ def _reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | 
     return value
 
 
+def _state(module: nn.Module) -> ModuleState | None:
+    """`fully_shard.state(module)`, torch's (its `contract` gives `fully_shard` this attribute):
+    the state `fully_shard` attached to `module` (one for every module of a list), else None."""
+    return module.__dict__.get("_fsdp_state")
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
 def _own_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tuple[str, nn.Parameter]]:
     """The parameters this call takes, by a name of each: those of `modules` not in a sharded
-    submodule's unit nor ignored. A parameter another call already took is refused as torch
-    refuses it (the tie would become two parameters that drift apart)."""
+    submodule's unit nor ignored. A tied parameter another call took (registered outside its
+    modules, so still the plain one) is taken again, and refused at the root's first forward,
+    as torch does (`TreeState.lazy_init`)."""
     taken = {
         id(sp.sharded)
         for m in modules
@@ -225,12 +215,6 @@ def _own_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tuple
         for name, p in m.named_parameters():
             if id(p) in taken or id(p) in ignored or any(p is q for _, q in params):
                 continue
-            if _is_managed(p):
-                raise ValueError(
-                    f"Parameter '{name}' is shared with a parameter already managed by another FSDP group. "
-                    "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the "
-                    "same FSDP group."
-                )
             params.append((name, p))
     return params
 

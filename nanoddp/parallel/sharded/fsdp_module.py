@@ -138,6 +138,17 @@ class FSDPModule(TorchFSDPModule, _ModuleBase):
         for s in self._fsdp_states(recurse):
             s.reshard_after_backward = reshard_after_backward
 
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short, call this on the root, then run
+        the next iteration as usual: it waits for the collectives in flight, reshards every
+        unit, and forgets the half-run iteration. That iteration's gradients are lost, also
+        those kept by `set_requires_gradient_sync(False)` or `set_requires_all_reduce(False)`:
+        restart the accumulation. A RuntimeError on a module that is not the root, as torch's."""
+        state = self._fsdp_state
+        if not state.is_root():
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        state.tree.reset_iter_state()
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code: every backward here already waits for all of its reductions
         before it returns, which is what the last backward must do."""

@@ -18,6 +18,7 @@ chunks along it (`write_padded_grad`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import cast
 
@@ -59,6 +60,18 @@ def check_shardable(name: str, param: nn.Parameter, shard: Shard, shard_size: in
     return Shard(dim)
 
 
+_orig_uids = itertools.count()
+
+
+def orig_uid(param: nn.Parameter) -> int:
+    """A number for the parameter object `fully_shard` found, kept on it (as torch's FSDP2 does):
+    two calls that take one tied parameter make two `ShardedParam`s with the same number, which
+    the root's first forward refuses (the tie would become two parameters that drift apart)."""
+    if not hasattr(param, "_nanoddp_fsdp_uid"):
+        param._nanoddp_fsdp_uid = next(_orig_uids)  # type: ignore[attr-defined]
+    return param._nanoddp_fsdp_uid  # type: ignore[attr-defined]
+
+
 class ShardedParam:
     """`param`'s rows of this shard rank as a DTensor, and a whole-tensor stand-in on demand."""
 
@@ -66,6 +79,7 @@ class ShardedParam:
         if isinstance(param, DTensor):
             raise ValueError("fully_shard takes plain parameters; this one is already a DTensor")
         self.shape = param.shape
+        self.orig_uid = orig_uid(param)
         self.dim = shard.dim  # the tensor dim cut over the shard ranks (check_shardable normalised it)
         self.locations = locations  # every (module, name) this parameter is registered under
         self.rows = -(-self.shape[self.dim] // mesh.shard_size)  # ceil(size / ws) slices along dim
@@ -175,6 +189,10 @@ class ShardedParam:
         self.register(unsharded=False)
 
     # --- gradients ------------------------------------------------------------------------------
+
+    def has_grad(self) -> bool:
+        """The whole tensor got a gradient (this backward, or kept by `set_requires_gradient_sync(False)`)."""
+        return self.unsharded is not None and self.unsharded.grad is not None
 
     @torch.no_grad()
     def write_padded_grad(self, out: torch.Tensor) -> None:

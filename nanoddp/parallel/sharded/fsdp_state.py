@@ -165,6 +165,13 @@ class ModuleState:
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: pre_backward(self), mode="any")
 
+    def reset_iter_state(self) -> None:
+        """Forget a forward or backward an exception cut short (`FSDPModule.reset_iter_state`)."""
+        self.to_run = []
+        self._fired, self._launched, self._began_backward = set(), False, False
+        if self.unit is not None:
+            self.unit.reset_iter_state()
+
     def after_backward(self) -> None:
         self.to_run = []
         if self.unit is None:
@@ -187,15 +194,53 @@ class TreeState:
         self.backward_order: list[ModuleState] | None = None
         self._recording: list[ModuleState] | None = None
         self._backward_recording: list[ModuleState] = []
-        self.pending: list[Callable[[], None]] = []  # finishers of launched reduce-scatters, in launch order
+        self.pending: list[Callable[..., None]] = []  # finishers of launched reduce-scatters, in launch order
         self._callback_queued = False
         self.is_last_backward = True  # set_is_last_backward: every backward waits anyway
+        self.checked = False  # the root's first forward checked the tree (torch's lazy init)
 
     def adopt(self, other: TreeState) -> None:
         """`other`'s root was sharded before this root: its modules join this tree."""
         for s in other.states:
             s.tree = self
             self.states.append(s)
+
+    def lazy_init(self, root_module: nn.Module) -> None:
+        """The root's first forward: every `fully_shard` call has been made by now, so a
+        parameter two calls took (a tie across units) is refused here, as torch's lazy init
+        refuses it, naming it by its path from the root."""
+        if self.checked:
+            return
+        states = {id(_state_of(m)): _state_of(m) for m in root_module.modules() if hasattr(m, "_fsdp_state")}
+        names = {id(p): n for n, p in root_module.named_parameters()}
+        first: dict[int, tuple[str, ModuleState]] = {}  # orig_uid -> (its name, the state that took it)
+        for state in states.values():  # in root_module.modules() order, as torch's
+            for p in state.unit.params if state.unit is not None else ():
+                name = names.get(id(p.sharded), names.get(id(p.unsharded), "?"))
+                if p.orig_uid in first:
+                    other, by = first[p.orig_uid]
+                    raise ValueError(
+                        f"Parameter '{name}' is shared with a parameter already managed by another FSDP group. "
+                        "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in "
+                        f"the same FSDP group. ('{name}' is '{other}', which fully_shard on "
+                        f"{_where(by, root_module)} took; fully_shard on {_where(state, root_module)} took it again)"
+                    )
+                first[p.orig_uid] = (name, state)
+        self.checked = True
+
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short: wait for (and drop) the launched
+        reduce-scatters, reshard every unit, and forget the half-run iteration, so the next
+        forward starts clean. Its gradients are lost (torch's `reset_iter_state`)."""
+        pending, self.pending = self.pending, []
+        for finish in pending:
+            finish(keep=False)
+        self._callback_queued = False  # autograd drops a failed backward's callbacks
+        self._recording = None  # a half-recorded first forward is recorded again next time
+        if self.backward_order is None:
+            self._backward_recording = []
+        for s in self.states:
+            s.reset_iter_state()
 
     # --- learned order ---------------------------------------------------------------------------
 
@@ -263,6 +308,12 @@ def _state_of(module: nn.Module) -> ModuleState:
     return cast(ModuleState, module._fsdp_state)
 
 
+def _where(state: ModuleState, root: nn.Module) -> str:
+    """`state`'s modules by their paths from `root`, for an error message."""
+    paths = {id(m): n for n, m in root.named_modules()}
+    return ", ".join(f"'{paths[id(m)]}'" if paths.get(id(m)) else "the root" for m in state.modules)
+
+
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before `module`'s forward (or a method given to `register_fsdp_forward_method`)."""
     state = _state_of(module)
@@ -280,6 +331,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
                 f"FSDP requires a single root module but got {state.modules}: call fully_shard on a "
                 "module that contains them all after fully_shard([...])"
             )
+        tree.lazy_init(module)
         tree.forward_begins()
     first_of_unit = not state.to_run
     if first_of_unit:

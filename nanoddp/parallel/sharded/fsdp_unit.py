@@ -25,12 +25,35 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from nanoddp.comm.backend import Collectives
 from nanoddp.comm.transport import Waitable
 from nanoddp.parallel.sharded.fsdp_param import ShardedParam
 from nanoddp.parallel.sharded.mesh import MeshInfo
 from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+
+_step_hook: RemovableHandle | None = None
+
+
+def count_optimizer_steps() -> None:
+    """Make every optimizer step bump its DTensor parameters' version counters (once per process).
+
+    [Note: foreach and fused steps] `stale()` reads the DTensor parameter's version counter. A
+    for-loop step (`foreach=False`, the CPU default) bumps it, but a `foreach` or `fused` step
+    on DTensors (the CUDA default) bumps neither it nor the local tensor's, so without this a
+    unit holding whole tensors across `opt.step()` would run the old weights next forward."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_bump_versions)
+
+
+def _bump_versions(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, DTensor)]
+    if params:
+        torch.autograd.graph.increment_version(params)
 
 
 class ShardedUnit:
@@ -47,9 +70,11 @@ class ShardedUnit:
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the dp size
         self.all_reduce = True  # HSDP: False skips the all-reduce across replicas (accumulation)
         self._partial: torch.Tensor | None = None  # HSDP gradients reduce-scattered, not all-reduced yet
-        self._gathered_versions: tuple[tuple[int, int], ...] = ()
+        self._partial_had: list[bool] = []  # which parameters had a gradient in the deferred micro-steps
+        self._gathered_versions: tuple[tuple[int, int, int, int], ...] = ()
         self.post_forward_mesh: MeshInfo | None = None  # reshard_after_forward=<int>: the rows
-        self._post_forward: tuple[torch.Tensor, tuple[tuple[int, int], ...]] | None = None  # (rows, versions)
+        self._post_forward: tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]] | None = None
+        count_optimizer_steps()
 
     def compute_dtype(self) -> torch.dtype:
         return self.mp.param_dtype or self.params[0].sharded.dtype
@@ -113,11 +138,15 @@ class ShardedUnit:
         self.unsharded = True
         self._gathered_versions = self._versions()
 
-    def _versions(self) -> tuple[tuple[int, int], ...]:
-        return tuple((id(p.local()), p.local()._version) for p in self.params)
+    def _versions(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Each shard's identity and version counters: the DTensor parameter's own (an in-place
+        op through it, `p.mul_(2)` or an optimizer step, bumps only that one) and its local
+        tensor's (a write to `p.to_local()` or `_local_tensor`, a load, bumps only this one)."""
+        return tuple((id(p.sharded), p.sharded._version, id(p.local()), p.local()._version) for p in self.params)
 
     def stale(self) -> bool:
-        """Unsharded, but a shard changed since (an optimizer step, a load, `to_empty`)."""
+        """Unsharded, but a shard changed since (an optimizer step, an in-place op on the
+        parameter or its local tensor, a load, `to_empty`)."""
         return self.unsharded and self._versions() != self._gathered_versions
 
     @torch.no_grad()
@@ -169,12 +198,18 @@ class ShardedUnit:
         return [p for p in self.params if p.requires_grad]
 
     @torch.no_grad()
-    def start_reduce(self) -> Callable[[], None]:
+    def start_reduce(self) -> Callable[..., None]:
         """Launch the reduce-scatter of the whole gradients (which it frees). Returns a finisher:
-        call it (after backward) to wait and accumulate into the sharded `.grad`s."""
+        call it (after backward) to wait and accumulate into the sharded `.grad`s, or with
+        `keep=False` (`reset_iter_state`) to wait and drop them.
+
+        Every trainable parameter has its column (zeros for one without a gradient), so the
+        collective's size does not depend on which parameters backward reached; one that no
+        rank gave a gradient gets none (torch's rule: it took no part in backward)."""
         params = self.trainable()
         if not params:
-            return lambda: None
+            return lambda keep=True: None
+        had = [p.has_grad() for p in params]  # before the whole gradients are freed below
         ws, dtype = self.mesh.shard_size, self.reduce_dtype()
         total = sum(p.padded_numel for p in params)
         rows = torch.empty(ws, total, dtype=dtype, device=params[0].local().device)  # rank r's parts: row r
@@ -194,30 +229,47 @@ class ShardedUnit:
         else:
             work = self.comm.reduce_scatter_tensor(output, flat, op=op, group=self.mesh.shard_group, async_op=True)
 
-        def finish() -> None:
+        def finish(keep: bool = True) -> None:
             if work is not None:
                 work.wait()
-            self._finish_reduce(params, output, flat)
+            if keep:
+                self._finish_reduce(params, output, flat, had)
 
         return finish
 
-    def _finish_reduce(self, params: list[ShardedParam], output: torch.Tensor, _keep_alive: torch.Tensor) -> None:
+    def _finish_reduce(
+        self, params: list[ShardedParam], output: torch.Tensor, _keep_alive: torch.Tensor, had: list[bool]
+    ) -> None:
         replicas = self.mesh.replicate_group
         if replicas is not None:
             if self._partial is not None:
                 output += self._partial
                 self._partial = None
+                had = [a or b for a, b in zip(had, self._partial_had, strict=True)]
             if not self.all_reduce:  # accumulate across micro-steps, all-reduce on the last
-                self._partial = output
+                self._partial, self._partial_had = output, had
                 return
             op = dist.ReduceOp.AVG if self.divide_factor is None else dist.ReduceOp.SUM
             self.comm.all_reduce(output, op=op, group=replicas)
         if self.divide_factor is not None:
             output.div_(self.divide_factor)
         offset = 0
-        for p in params:
-            p.accumulate_grad(output[offset : offset + p.padded_numel])
+        for p, local_grad in zip(params, had, strict=True):
+            part = output[offset : offset + p.padded_numel]
+            # No gradient here: torch gives none. Another rank's may have reached these rows
+            # (torch needs every rank to reach the same parameters; we take the sum then).
+            if local_grad or bool(part.any()):
+                p.accumulate_grad(part)
             offset += p.padded_numel
+
+    def reset_iter_state(self) -> None:
+        """After an exception mid-iteration: wait out a gather, reshard, and drop the gradients
+        kept for later (no_sync's whole ones, HSDP's deferred sum): that iteration is lost."""
+        self.reshard()
+        self._partial, self._partial_had = None, []
+        for p in self.params:
+            if p.unsharded is not None:
+                p.unsharded.grad = None
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
