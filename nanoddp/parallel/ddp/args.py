@@ -80,7 +80,10 @@ def resolve_args(
         process_group = device_mesh.get_group(mesh_dim=0)
     check_some_param_requires_grad(module, delayed)
     if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element.")
+        raise ValueError(  # torch's text first (code may match it), then the value and the fix
+            f"device_ids can only be None or contain a single element. Got {list(device_ids)}: name at most one "
+            "device (one process per device)"
+        )
     if check_reduction:
         warnings.warn(
             "The `check_reduction` argument of DistributedDataParallel is deprecated (as in torch) and ignored.",
