@@ -21,13 +21,10 @@ def set_params_and_buffers_to_ignore(module: nn.Module, names: Iterable[str]) ->
     """Mark `names` (fully qualified, e.g. "layer.0.weight") as left alone by DDP, as torch's
     static method does: the list goes on the module, and each tensor gets `_ddp_ignored = True`."""
     names = list(names)
-    module._ddp_params_and_buffers_to_ignore = names
-    for name, param in module.named_parameters():
+    module._ddp_params_and_buffers_to_ignore = names  # type: ignore[assignment]  # a list, not a submodule
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if name in names:
-            param._ddp_ignored = True
-    for name, buffer in module.named_buffers():
-        if name in names:
-            buffer._ddp_ignored = True
+            tensor._ddp_ignored = True  # type: ignore[attr-defined]  # torch's mark
 
 
 def ignored_names(module: nn.Module) -> frozenset[str]:

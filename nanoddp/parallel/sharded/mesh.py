@@ -28,9 +28,11 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-# Row meshes for `reshard_after_forward=<int>`, one per (mesh, size): their process groups are
-# made once, not by every fully_shard call.
-_post_forward_meshes: dict[tuple, DeviceMesh] = {}
+# Row meshes for `reshard_after_forward=<int>`, one per (mesh object, size): the fully_shard calls
+# of one model on one mesh make the row groups once. Keyed by the mesh *object* (kept alive here so
+# its id is never reused), not by its ranks: another world in this process (torch's threaded
+# tests run one per thread; a re-initialised process group) has other groups for the same ranks.
+_post_forward_meshes: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,13 @@ class MeshInfo:
         consecutive ranks (torch's `mesh.view(-1, group_size)`); between forward and backward
         the ranks of one row hold the whole parameters between them. Collective: every rank
         builds the row groups."""
-        key = (self.mesh.device_type, tuple(self.mesh.mesh.flatten().tolist()), group_size)
+        key = (id(self.mesh), group_size)
         if key not in _post_forward_meshes:
             rows = self.mesh.mesh.reshape(-1, group_size)  # (replicas * shard_size / group_size, group_size)
             names = ("post_forward_replicate", "post_forward_shard")
-            _post_forward_meshes[key] = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=names)
-        return MeshInfo.of(_post_forward_meshes[key])
+            row_mesh = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=names)
+            _post_forward_meshes[key] = (self.mesh, row_mesh)
+        return MeshInfo.of(_post_forward_meshes[key][1])
 
     def placements_for(self, shard: Shard) -> tuple[Placement, ...]:
         """The DTensor placements of a parameter cut along tensor dim `shard.dim`."""
