@@ -148,16 +148,12 @@ class Engine:
         self.sharded = name in SHARDED_ENGINES
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the averaged gradients by their global norm (summed over shards when sharded).
+        """Clip the averaged gradients by their global norm: `nanoddp.clip_grad_norm_`, which
+        takes each kind of gradient's part of the norm (replicated as is, fsdp's DTensors over
+        the mesh, zero2's pieces over the group; collective for the sharded engines)."""
+        from nanoddp.parallel.sharded.clip import clip_grad_norm_
 
-        fsdp: the gradients are DTensors, so torch's own `clip_grad_norm_` reduces the norm over
-        the mesh (a collective) and returns it as a DTensor; zero2's are plain flat pieces."""
-        if self.name == "zero2":
-            from nanoddp.parallel.sharded.clip import clip_grad_norm_
-
-            return clip_grad_norm_(self.module, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return clip_grad_norm_(self.module, max_norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's plain state_dict. Collective for sharded engines: call on every rank."""
