@@ -213,8 +213,9 @@ def _own_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tuple
     params: list[tuple[str, nn.Parameter]] = []  # names within their module: a list's may repeat
     for m in modules:
         for name, p in m.named_parameters():
-            if id(p) in taken or id(p) in ignored or any(p is q for _, q in params):
+            if id(p) in taken or id(p) in ignored:
                 continue
+            taken.add(id(p))  # a parameter shared by two modules of the list is taken once
             params.append((name, p))
     return params
 
