@@ -24,7 +24,7 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.comm import ring
 from nanoddp.comm.runner import runner_for
-from nanoddp.env import even_ranks_group, group_ranks
+from nanoddp.groups import even_ranks_group, group_ranks
 from nanoddp.parallel.replicas import gather_json
 
 

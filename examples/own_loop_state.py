@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanoddp
-from nanoddp.env import inside_torchrun
+from nanoddp.torchrun import inside_torchrun
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 
 

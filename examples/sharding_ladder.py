@@ -3,7 +3,7 @@
     python examples/sharding_ladder.py --d-model 2048 --n-layers 24 --vocab 50304 --nproc 1,2,4,8 --budget-gb 24
 
 Counts fp32 bytes of parameters, gradients and AdamW state (two tensors per parameter) per
-rank, using the same flat layouts the engines build (`nanoddp.parallel.sharded.flat.FlatLayout`:
+rank, using the same flat layouts the engines build (`nanoddp.parallel.zero.flat.FlatLayout`:
 ceil(N/ws) elements per rank per flat unit), so padding is included. FSDP also counts its
 transient peak: the largest unit gathered whole (one block, or the root's own parameters)
 plus that unit's full gradient while it is reduce-scattered. Activations are not counted
@@ -20,8 +20,8 @@ import argparse
 import torch
 
 from nanoddp.models import GPT, gpt_config
-from nanoddp.parallel.sharded.flat import FlatLayout
-from nanoddp.parallel.sharded.zero2 import bucket_params
+from nanoddp.parallel.zero.flat import FlatLayout
+from nanoddp.parallel.zero.stage2 import bucket_params
 
 GB = 1024**3
 

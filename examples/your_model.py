@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nanoddp
-from nanoddp.env import inside_torchrun
+from nanoddp.torchrun import inside_torchrun
 
 IMAGE = 12
 

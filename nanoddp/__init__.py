@@ -6,13 +6,13 @@ The public API is re-exported here; docs/architecture.md describes the layout an
 from nanoddp.env import DistEnv, cleanup, init, seed_everything
 from nanoddp.fsdp import fully_shard
 from nanoddp.launch import LaunchError, launch, notebook_launch
+from nanoddp.parallel.clip import clip_grad_norm_
 from nanoddp.parallel.ddp import comm_hooks as hooks
 from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.parallel.replicas import verify_replicas
-from nanoddp.parallel.sharded.clip import clip_grad_norm_
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint.user_state import load_state, save_state
 from nanoddp.train.gather import gather_for_metrics
 from nanoddp.train.trainer import Trainer

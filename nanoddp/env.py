@@ -12,12 +12,9 @@ import logging
 import os
 import random
 import socket
-import sys
-import traceback
-from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -25,10 +22,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from nanoddp.scheduler_env import scheduler_vars
+from nanoddp.torchrun import inside_torchrun, scheduler_vars
 
 if TYPE_CHECKING:
-    from sys import UnraisableHookArgs
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +110,7 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, backend: str | None = None) -> DistEnv:
-        """Build from torchrun's variables, else srun's or mpirun's (`scheduler_env`); with none
+        """Build from torchrun's variables, else srun's or mpirun's (`nanoddp.torchrun`); with none
         of them set, a single-process env.
 
         A partial set (say RANK without WORLD_SIZE) is an error rather than a guess, because a
@@ -175,52 +172,6 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
     if value < 0:
         raise ValueError(f"environment variable {name} must be >= 0, got {value}")
     return value
-
-
-def prepare_torchrun_launch() -> None:
-    """Environment for an in-process torchrun agent, inherited by its workers.
-
-    torchrun >= 2.5 lets workers share the rendezvous TCPStore; on a restart, workers can then
-    read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712). A fresh
-    store per attempt avoids that, so restarts (`--max-restarts`) work.
-    """
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    ignore_rendezvous_timer_self_join()
-
-
-def ignore_rendezvous_timer_self_join() -> None:
-    """Keep torch's rendezvous keep-alive timer from printing a traceback after our last line.
-
-    The c10d rendezvous renews its lease from a timer thread that holds the handler while it
-    runs. When the agent lets go of the handler at that moment (a run ending, a SIGTERM), the
-    handler is freed on the timer thread, and the timer's finalizer joins that same thread:
-    RuntimeError("cannot join current thread"), printed as "Exception ignored in: <finalize ...>"
-    after the launcher's one line. The finalizer sets the timer's stop event before it joins, so
-    the daemon thread ends anyway: this drops that one report (from torch's `_stop_thread`) and
-    passes every other unraisable exception on."""
-    previous = sys.unraisablehook
-    if getattr(previous, "nanoddp_rendezvous_filter", False):
-        return
-
-    def hook(unraisable: UnraisableHookArgs) -> None:
-        if not _is_timer_self_join(unraisable.exc_value, unraisable.exc_traceback):
-            previous(unraisable)
-
-    hook.nanoddp_rendezvous_filter = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
-def _is_timer_self_join(exc: BaseException | None, tb: TracebackType | None) -> bool:
-    if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
-        return False
-    frames = traceback.extract_tb(tb)
-    return any(f.name == "_stop_thread" and f.filename.endswith("elastic/rendezvous/utils.py") for f in frames)
-
-
-def inside_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    """True in a worker started by torchrun's elastic agent (it sets TORCHELASTIC_RUN_ID)."""
-    environ = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ
 
 
 def free_port() -> int:
@@ -382,50 +333,3 @@ def seed_everything(seed: int, rank: int = 0, same_across_ranks: bool = False) -
         pass
     torch.manual_seed(effective)  # also seeds every CUDA device
     return effective
-
-
-def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup | None:
-    """A process group of `ranks`; call it on EVERY rank, members or not (torch requires it).
-
-    Returns None on ranks outside the group, so `if group is not None:` reads naturally.
-    """
-    world_size = dist.get_world_size()
-    wanted = sorted(set(int(r) for r in ranks))
-    if not wanted:
-        raise ValueError("new_group needs at least one rank, got an empty list")
-    bad = [r for r in wanted if not 0 <= r < world_size]
-    if bad:
-        raise ValueError(f"ranks {bad} are outside the world [0, {world_size})")
-    group = dist.new_group(wanted, backend=backend)
-    return group if dist.get_rank() in wanted else None
-
-
-def subgroups_by(key: Callable[[int], Hashable]) -> dist.ProcessGroup:
-    """Split the world by `key(rank)` and return this rank's group.
-
-    Every rank creates every group in the same (sorted) order, which hides torch's trap: a rank
-    that skips a `new_group` call, or calls them in another order, deadlocks the others.
-    """
-    world_size = dist.get_world_size()
-    by_label: dict[Hashable, list[int]] = {}
-    for r in range(world_size):
-        by_label.setdefault(key(r), []).append(r)
-    mine = None
-    for label in sorted(by_label, key=repr):
-        group = new_group(by_label[label])
-        if group is not None:
-            mine = group
-    assert mine is not None  # every rank has a label, so it is in some group
-    return mine
-
-
-def even_ranks_group() -> dist.ProcessGroup | None:
-    """The group of even ranks (the collectives tutorial's subgroup example); None on odd ranks. Call on every rank."""
-    return new_group(range(0, dist.get_world_size(), 2))
-
-
-def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
-    """Global ranks of `group`'s members, in group-rank order."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return list(range(dist.get_world_size()))
-    return dist.get_process_group_ranks(group)

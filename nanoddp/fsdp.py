@@ -7,9 +7,9 @@ backend, learned prefetch), read by each `fully_shard` call. Our `FSDPModule` de
 torch's, so `isinstance(m, torch.distributed.fsdp.FSDPModule)` holds for our modules too.
 """
 
-from nanoddp.parallel.sharded.fsdp_init import FSDPSettings, fully_shard, settings
-from nanoddp.parallel.sharded.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from nanoddp.parallel.sharded.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from nanoddp.parallel.fsdp.fully_shard import FSDPSettings, fully_shard, settings
+from nanoddp.parallel.fsdp.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from nanoddp.parallel.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "CPUOffloadPolicy",

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import nanoddp
 from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
 from nanoddp.models import GPT, gpt_config
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_state_bytes
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer, optimizer_state_bytes
 
 logger = logging.getLogger(__name__)
 

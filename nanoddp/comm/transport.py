@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from nanoddp.env import group_ranks
+from nanoddp.groups import group_ranks
 
 if TYPE_CHECKING:
     from nanoddp.comm.wire import FrameBuffers

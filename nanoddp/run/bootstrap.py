@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from nanoddp import env as nd
+from nanoddp import torchrun
 from nanoddp.comm import watchdog
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train.launcher.agent import AGENT_PID_VAR
@@ -95,7 +96,7 @@ def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> boo
     Every rank on this node (LOCAL_WORLD_SIZE == WORLD_SIZE): MASTER_ADDR=127.0.0.1 and gloo on
     the loopback interface. Otherwise nothing changes: other nodes must reach this one."""
     env = os.environ if environ is None else environ
-    if not nd.inside_torchrun(env) or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
+    if not torchrun.inside_torchrun(env) or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
         return False
     env["MASTER_ADDR"] = "127.0.0.1"
     nd.pin_gloo_to_loopback(env)

@@ -6,7 +6,7 @@ nanoddp's fault tolerance.
 
 What it adds to plain `torchrun`:
 
-- a fresh rendezvous store per restart (`nanoddp.env.prepare_torchrun_launch`), without which
+- a fresh rendezvous store per restart (`nanoddp.torchrun.prepare_torchrun_launch`), without which
   restarted workers can read the previous attempt's addresses and fail to connect;
 - the hang watchdog on the script's torch.distributed collectives (`nanoddp.run.bootstrap`
   runs the script with them watched), so a rank that skips a collective is named within
@@ -34,7 +34,7 @@ import shutil
 import signal
 import sys
 
-from nanoddp import env as nd
+from nanoddp import torchrun
 from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, EarlyExit, watched_agent
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train.launcher.agent import AGENT_PID_VAR, _quiet_torchrun_logs, failure_reason, private_rendezvous
@@ -152,10 +152,10 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
+    from torch.distributed.run import run as torch_run
 
     nproc = check_args(args)
-    nd.prepare_torchrun_launch()
+    torchrun.prepare_torchrun_launch()
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
     os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process (nanoddp.run.bootstrap)
     if not getattr(args, "verbose", False):
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
     try:
         with watched_agent(args.finished_grace, args.fail_on_early_exit):
-            torchrun(get_args_parser().parse_args(argv))
+            torch_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         print(failure_summary(args.script, exc.failures), file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@
 | `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
 | `single`    | nothing (one process)               | none                                   |
 | `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
-| `zero2`     | ZeRO-2 hooks on the module (`parallel.sharded.zero2`) | bucketed reduce-scatter into gradient shards |
+| `zero2`     | ZeRO-2 hooks on the module (`parallel.zero.stage2`) | bucketed reduce-scatter into gradient shards |
 | `fsdp`      | `nanoddp.fsdp.fully_shard` per unit, then the root | all-gather params per unit, reduce-scatter grads |
 
 Gradient accumulation differs by kind: the DDP engines run the non-final micro-steps inside
@@ -151,18 +151,18 @@ class Engine:
         """Clip the averaged gradients by their global norm: `nanoddp.clip_grad_norm_`, which
         takes each kind of gradient's part of the norm (replicated as is, fsdp's DTensors over
         the mesh, zero2's pieces over the group; collective for the sharded engines)."""
-        from nanoddp.parallel.sharded.clip import clip_grad_norm_
+        from nanoddp.parallel.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module, max_norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's plain state_dict. Collective for sharded engines: call on every rank."""
         if self.name == "fsdp":  # DTensor parameters, nanoddp's fully_shard or torch's
-            from nanoddp.parallel.sharded.dtensor_state import full_state
+            from nanoddp.parallel.fsdp.state_dict import full_state
 
             return full_state(self.module)
         if self.sharded:  # zero2: the module gained ShardedModule's methods
-            from nanoddp.parallel.sharded.module import ShardedModule
+            from nanoddp.parallel.zero.module import ShardedModule
 
             assert isinstance(self.module, ShardedModule)
             return self.module.full_state_dict()
@@ -253,7 +253,7 @@ def _manual(name: str, sync_name: str) -> Callable[[nn.Module, DistEnv], Engine]
 def _zero2(module: nn.Module, env: DistEnv) -> Engine:
     from nanoddp.comm.backend import collectives_for
     from nanoddp.parallel.replicas import broadcast_coalesced
-    from nanoddp.parallel.sharded.zero2 import Zero2Module, zero2
+    from nanoddp.parallel.zero.stage2 import Zero2Module, zero2
 
     if isinstance(module, Zero2Module):  # installed by the user: used as is
         return Engine("zero2", module, module)
@@ -264,7 +264,7 @@ def _zero2(module: nn.Module, env: DistEnv) -> Engine:
 def _fsdp(module: nn.Module, env: DistEnv) -> Engine:
     """A model sharded already (the trainer's `fsdp_engine.prepare_model`, or the user's own
     `fully_shard`) as is; a plain one sharded by the default auto-wrap rule, then the root."""
-    from nanoddp.parallel.sharded.detect import sharded_by
+    from nanoddp.parallel.detect import sharded_by
     from nanoddp.train.fsdp_engine import shard_model
 
     if sharded_by(module) != "fsdp":

@@ -4,14 +4,14 @@ optimizer built before that follows it.
 Why apart from `engines.py`: the other engines wrap a model; this one replaces its parameters
 (`nanoddp.fsdp.fully_shard` registers new DTensor parameters), so three things must happen
 before resume and before the engine, in the trainer: every rank takes rank 0's values, the
-model is sharded unit by unit (`parallel.sharded.auto_wrap` picks the units, `--fsdp-wrap`
+model is sharded unit by unit (`parallel.fsdp.auto_wrap` picks the units, `--fsdp-wrap`
 overrides), and the optimizer (built over the old parameters, possibly holding whole state from
 a snapshot) is moved onto the new ones. Mixed precision is FSDP's own: the units all-gather and
 compute in bf16/fp16 (`MixedPrecisionPolicy.param_dtype`) and reduce gradients in float32, so
 the sharded parameters, gradients and optimizer stay float32.
 
 A model the user sharded already is used as is with `engine="fsdp"` (and refused by every other
-engine: `parallel.sharded.detect`).
+engine: `parallel.detect`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.sharded.detect import sharded_by
+from nanoddp.parallel.detect import sharded_by
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def mp_policy(amp: str):
     """FSDP's mixed precision for `--amp`: compute in the half dtype, reduce in float32."""
-    from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+    from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
 
     if amp == "off":
         return MixedPrecisionPolicy()
@@ -41,9 +41,9 @@ def mp_policy(amp: str):
 def shard_model(module: nn.Module, env: DistEnv, wrap: str = "", amp: str = "off") -> nn.Module:
     """Rank 0's values everywhere, then `fully_shard` on each unit `auto_wrap` picks, then the root."""
     from nanoddp.comm.backend import collectives_for
+    from nanoddp.parallel.fsdp.auto_wrap import modules_to_shard
+    from nanoddp.parallel.fsdp.fully_shard import fully_shard
     from nanoddp.parallel.replicas import broadcast_coalesced
-    from nanoddp.parallel.sharded.auto_wrap import modules_to_shard
-    from nanoddp.parallel.sharded.fsdp_init import fully_shard
 
     broadcast_coalesced([*module.parameters(), *module.buffers()], collectives_for())  # rank 0's start
     units = modules_to_shard(module, wrap)
@@ -59,7 +59,7 @@ def shard_model(module: nn.Module, env: DistEnv, wrap: str = "", amp: str = "off
 def prepare_model(config, module: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
     """The trainer's step before resume: refuse a model sharded for another engine; for fsdp,
     shard a plain model in place and move `optimizer` onto its new parameters."""
-    from nanoddp.parallel.sharded.dtensor_state import rebind_optimizer
+    from nanoddp.parallel.fsdp.state_dict import rebind_optimizer
 
     kind = sharded_by(module)
     if kind is not None and kind != config.engine:
@@ -85,7 +85,7 @@ def prepare_model(config, module: nn.Module, optimizer: torch.optim.Optimizer, e
 def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """A snapshot's whole model into `module`, sharded (each rank keeps its rows) or not."""
     if sharded_by(module) == "fsdp":
-        from nanoddp.parallel.sharded.dtensor_state import load_full_state
+        from nanoddp.parallel.fsdp.state_dict import load_full_state
 
         load_full_state(module, state)
     else:

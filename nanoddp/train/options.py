@@ -57,7 +57,7 @@ PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives give up this long after our 
 
 def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: Any, dataset: Any) -> TrainConfig:
     """`TrainConfig` from the Trainer's keyword options; unknown or built-in-only names refused."""
-    from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+    from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(options) - fields)

@@ -36,7 +36,7 @@ def make_optimizer(module: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     groups = [g for g in groups if g["params"]]
     kwargs: dict[str, Any] = {"lr": config.lr, "betas": (0.9, 0.95)}
     if uses_zero_optimizer(config):
-        from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+        from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
-from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
+from nanoddp.parallel.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import evaluation, signals, step_check
 from nanoddp.train.checkpoint import atomic, companion, optim_state, rundir, snapshot

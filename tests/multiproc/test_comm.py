@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from nanoddp import comm
 from nanoddp.comm import ReduceOp, pieces, plan, runner, wire
 from nanoddp.comm.runner import runner_for
-from nanoddp.env import new_group, subgroups_by
+from nanoddp.groups import new_group, subgroups_by
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8]

@@ -19,7 +19,7 @@ from nanoddp import comm
 from nanoddp.comm import ReduceOp, plan
 from nanoddp.comm.plan import Path
 from nanoddp.comm.runner import runner_for
-from nanoddp.env import new_group
+from nanoddp.groups import new_group
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]

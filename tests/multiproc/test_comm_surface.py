@@ -20,7 +20,7 @@ from helpers import run_on_ranks
 
 from nanoddp import comm
 from nanoddp.comm import ReduceOp
-from nanoddp.env import subgroups_by
+from nanoddp.groups import subgroups_by
 
 
 def _ints(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 
 from nanoddp import env as nd
+from nanoddp import groups
 
 TORCHRUN_ENV = {
     "RANK": "3",
@@ -93,9 +94,9 @@ def test_seed_everything_is_reproducible_and_per_rank():
 
 
 def _subgroup_sums(env):
-    even = nd.even_ranks_group()
-    parity = nd.subgroups_by(lambda r: r % 2)
-    alone = nd.new_group([2])
+    even = groups.even_ranks_group()
+    parity = groups.subgroups_by(lambda r: r % 2)
+    alone = groups.new_group([2])
     value = torch.tensor([float(env.rank + 1)])
     even_sum = None
     if even is not None:
@@ -110,7 +111,7 @@ def _subgroup_sums(env):
         t = value.clone()
         dist.all_reduce(t, group=alone)
         alone_sum = t.item()
-    return even_sum, parity_sum, alone_sum, nd.group_ranks(parity)
+    return even_sum, parity_sum, alone_sum, groups.group_ranks(parity)
 
 
 def test_subgroups_reduce_only_their_members():
@@ -124,9 +125,9 @@ def test_subgroups_reduce_only_their_members():
 
 def _bad_new_group(env):
     with pytest.raises(ValueError, match=r"ranks \[5\] are outside the world \[0, 2\)"):
-        nd.new_group([0, 5])
+        groups.new_group([0, 5])
     with pytest.raises(ValueError, match="at least one rank"):
-        nd.new_group([])
+        groups.new_group([])
     return True
 
 

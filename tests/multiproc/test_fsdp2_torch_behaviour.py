@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import nanoddp.fsdp as our_fsdp
-from nanoddp.parallel.sharded.fsdp_init import _reshard_after_forward
+from nanoddp.parallel.fsdp.fully_shard import _reshard_after_forward
 
 IMPLS = {"ours": our_fsdp.fully_shard, "torch": torch_fsdp.fully_shard}
 STEPS = 3

@@ -26,8 +26,8 @@ from torch.utils.data import TensorDataset
 import nanoddp
 from nanoddp.env import DistEnv
 from nanoddp.fsdp import FSDPModule, fully_shard
-from nanoddp.parallel.sharded.auto_wrap import modules_to_shard
-from nanoddp.parallel.sharded.grad_scaler import ShardedGradScaler
+from nanoddp.parallel.fsdp.auto_wrap import modules_to_shard
+from nanoddp.parallel.grad_scaler import ShardedGradScaler
 from nanoddp.train.fsdp_engine import shard_model
 
 # bf16 keeps 8 significant bits, fp16 11: the ws=2 run sums each weight gradient over half the
@@ -208,7 +208,7 @@ def _refusal_worker(env: DistEnv, tmp: str) -> dict:
         for engine in ("nanoddp", "torch", "zero2"):
             with pytest.raises(ValueError, match=f"already sharded \\(fsdp\\): engine '{engine}'.*engine='fsdp'"):
                 _fit(env, model, f"{tmp}/refused-{engine}", engine=engine)
-    zero2_model = nanoddp.parallel.sharded.zero2(_sequential())
+    zero2_model = nanoddp.parallel.zero.stage2(_sequential())
     with pytest.raises(ValueError, match="already sharded \\(zero2.*engine='zero2'"):
         nanoddp.DistributedDataParallel(zero2_model)
     as_is = _fit(env, _presharded(), f"{tmp}/as-is", engine="fsdp")

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.sharded.flat import FlatLayout
+from nanoddp.parallel.zero.flat import FlatLayout
 from nanoddp.train.checkpoint import optim_state, snapshot
 from nanoddp.train.trainer import Trainer
 

@@ -31,7 +31,7 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.env import free_port
 from nanoddp.fsdp import fully_shard
-from nanoddp.parallel.sharded.zero2 import zero2
+from nanoddp.parallel.zero.stage2 import zero2
 
 ROWS, MAX_NORM = 4, 0.05  # per-rank batch; a clip that fires (the true norm is ~0.5)
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import nanoddp
 import nanoddp.fsdp
-from nanoddp.parallel.sharded.zero2 import zero2
+from nanoddp.parallel.zero.stage2 import zero2
 from nanoddp.train.checkpoint import snapshot
 
 ENGINES = ("fsdp", "nanoddp_fsdp", "zero2", "zero1")

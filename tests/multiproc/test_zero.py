@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
 from nanoddp.models import GPT, gpt_config
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, assign_owners, optimizer_state_bytes
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer, assign_owners, optimizer_state_bytes
 
 STEPS = 4  # before the snapshot
 MORE_STEPS = 3  # after it
@@ -286,8 +286,8 @@ def _error_checks(env: nanoddp.DistEnv) -> None:
 
 def _subgroup_checks(env: nanoddp.DistEnv) -> None:
     """ZeRO over a subgroup (even / odd ranks): group ranks for `to`, global ranks for sources."""
-    group = nanoddp.env.subgroups_by(lambda r: r % 2)
-    members = nanoddp.env.group_ranks(group)
+    group = nanoddp.groups.subgroups_by(lambda r: r % 2)
+    members = nanoddp.groups.group_ranks(group)
     ref_model, zero_model = make_model(), make_model()
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     zero = ZeroRedundancyOptimizer(zero_model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-2)

@@ -24,9 +24,9 @@ from helpers import run_cases, run_on_ranks, suites_by_world_size
 
 import nanoddp
 from nanoddp.fsdp import fully_shard, settings
-from nanoddp.parallel.sharded.clip import clip_grad_norm_
-from nanoddp.parallel.sharded.zero2 import zero2
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer, optimizer_state_bytes
+from nanoddp.parallel.clip import clip_grad_norm_
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer, optimizer_state_bytes
+from nanoddp.parallel.zero.stage2 import zero2
 
 STEPS = 5
 BATCH = 4  # per rank

@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from nanoddp import DistributedDataParallel
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
 
 BATCHES = (5, 3)  # per rank: rank 1 joins after 3 iterations, rank 0 is the last joiner
 BACKENDS = ("torch", "nanoddp")

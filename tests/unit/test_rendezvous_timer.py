@@ -5,7 +5,7 @@ the timer goes away on that thread, its finalizer joins the thread it runs on an
 RuntimeError("cannot join current thread") through `sys.unraisablehook`: under load this was
 printed after `nanoddp train`'s one SIGINT line (tests/multiproc/test_torchrun.py saw it on a
 busy machine). Here the same thing happens on purpose: the timer's own tick drops the last
-reference. `env.ignore_rendezvous_timer_self_join` must swallow that report and only that one.
+reference. `torchrun.ignore_rendezvous_timer_self_join` must swallow that report and only that one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
 
-from nanoddp import env
+from nanoddp import torchrun
 
 
 def _timer_freed_on_its_own_thread() -> None:
@@ -58,7 +58,7 @@ def test_torch_reports_the_self_join_without_the_filter(reported):
 
 
 def test_the_filter_drops_that_report_and_passes_others_on(reported):
-    env.ignore_rendezvous_timer_self_join()
+    torchrun.ignore_rendezvous_timer_self_join()
     _timer_freed_on_its_own_thread()
     assert reported == []
     other = ValueError("some other finalizer failed")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import nanoddp
-from nanoddp.parallel.sharded.zero2 import zero2
+from nanoddp.parallel.zero.stage2 import zero2
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()

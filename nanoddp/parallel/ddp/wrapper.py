@@ -48,8 +48,8 @@ from nanoddp.parallel.ddp.join import DDPJoinHook, broadcast_buffers_from_traine
 from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
 from nanoddp.parallel.ddp.reducer import CommHook, Reducer
 from nanoddp.parallel.ddp.sparse import expects_sparse_grad
+from nanoddp.parallel.detect import refuse_sharded
 from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
-from nanoddp.parallel.sharded.detect import refuse_sharded
 from nanoddp.parallel.tensors import move_to, tensors_in
 
 

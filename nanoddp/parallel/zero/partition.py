@@ -8,7 +8,7 @@ Both partitions answer the same three questions for the optimizer:
   - `sync()`: after it, send every rank's updated values to everyone.
 
 `ElementPartition` (exact): each batch of parameters added together is laid out flat per
-dtype/device (`nanoddp.parallel.sharded.flat.FlatLayout`) and rank r owns elements [r*c, (r+1)*c),
+dtype/device (`nanoddp.parallel.zero.flat.FlatLayout`) and rank r owns elements [r*c, (r+1)*c),
 c = ceil(N/ws). A parameter cut by a boundary is stepped in pieces; an elementwise optimizer
 (AdamW, SGD, Adam...) computes on a piece exactly what it computes on that part of the whole
 tensor. The inner optimizer works on views of the pieces (the model's parameters stay whole
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from nanoddp.comm.backend import Collectives
-from nanoddp.parallel.sharded.flat import FlatLayout
+from nanoddp.parallel.zero.flat import FlatLayout
 
 # (local tensor the inner optimizer steps on, parameter, start, stop): elements [start, stop) of it
 Local = tuple[torch.Tensor, torch.Tensor, int, int]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.zero.optimizer import ZeroRedundancyOptimizer
+from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint import snapshot, user_state
 from nanoddp.train.engines import SHARDED_ENGINES
 

@@ -6,7 +6,7 @@ A sharded one (zero2, fsdp, our ZeRO-1) goes to per-rank files instead (`compani
 that, snapshots held sharded state inline, and `restore` still resumes them:
 
 fsdp: `{"full": state_dict, "layout": {"engine": "fsdp", ...}}`, every DTensor state whole; a
-restore at any world size loads it and keeps this rank's rows (`dtensor_state`), bitwise.
+restore at any world size loads it and keeps this rank's rows (`state_dict`), bitwise.
 
 zero2: `{"per_rank": [state_dict, ...], "layout": ...}`, every rank's state gathered on rank 0.
 Resharding: next to the per-rank states the snapshot kept the flat layout that cut them, the
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from nanoddp.env import DistEnv
-from nanoddp.parallel.sharded.flat import FlatLayout, Piece
+from nanoddp.parallel.zero.flat import FlatLayout, Piece
 from nanoddp.train.engines import SHARDED_ENGINES
 
 # A unit of the saved layout: (optimizer index or None for a frozen parameter, numel, shape)
@@ -65,7 +65,7 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any], engine: str
             f"{saved_by}, not --engine {engine}"
         )
     if full is not None:  # fsdp: whole state; this rank keeps its rows of each DTensor parameter's
-        from nanoddp.parallel.sharded.dtensor_state import shard_optimizer_state
+        from nanoddp.parallel.fsdp.state_dict import shard_optimizer_state
 
         optimizer.load_state_dict(full)
         shard_optimizer_state(optimizer)

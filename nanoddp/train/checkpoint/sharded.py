@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from nanoddp.parallel.sharded.flat import FlatParamUnit
-from nanoddp.parallel.zero.optimizer import SHARD_KEY, ZeroRedundancyOptimizer
+from nanoddp.parallel.zero.flat import FlatParamUnit
 from nanoddp.parallel.zero.partition import assemble_state
+from nanoddp.parallel.zero.stage1 import SHARD_KEY, ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint import pieces
 from nanoddp.train.checkpoint.shard_files import ShardReader
 

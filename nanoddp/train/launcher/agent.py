@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from nanoddp import env as nd
+from nanoddp import torchrun
 from nanoddp.comm.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals
@@ -39,7 +40,7 @@ def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = Fal
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    nd.prepare_torchrun_launch()
+    torchrun.prepare_torchrun_launch()
     os.environ[AGENT_PID_VAR] = str(os.getpid())
     if not verbose:
         _quiet_torchrun_logs()

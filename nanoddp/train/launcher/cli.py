@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from nanoddp import env as nd
+from nanoddp import torchrun
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
@@ -217,7 +218,7 @@ def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> 
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if nd.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
+    if torchrun.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
         return worker_main(_worker_config(args))
     config, nproc, spec = prepare_launch(args)
     out = filled(config.out)  # prepare_launch fixed it

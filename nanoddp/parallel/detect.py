@@ -17,8 +17,8 @@ def sharded_by(model: nn.Module) -> str | None:
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     from torch.distributed.tensor import DTensor
 
-    from nanoddp.parallel.sharded.fsdp_module import FSDPModule
-    from nanoddp.parallel.sharded.zero2 import Zero2Module
+    from nanoddp.parallel.fsdp.module import FSDPModule
+    from nanoddp.parallel.zero.stage2 import Zero2Module
 
     if not isinstance(model, nn.Module):  # not a model at all: the caller's own type check says so
         return None

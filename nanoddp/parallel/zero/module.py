@@ -1,11 +1,11 @@
 """What a flat-sharded module can do, whatever cut its flat units.
 
 `zero2` turns a module into one whose registered parameters are this rank's pieces of flat
-units (nanoddp.parallel.sharded.flat). The user-facing methods that follow from that alone
+units (nanoddp.parallel.zero.flat). The user-facing methods that follow from that alone
 (gradient accumulation, whole-tensor state dicts, memory accounting) live here, apart from how
 the units are cut and reduced, so another flat kind would only say which units it has and how
 its gradient reduction is switched off. (FSDP, `fully_shard`, shards DTensor rows instead:
-`fsdp_module.FSDPModule` has the same methods for it.)
+`parallel.fsdp.module.FSDPModule` has the same methods for it.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.sharded.flat import FlatParamUnit
+from nanoddp.parallel.zero.flat import FlatParamUnit
 
 # A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
 # a plain class at runtime (the module's class comes after it in the MRO).

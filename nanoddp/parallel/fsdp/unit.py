@@ -31,9 +31,9 @@ from torch.utils.hooks import RemovableHandle
 
 from nanoddp.comm.backend import Collectives
 from nanoddp.comm.transport import Waitable
-from nanoddp.parallel.sharded.fsdp_param import ShardedParam
-from nanoddp.parallel.sharded.mesh import MeshInfo
-from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+from nanoddp.parallel.fsdp.mesh import MeshInfo
+from nanoddp.parallel.fsdp.param import ShardedParam
+from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
 
 _step_hook: RemovableHandle | None = None
 

@@ -9,7 +9,7 @@ One call takes the module's (or the list of modules') parameters not already tak
 sharded submodule (nor in `ignored_params`), cuts each along dim 0 (or the dim
 `shard_placement_fn` names) over the mesh's shard dimension (`ShardedParam`), groups them into
 one unit for the collectives (`ShardedUnit`), and registers the hooks that gather, free and
-reduce (`fsdp_state`). Call it bottom-up: each block, then the root. What torch's FSDP2
+reduce (`state`). Call it bottom-up: each block, then the root. What torch's FSDP2
 refuses is refused here before anything changes, with torch's error type and message.
 """
 
@@ -25,13 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
-from nanoddp.parallel.sharded.fsdp_module import FSDPModule, no_deepcopy
-from nanoddp.parallel.sharded.fsdp_param import ShardedParam, check_shardable
-from nanoddp.parallel.sharded.fsdp_state import ModuleState, post_forward, pre_forward
-from nanoddp.parallel.sharded.fsdp_unit import ShardedUnit
-from nanoddp.parallel.sharded.mesh import MeshInfo, default_mesh
-from nanoddp.parallel.sharded.meta_init import install as _one_full_draw_per_random_init  # noqa: F401
-from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy, OffloadPolicy
+from nanoddp.parallel.fsdp.mesh import MeshInfo, default_mesh
+from nanoddp.parallel.fsdp.meta_init import install as _one_full_draw_per_random_init  # noqa: F401
+from nanoddp.parallel.fsdp.module import FSDPModule, no_deepcopy
+from nanoddp.parallel.fsdp.param import ShardedParam, check_shardable
+from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from nanoddp.parallel.fsdp.state import ModuleState, post_forward, pre_forward
+from nanoddp.parallel.fsdp.unit import ShardedUnit
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import DataParallelMeshDims

@@ -1,6 +1,6 @@
 """When sharded gradients are reduced: as soon as a flat unit's backward is done.
 
-ZeRO-2 and FSDP share the rule (nanoddp.parallel.sharded.flat holds the storage, this the
+ZeRO-2 and FSDP share the rule (nanoddp.parallel.zero.flat holds the storage, this the
 timing): a unit's gradients are reduce-scattered the moment the last of them lands, overlapped
 with the rest of backward, and everything is waited for and averaged when backward ends.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoddp.comm.transport import Waitable
-from nanoddp.parallel.sharded.flat import FlatParamUnit
+from nanoddp.parallel.zero.flat import FlatParamUnit
 
 
 class GradReduceScatter:

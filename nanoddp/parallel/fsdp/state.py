@@ -38,9 +38,9 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.sharded.fsdp_param import ShardedParam
-from nanoddp.parallel.sharded.fsdp_unit import ShardedUnit
-from nanoddp.parallel.sharded.policies import MixedPrecisionPolicy
+from nanoddp.parallel.fsdp.param import ShardedParam
+from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
+from nanoddp.parallel.fsdp.unit import ShardedUnit
 from nanoddp.parallel.tensors import is_dataclass_instance, is_namedtuple, tensors_in
 
 

@@ -38,11 +38,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.sharded.clip import PIECE_GROUPS, mark_piece_grads
-from nanoddp.parallel.sharded.flat import FlatParamUnit
-from nanoddp.parallel.sharded.grad_reduce import GradReduceScatter
-from nanoddp.parallel.sharded.module import ShardedModule, install_whole_state_dict
+from nanoddp.parallel.clip import PIECE_GROUPS, mark_piece_grads
 from nanoddp.parallel.tensors import tensors_in
+from nanoddp.parallel.zero.flat import FlatParamUnit
+from nanoddp.parallel.zero.grad_reduce import GradReduceScatter
+from nanoddp.parallel.zero.module import ShardedModule, install_whole_state_dict
 
 logger = logging.getLogger(__name__)
 

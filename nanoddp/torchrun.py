@@ -1,4 +1,9 @@
-"""srun's and mpirun's variables, read as torchrun's: one job of N ranks, never N jobs of one.
+"""What is specific to torchrun, srun and mpirun: their variables, read as one job of N ranks.
+
+torchrun's elastic agent sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address; srun and
+mpirun set their own names, mapped here to torchrun's so that `DistEnv` reads one set (never N
+single-rank jobs). Two workarounds for the agent run in-process sit here too: a fresh rendezvous
+store per restart, and silence for a report the rendezvous timer prints after the last line.
 
 Why: `srun -n 2 python train.py` or `mpirun -n 2 python train.py` starts N processes that set
 none of torchrun's RANK/WORLD_SIZE. Read naively, each is a one-process job that trains alone
@@ -13,9 +18,17 @@ same on every rank (so every rank stops, none waits for the others).
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sys import UnraisableHookArgs
 
 
 @dataclass(frozen=True)
@@ -101,3 +114,49 @@ def _int(environ: Mapping[str, str], name: str | None) -> int:
     if not raw.isdigit():
         raise ValueError(f"environment variable {name} must be a non-negative integer, got {raw!r}")
     return int(raw)
+
+
+def prepare_torchrun_launch() -> None:
+    """Environment for an in-process torchrun agent, inherited by its workers.
+
+    torchrun >= 2.5 lets workers share the rendezvous TCPStore; on a restart, workers can then
+    read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712). A fresh
+    store per attempt avoids that, so restarts (`--max-restarts`) work.
+    """
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    ignore_rendezvous_timer_self_join()
+
+
+def ignore_rendezvous_timer_self_join() -> None:
+    """Keep torch's rendezvous keep-alive timer from printing a traceback after our last line.
+
+    The c10d rendezvous renews its lease from a timer thread that holds the handler while it
+    runs. When the agent lets go of the handler at that moment (a run ending, a SIGTERM), the
+    handler is freed on the timer thread, and the timer's finalizer joins that same thread:
+    RuntimeError("cannot join current thread"), printed as "Exception ignored in: <finalize ...>"
+    after the launcher's one line. The finalizer sets the timer's stop event before it joins, so
+    the daemon thread ends anyway: this drops that one report (from torch's `_stop_thread`) and
+    passes every other unraisable exception on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "nanoddp_rendezvous_filter", False):
+        return
+
+    def hook(unraisable: UnraisableHookArgs) -> None:
+        if not _is_timer_self_join(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.nanoddp_rendezvous_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _is_timer_self_join(exc: BaseException | None, tb: TracebackType | None) -> bool:
+    if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
+        return False
+    frames = traceback.extract_tb(tb)
+    return any(f.name == "_stop_thread" and f.filename.endswith("elastic/rendezvous/utils.py") for f in frames)
+
+
+def inside_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a worker started by torchrun's elastic agent (it sets TORCHELASTIC_RUN_ID)."""
+    environ = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from nanoddp.parallel.sharded.mesh import MeshInfo
+from nanoddp.parallel.fsdp.mesh import MeshInfo
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

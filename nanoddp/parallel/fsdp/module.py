@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
-from nanoddp.parallel.sharded.fsdp_state import ModuleState, post_forward, pre_forward
+from nanoddp.parallel.fsdp.state import ModuleState, post_forward, pre_forward
 
 # A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
 # a plain class at runtime (the module's class comes after it in the MRO).
