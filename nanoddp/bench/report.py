@@ -205,7 +205,6 @@ def format_summary(data: dict, world_size: int = 2) -> str:
     labels = (
         ("nanoddp", "nanoddp DDP"),
         ("nanoddp_torchcomm", "nanoddp DDP over torch's collectives"),
-        ("zero", "ZeRO-1"),  # the name in files written before ZeRO-1 became engine zero1
         ("zero1", "ZeRO-1"),
         ("allreduce", "manual all-reduce"),
         ("rs_ag", "manual reduce-scatter + all-gather"),
