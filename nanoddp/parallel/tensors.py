@@ -1,18 +1,21 @@
 """Walking the nested structures that carry tensors in and out of a model.
 
 Batches and forward outputs are tensors inside tuples, lists, dicts, namedtuples and
-dataclasses. Every wrapper needs the same two walks over them: DDP and the trainer move a batch
-to the device (`move_to`), and DDP, mixed precision, ZeRO-2 and FSDP hook the tensors of a
-forward output (`tensors_in`). One definition here, so the structures they understand agree.
+dataclasses. Every wrapper needs the same three walks over them: DDP and the trainer move a
+batch to the device (`move_to`), DDP, mixed precision, ZeRO-2 and FSDP hook the tensors of a
+forward output (`tensors_in`), and mixed precision (DDP's and FSDP's) casts floating inputs and
+outputs (`cast_floats`). One definition here, so the structures they understand agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -65,3 +68,35 @@ def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
         return mapping_type((k, move_to(v, device, non_blocking)) for k, v in obj.items())
     names = [f.name for f in dataclasses.fields(obj) if f.init]  # a dataclass (contains_tensor)
     return dataclasses.replace(obj, **{n: move_to(getattr(obj, n), device, non_blocking) for n in names})
+
+
+def cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
+    """`obj` with every floating-point tensor cast to `dtype` (None: `obj` itself).
+
+    [Note: torch's containers] torch's DDP (`_cast_forward_inputs`) and FSDP2
+    (`_cast_fp_tensor` over `_apply_to_tensors`) walk the same containers the same way, so one
+    walk serves both: a dataclass (checked first: HF's `ModelOutput` is also an OrderedDict)
+    is rebuilt with `dataclasses.replace`, an OrderedDict keeps its class, any other dict
+    becomes a plain dict, a namedtuple keeps its class, a PackedSequence is left as it is, and
+    a tensor already in `dtype` (or not floating) is returned itself."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if torch.is_floating_point(obj) and obj.dtype != dtype else obj
+    if is_dataclass_instance(obj):
+        names = [f.name for f in dataclasses.fields(obj) if f.init]  # replace() takes init fields only
+        return dataclasses.replace(obj, **{n: cast_floats(getattr(obj, n), dtype) for n in names})
+    if isinstance(obj, OrderedDict):
+        ordered = obj.__class__()
+        for key, value in obj.items():
+            ordered[key] = cast_floats(value, dtype)
+        return ordered
+    if isinstance(obj, PackedSequence):
+        return obj
+    if isinstance(obj, dict):
+        return {key: cast_floats(value, dtype) for key, value in obj.items()}
+    if is_namedtuple(obj):
+        return type(obj)(*(cast_floats(x, dtype) for x in obj))
+    if isinstance(obj, (tuple, list, set)):
+        return type(obj)(cast_floats(x, dtype) for x in obj)
+    return obj

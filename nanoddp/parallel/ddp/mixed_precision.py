@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.parallel.tensors import tensors_in
+from nanoddp.parallel.tensors import cast_floats, tensors_in
 
 FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
 
@@ -54,17 +54,6 @@ def check_mixed_precision(config: Any, gradient_as_bucket_view: bool, delayed: b
             "mixed_precision with delay_all_reduce_named_params is not supported (the delayed buffer would mix "
             "dtypes); use one or the other"
         )
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """`obj` with every floating-point tensor (in tuples, lists, dicts) cast to `dtype`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast_floats(item, dtype) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _cast_floats(value, dtype) for key, value in obj.items()}
-    return obj
 
 
 def _ddp_ignored(tensor: torch.Tensor) -> bool:
@@ -108,7 +97,7 @@ class MixedPrecision:
                 if param.grad is not None:
                     param.grad.data = param.grad.to(self.param_dtype)
                 param.data = param.data.to(self.param_dtype)
-        return _cast_floats(inputs, self.param_dtype), _cast_floats(kwargs, self.param_dtype)
+        return cast_floats(inputs, self.param_dtype), cast_floats(kwargs, self.param_dtype)
 
     def after_forward(self, output: Any) -> None:
         """Restore now if no backward will follow, else once the backward ends (a hook on the

@@ -31,8 +31,7 @@ bytes gathered earlier, so results do not change. `set_modules_to_forward_prefet
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -41,31 +40,12 @@ import torch.nn as nn
 from nanoddp.parallel.fsdp.param import ShardedParam
 from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
 from nanoddp.parallel.fsdp.unit import ShardedUnit
-from nanoddp.parallel.tensors import is_dataclass_instance, is_namedtuple, tensors_in
+from nanoddp.parallel.tensors import cast_floats, tensors_in
 
 
 def _in_backward() -> bool:
     """True while autograd runs backward (e.g. an activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
-    """`obj` with every floating-point tensor cast to `dtype` (None: unchanged)."""
-    if dtype is None:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if torch.is_floating_point(obj) else obj
-    if is_namedtuple(obj):
-        return type(obj)(*(cast_floats(x, dtype) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(cast_floats(x, dtype) for x in obj)
-    if isinstance(obj, Mapping):
-        mapping_type: Any = type(obj)  # built from (key, value) pairs, as dict is
-        return mapping_type((k, cast_floats(v, dtype)) for k, v in obj.items())
-    if is_dataclass_instance(obj):
-        names = [f.name for f in dataclasses.fields(obj) if f.init]
-        return dataclasses.replace(obj, **{n: cast_floats(getattr(obj, n), dtype) for n in names})
-    return obj
 
 
 class ModuleState:
