@@ -392,7 +392,7 @@ def case_shards_changed_while_gathered(env) -> None:
                 else:
                     opt.step()
                 outs.append(m(x))
-        assert model._fsdp_state.unit.unsharded, "nothing held: the case would not test staleness"
+        assert model._fsdp_state.unit.is_unsharded, "nothing held: the case would not test staleness"
         assert torch.equal(outs[0], outs[1]), f"{change}: the forward after it ran the old weights"
 
 

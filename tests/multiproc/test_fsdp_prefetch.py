@@ -50,7 +50,7 @@ def _record(log: dict, name: str, module: nn.Module) -> None:
     asking = {"now": False}
 
     def logged_start():
-        if not unit.unsharded and not unit.gathering():
+        if not unit.is_unsharded and not unit.gathering():
             log["events"].append(("gather", name, not asking["now"]))
         return start()
 

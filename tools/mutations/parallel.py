@@ -178,7 +178,7 @@ FAULTS = (
     Mutation(
         "fsdp: whole tensors held across a change of the shards reused (no stale check)",
         "nanoddp/parallel/fsdp/state.py",
-        "        if unit.unsharded and unit.stale():\n            unit.reshard()\n",
+        "        if unit.is_unsharded and unit.stale():\n            unit.reshard()\n",
         "        pass\n",
         # a forward after an eval forward (reshard_after_forward=False) runs the old weights
         ("tests/multiproc/test_fsdp2_options.py", "-k", "inplace_change"),

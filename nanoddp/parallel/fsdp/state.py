@@ -32,6 +32,7 @@ bytes gathered earlier, so results do not change. `set_modules_to_forward_prefet
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum, auto
 from typing import Any, cast
 
 import torch
@@ -41,6 +42,15 @@ from nanoddp.parallel.fsdp.param import ShardedParam
 from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
 from nanoddp.parallel.fsdp.unit import ShardedUnit
 from nanoddp.parallel.tensors import cast_floats, tensors_in
+
+
+class TrainingState(Enum):
+    """Where one state is in the iteration (torch's `TrainingState`)."""
+
+    IDLE = auto()  # between passes: before forward, after forward, after the end of backward
+    FORWARD = auto()  # from the unit's first pre-forward to the end of its forward
+    PRE_BACKWARD = auto()  # backward reached the unit's outputs: gathered again, grads awaited
+    POST_BACKWARD = auto()  # the unit's reduce-scatter launched; the end of backward waits for it
 
 
 def _in_backward() -> bool:
@@ -68,8 +78,7 @@ class ModuleState:
         self.tree = TreeState(self)
         self._hooked: set[int] = set()  # ids of whole tensors carrying our grad hook
         self._fired: set[int] = set()  # ids of whole tensors whose gradient landed this backward
-        self._launched = False  # reduce-scatter launched in this backward
-        self._began_backward = False
+        self.training_state = TrainingState.IDLE
 
     def is_root(self) -> bool:
         return self.tree.root is self
@@ -95,7 +104,7 @@ class ModuleState:
         assert unit is not None  # called for states with a unit only
         # A parameter assigned since (a DTensor, as torch's lazy init re-reads it) becomes the shard
         unit.adopt_registered()
-        if unit.unsharded and unit.stale():
+        if unit.is_unsharded and unit.stale():
             unit.reshard()
         unit.finish_unshard()
         for p in unit.trainable():
@@ -106,8 +115,8 @@ class ModuleState:
 
     def prefetch(self, targets: list[ModuleState]) -> None:
         for t in targets:
-            if t.unit is not None and (not t.unit.unsharded or t.unit.stale()):
-                if t.unit.unsharded:
+            if t.unit is not None and (not t.unit.is_unsharded or t.unit.stale()):
+                if t.unit.is_unsharded:
                     t.unit.reshard()
                 t.unit.start_unshard()
 
@@ -118,11 +127,11 @@ class ModuleState:
         self._fired.add(id(p.unsharded))
         assert self.unit is not None  # its hooks are on the unit's whole tensors
         ready = all(id(q.unsharded) in self._fired for q in self.unit.trainable())
-        if self.requires_gradient_sync and not self._launched and ready:
+        if self.requires_gradient_sync and self.training_state != TrainingState.POST_BACKWARD and ready:
             self._launch()
 
     def _launch(self) -> None:
-        self._launched = True
+        self.training_state = TrainingState.POST_BACKWARD
         assert self.unit is not None  # launched for states with a unit only
         self.tree.pending.append(self.unit.start_reduce())
         if self.reshard_after_backward:
@@ -130,15 +139,18 @@ class ModuleState:
 
     def end_backward(self) -> None:
         """Called by the tree's final callback, for every state, in tree order."""
-        began = self._began_backward or self._fired
-        if self.unit is not None and self.requires_gradient_sync and not self._launched and began:
+        # began backward (its outputs' hook ran, or a gradient landed) but not launched yet
+        unlaunched = self.training_state == TrainingState.PRE_BACKWARD or (
+            self._fired and self.training_state != TrainingState.POST_BACKWARD
+        )
+        if self.unit is not None and self.requires_gradient_sync and unlaunched:
             self._launch()
-        self._fired, self._launched, self._began_backward = set(), False, False
+        self._fired, self.training_state = set(), TrainingState.IDLE
 
     def finish_forward(self, output: Any) -> None:
         """The unit's forward ended (its last module's, or forced by the root's): reshard or keep
         the whole tensors registered, and hook `output` so backward reaching it gathers again."""
-        self.to_run = []
+        self.to_run, self.training_state = [], TrainingState.IDLE
         if self.unit is not None and self.resharding_after_forward():
             self.unit.reshard_after_forward()
         outputs = [t for t in tensors_in(output) if t.requires_grad]
@@ -148,7 +160,7 @@ class ModuleState:
     def reset_iter_state(self) -> None:
         """Forget a forward or backward an exception cut short (`FSDPModule.reset_iter_state`)."""
         self.to_run = []
-        self._fired, self._launched, self._began_backward = set(), False, False
+        self._fired, self.training_state = set(), TrainingState.IDLE
         if self.unit is not None:
             self.unit.reset_iter_state()
 
@@ -313,9 +325,9 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             )
         tree.lazy_init(module)
         tree.forward_begins()
-    first_of_unit = not state.to_run
+    first_of_unit = state.training_state != TrainingState.FORWARD  # the first of the unit's modules
     if first_of_unit:
-        state.to_run = list(state.modules)
+        state.to_run, state.training_state = list(state.modules), TrainingState.FORWARD
     if state.unit is not None:
         state.unshard()
         state.unit.register(unsharded=True)
@@ -345,7 +357,8 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> A
 
 def pre_backward(state: ModuleState) -> None:
     state.tree.queue_final_callback()
-    state._began_backward = True
+    if state.training_state != TrainingState.POST_BACKWARD:  # a later output: launched already
+        state.training_state = TrainingState.PRE_BACKWARD
     if state.unit is not None and state.unshard_in_backward:
         state.unshard()
     state.prefetch(state.tree.ran_backward(state))

@@ -9,8 +9,10 @@ dim 0, concatenated along another shard dim). Gradients go the other way: every
 parameter's padded whole gradient as a (ws, padded_numel) column, one reduce-scatter (AVG in
 the reduce dtype), each rank's row cut back into its parameters' `.grad` DTensors.
 
-States: sharded (only DTensors exist) -> gathering (an all-gather in flight, e.g. a prefetch)
--> unsharded (whole tensors allocated and filled). `reshard()` frees the whole tensors.
+States (`ShardedState`, torch's names): SHARDED (only the DTensor shards exist; an all-gather
+may be in flight, e.g. a prefetch) -> UNSHARDED (whole tensors allocated, filled, registerable)
+-> SHARDED again by `reshard()`, or SHARDED_POST_FORWARD after a forward that resharded to a
+smaller group (below).
 
 `reshard_after_forward=<int g>` (torch's reshard to a smaller group, e.g. the ranks of one node):
 after forward each rank keeps, besides its shard, the rows of the gathered buffer of its block
@@ -22,6 +24,7 @@ row (g ranks, not ws) and yields the same buffer, so the values are the same byt
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,14 @@ from nanoddp.parallel.fsdp.param import ShardedParam
 from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy
 
 _step_hook: RemovableHandle | None = None
+
+
+class ShardedState(Enum):
+    """What a unit's parameters hold now (torch's `ShardedState`)."""
+
+    SHARDED = auto()  # only the DTensor shards: what optimizers and state_dict see
+    SHARDED_POST_FORWARD = auto()  # the shards plus this rank's block of the row's gathered buffer
+    UNSHARDED = auto()  # whole tensors allocated and filled, for forward and backward
 
 
 def count_optimizer_steps() -> None:
@@ -65,7 +76,7 @@ class ShardedUnit:
         self.comm = comm
         self.mp = mp
         self.numel = sum(p.padded_numel for p in params)
-        self.unsharded = False
+        self.sharded_state = ShardedState.SHARDED
         self._gather: tuple[Waitable | None, torch.Tensor] | None = None  # (work, output) in flight
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the dp size
         self.all_reduce = True  # HSDP: False skips the all-reduce across replicas (accumulation)
@@ -75,6 +86,14 @@ class ShardedUnit:
         self.post_forward_mesh: MeshInfo | None = None  # reshard_after_forward=<int>: the rows
         self._post_forward: tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]] | None = None
         count_optimizer_steps()
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.sharded_state == ShardedState.SHARDED
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state == ShardedState.UNSHARDED
 
     def compute_dtype(self) -> torch.dtype:
         return self.mp.param_dtype or self.params[0].sharded.dtype
@@ -87,12 +106,13 @@ class ShardedUnit:
     @torch.no_grad()
     def start_unshard(self) -> None:
         """Launch the all-gather (asynchronously); no-op if unsharded or already in flight."""
-        if self.unsharded or self._gather is not None:
+        if self.is_unsharded or self._gather is not None:
             return
         ws, rank = self.mesh.shard_size, self.mesh.shard_rank
         device = self.params[0].local().device
         output = torch.empty(ws * self.numel, dtype=self.compute_dtype(), device=device)  # (ws * numel,)
         held, self._post_forward = self._post_forward, None
+        self.sharded_state = ShardedState.SHARDED  # the held block, if any, goes into the gather
         if held is not None and held[0].dtype == output.dtype and held[1] == self._versions():
             row = self.post_forward_mesh
             assert row is not None  # held only when resharded to the rows
@@ -119,7 +139,7 @@ class ShardedUnit:
     @torch.no_grad()
     def finish_unshard(self) -> None:
         """Wait for the all-gather and copy every parameter's column out into its whole tensor."""
-        if self.unsharded:
+        if self.is_unsharded:
             return
         self.start_unshard()
         assert self._gather is not None  # start_unshard launched it (not unsharded)
@@ -135,7 +155,7 @@ class ShardedUnit:
             column = columns[:, offset : offset + p.padded_numel]  # (ws, padded_numel)
             p.copy_out(column, whole)
             offset += p.padded_numel
-        self.unsharded = True
+        self.sharded_state = ShardedState.UNSHARDED
         self._gathered_versions = self._versions()
 
     def _versions(self) -> tuple[tuple[int, int, int, int], ...]:
@@ -147,14 +167,14 @@ class ShardedUnit:
     def stale(self) -> bool:
         """Unsharded, but a shard changed since (an optimizer step, an in-place op on the
         parameter or its local tensor, a load, `to_empty`)."""
-        return self.unsharded and self._versions() != self._gathered_versions
+        return self.is_unsharded and self._versions() != self._gathered_versions
 
     @torch.no_grad()
     def reshard_after_forward(self) -> None:
         """Free the whole tensors; with a row mesh (`reshard_after_forward=<int>`) keep this
         rank's block of the gathered buffer first, for backward's all-gather within the row."""
         row = self.post_forward_mesh
-        if row is None or not self.unsharded:
+        if row is None or not self.is_unsharded:
             self.reshard()
             return
         ws = self.mesh.shard_size
@@ -169,6 +189,7 @@ class ShardedUnit:
         versions = self._gathered_versions
         self.reshard()
         self._post_forward = (kept, versions)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def reshard(self) -> None:
         """Free the whole tensors (waiting out a gather still in flight) and register the shards."""
@@ -181,7 +202,7 @@ class ShardedUnit:
         for p in self.params:
             p.free_unsharded()
             p.register(unsharded=False)
-        self.unsharded = False
+        self.sharded_state = ShardedState.SHARDED
 
     def adopt_registered(self, *_) -> None:
         """A load_state_dict post-hook: shards replaced by `assign=True` become this unit's."""
