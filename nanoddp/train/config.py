@@ -8,8 +8,6 @@ a process group waiting for a rank that already exited.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -19,11 +17,7 @@ from typing import Literal, TypeVar
 import torch.nn as nn
 
 from nanoddp.train.data.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.train.engines import ENGINE_REGISTRY, ENGINES, SHARDED_ENGINES, EngineName
-
-logger = logging.getLogger(__name__)
-
-ZERO_DEPRECATION = "--zero (config key zero) is deprecated: use --engine zero1"
+from nanoddp.train.engines import ENGINE_REGISTRY, ENGINES, EngineName
 
 
 @dataclass(kw_only=True)
@@ -88,8 +82,6 @@ class TrainConfig:
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False
     """smollm2: recompute each layer's activations in backward instead of keeping them (less memory)."""
-    zero: bool = False
-    """Deprecated: use --engine zero1. Shard the optimizer state over ranks (ZeRO-1)."""
     log_every: int = 10
     """Print and record metrics every this many steps."""
     eval_every: int = 100
@@ -145,24 +137,8 @@ def filled(value: T | None) -> T:
 
 
 def uses_zero_optimizer(config: TrainConfig) -> bool:
-    """Whether the optimizer is a ZeroRedundancyOptimizer: engine zero1, or the deprecated `zero`."""
-    return config.zero or ENGINE_REGISTRY[config.engine].zero_optimizer
-
-
-def resolve_deprecated(config: TrainConfig, warn: bool = True) -> TrainConfig:
-    """`nanoddp train`'s config with the deprecated `zero` key said the new way.
-
-    `--zero` with the default engine is `--engine zero1` (the same DDP and optimizer, so the
-    same numbers). With another replicated engine it keeps meaning that engine plus a ZeRO-1
-    optimizer, as before. Either way one line says to use `--engine zero1` (when `warn`).
-    """
-    if not config.zero:
-        return config
-    if warn:
-        logger.warning(ZERO_DEPRECATION)
-    if config.engine == "nanoddp":
-        return dataclasses.replace(config, engine="zero1", zero=False)
-    return config
+    """Whether `nanoddp train`'s optimizer is a ZeroRedundancyOptimizer (engine zero1)."""
+    return ENGINE_REGISTRY[config.engine].zero_optimizer
 
 
 def _positive(name: str, value: float, minimum: float = 1) -> None:
@@ -222,11 +198,6 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"unknown engine {config.engine!r}; choose one of {list(ENGINES)}")
     if config.engine == "single" and world_size != 1:
         raise ValueError(f"engine 'single' runs one process, got world size {world_size}; use --nproc 1")
-    if config.zero and config.engine in SHARDED_ENGINES:
-        raise ValueError(
-            f"--zero shards the optimizer state of a replicated model; engine {config.engine!r} shards it "
-            "already: drop --zero"
-        )
     if config.amp not in ("off", "bf16", "fp16"):
         raise ValueError(f"amp must be off, bf16 or fp16, got {config.amp!r}")
     if config.fsdp_wrap and config.engine != "fsdp":

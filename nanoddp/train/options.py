@@ -45,7 +45,6 @@ BUILTIN_ONLY = {
     "weight_decay": "set it on your optimizer",
     "warmup_steps": "pass lr_scheduler",
     "min_lr_ratio": "pass lr_scheduler",
-    "zero": "pass a nanoddp.ZeroRedundancyOptimizer as the optimizer",
 }
 # What a Trainer writes into its run directory before the first snapshot: a failed run that
 # made the directory removes it while it holds only these (see `release_run_dir`).
@@ -73,6 +72,10 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
             + "; ".join(f"{name} describes nanoddp train's built-in setup: {BUILTIN_ONLY[name]}" for name in builtin)
         )
     check_optimizer(model, optimizer)
+    if options.get("engine") == "zero1" and not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ValueError(
+            "engine 'zero1' shards the optimizer state: pass a nanoddp.ZeroRedundancyOptimizer as the optimizer"
+        )
     return TrainConfig(
         # the whole eval set, and no clipping, unless asked: a plain torch loop (and Accelerate,
         # Lightning) leaves the gradients as they are; `nanoddp train` keeps its own 1.0
@@ -81,7 +84,6 @@ def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: A
         # `nanoddp train`'s built-in --model choices, a user model's config holds its class name
         model=_class_name(model),  # type: ignore[arg-type]
         data=_class_name(dataset),
-        zero=isinstance(optimizer, ZeroRedundancyOptimizer),
     )
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
@@ -35,16 +34,16 @@ from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import evaluation, signals, step_check
-from nanoddp.train.checkpoint import atomic, companion, optim_state, rundir, snapshot
+from nanoddp.train.checkpoint import atomic, rundir, snapshot, user_state
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import SHARDED_ENGINES, build_engine
-from nanoddp.train.fsdp_engine import load_model_state, prepare_model
+from nanoddp.train.fsdp_engine import prepare_model
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
-from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master, distributed
+from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master
 from nanoddp.train.recipe import WarmupCosine, follow_steps_on_resume, make_optimizer
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
@@ -80,10 +79,6 @@ class Trainer:
         **options: Any,
     ):
         config = options_config(options, model, optimizer, train_dataset)
-        if config.engine == "zero1" and not config.zero:
-            raise ValueError(
-                "engine 'zero1' shards the optimizer state: pass a nanoddp.ZeroRedundancyOptimizer as the optimizer"
-            )
         env = env or joined_env(config)
         configure_logging(env)
         config, self._lock_fd = claim_run_dir(config, env)
@@ -152,12 +147,9 @@ class Trainer:
         )
         self.step, self._signum = 0, 0  # the stop signal the ranks agreed on at the last step
         self._last_step_finite, self._newest_finite_snapshot = True, cast(int | None, None)  # prune keeps that one
-        self._companion: tuple[Path, dict] | None = None  # set by resume, loaded after the engine
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
-        self.resumed_from = self._maybe_resume()
         self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
-        if self._companion is not None:  # the snapshot's sharded model and optimizer, now sharded
-            companion.load(*self._companion, self.module, self.optimizer)
+        self.resumed_from = self._maybe_resume()  # after the engine: a sharded one loads its own pieces
         self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
@@ -183,9 +175,7 @@ class Trainer:
             if self.env.is_master and self.config.resume != "never":
                 logger.info("no snapshot in %s: starting fresh at step 0", self.run_dir / "snapshots")
             return None
-        state = found[1] if found else snapshot.load(value)
-        self._load_snapshot(state, Path(value))
-        self.run_id = state.get("run_id") or broadcast_from_master(rundir.new_run_id(), self.env)
+        self._load_snapshot(Path(value), found[1] if found else snapshot.load(value))
         if self.env.is_master:
             why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
             logger.info("%sresumed from %s (step %d, epoch %d)", why, value, self.step, self.sampler.epoch)
@@ -193,67 +183,48 @@ class Trainer:
 
     # --- snapshots --------------------------------------------------------------------------
 
+    def _parts(self) -> dict[str, Any]:
+        """What a snapshot holds besides the loop's own facts and the RNG streams, by the names
+        it keeps them under (`nanoddp.load_state(snapshot, model=..., optimizer=...)` reads them)."""
+        parts = {"model": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        parts |= {"scaler": self.scaler if self.scaler.is_enabled() else None, "sampler": self.sampler}
+        return {name: part for name, part in parts.items() if part is not None}
+
     def _save_snapshot(self, interrupted: int = 0) -> None:
-        """Collective: every rank contributes its RNG state (and, for a sharded engine, writes
-        its shard file: `checkpoint.companion`); rank 0 writes the snapshot. `interrupted` is
-        the signal that stopped the run here (0: a regular snapshot)."""
-        rng = snapshot.capture_rng_state()
-        rng_per_rank: list[Any] | None = [rng]
-        if distributed():
-            rng_per_rank = [None] * self.env.world_size if self.env.is_master else None
-            dist.gather_object(rng, rng_per_rank, dst=0)
-        directory = self.run_dir / "snapshots"
+        """Collective: `save_state` of the parts and the loop's facts (`interrupted`: the signal
+        that stopped the run here, 0 for a regular snapshot). A sharded engine's model and
+        optimizer go to one shard file per rank, nothing gathered; every rank's RNG streams
+        are captured by save_state; rank 0 writes the manifest, then prunes."""
+        directory, config = self.run_dir / "snapshots", to_dict(self.config)
         path = snapshot.snapshot_path(directory, self.step)
-        sharded = companion.objects_for(self.config.engine, self.module, self.optimizer)
-        record = companion.save(path, sharded)  # collective, before the snapshot that names it
-        if not self.env.is_master:
-            return
-        state = {
-            "step": self.step,
-            "epoch": self.sampler.epoch,
-            "sampler": self.sampler.state_dict(),
-            "model": None if "model" in sharded else self.module.state_dict(),  # replicated: rank 0's
-            "optimizer": None if "optimizer" in sharded else self.optimizer.state_dict(),
-            "companion": record,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "rng": rng_per_rank,
-            "world_size": self.env.world_size,
-            "config": to_dict(self.config),
-            "run_id": self.run_id,
-            "fingerprint": rundir.fingerprint(to_dict(self.config)),
-            "interrupted": interrupted,
-            "loss_finite": self._last_step_finite,
-        }
-        snapshot.save(path, state)
+        train = {"step": self.step, "epoch": self.sampler.epoch, "config": config, "run_id": self.run_id,
+                 "fingerprint": rundir.fingerprint(config), "world_size": self.env.world_size,
+                 "interrupted": interrupted, "loss_finite": self._last_step_finite}  # fmt: skip
+        user_state.save_objects(path, {**self._parts(), snapshot.TRAIN: train})
         if self._last_step_finite:
             self._newest_finite_snapshot = self.step
-        snapshot.prune(directory, self.config.keep_snapshots, protect=self._newest_finite_snapshot)
-        logger.debug("snapshot %s", path)
+        if self.env.is_master:
+            snapshot.prune(directory, self.config.keep_snapshots, protect=self._newest_finite_snapshot)
+            logger.debug("snapshot %s", path)
 
-    def _load_snapshot(self, state: dict[str, Any], path: Path) -> None:
-        """All but a companion's objects; those load once the engine has sharded the model."""
-        record = state.get("companion")
-        self._companion = (path, record) if record else None
-        if state["model"] is not None:
-            load_model_state(self.module, state["model"])
-        if state["optimizer"] is not None:
-            optim_state.restore(self.optimizer, state["optimizer"], self.config.engine, self.env)
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        saved_steps = int(state.get("config", {}).get("steps", self.config.steps))
-        note = follow_steps_on_resume(self.scheduler, saved_steps, self.config.steps, int(state["step"]))
+    def _load_snapshot(self, path: Path, state: dict[str, Any]) -> None:
+        """Collective, once the engine is built: every part the snapshot `state` (read from
+        `path`) holds, then the schedule stretched to a changed --steps and the RNG streams
+        (re-seeded at another world size: the data order stays exact)."""
+        train = snapshot.train_state(state, path)
+        parts = {name: part for name, part in self._parts().items() if name in state["objects"]}
+        user_state.load_objects(path, parts, restore_rng=False, manifest=state)
+        self.step = int(train["step"])
+        self.run_id = train.get("run_id") or broadcast_from_master(rundir.new_run_id(), self.env)
+        self._newest_finite_snapshot = self.step if train.get("loss_finite", True) else None
+        saved_steps = int(train["config"].get("steps", self.config.steps))
+        note = follow_steps_on_resume(self.scheduler, saved_steps, self.config.steps, self.step)
         if note and self.env.is_master:
             logger.warning("%s", note)
-        if self.scaler.is_enabled() and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = int(state["step"])
-        self._newest_finite_snapshot = self.step if state.get("loss_finite", True) else None
         saved = state["rng"]
         if len(saved) == self.env.world_size:
             snapshot.restore_rng_state(saved[self.env.rank])
-        else:  # the data order stays exact; only per-rank random streams start afresh
+        else:
             if self.env.is_master:
                 logger.warning(
                     "world size changed from %d to %d: RNG states re-seeded", len(saved), self.env.world_size

@@ -74,7 +74,7 @@ def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 def _model_of(snapshot_state: dict) -> dict[str, torch.Tensor]:
-    return snapshot_state["model"]
+    return snapshot_state["objects"]["model"]["state"]
 
 
 @pytest.mark.timeout(200)
@@ -101,7 +101,7 @@ def test_skip_drops_every_nan_update_and_pruning_keeps_the_last_finite_snapshot(
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
     listed = snapshot.list_snapshots(tmp / "skip" / "snapshots")
     assert [step for step, _ in listed] == [8, 6, 4, 2]  # keep 3, and the newest finite one
-    assert [snapshot.load(path)["loss_finite"] for _, path in listed] == [False, False, False, True]
+    assert [snapshot.train_state(snapshot.load(p), p)["loss_finite"] for _, p in listed] == [False, False, False, True]
     records = [json.loads(line) for line in (tmp / "skip" / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in records if r.get("event") == "nonfinite_loss"]
     assert [(e["step"], e["ranks"], e["action"]) for e in events] == [(s, [1], "skipped") for s in range(3, 9)]

@@ -1,5 +1,5 @@
 """Resuming a sharded engine (zero2, fsdp) at another world size: the model and optimizer shards
-each ws=2 rank wrote to its own file (the snapshot's companion) are resharded for ws=3 and ws=1.
+each ws=2 rank wrote to its own file (listed by the snapshot's manifest) are resharded for ws=3 and ws=1.
 
 The reference is built by hand, independently of the checkpoint's piece arithmetic: each ws=2
 rank reports the optimizer state of its live shard pieces together with the elements of the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 
-import pytest
 import torch
 import torch.distributed as dist
 from helpers import TINY, run_on_ranks
@@ -27,7 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nanoddp.env import DistEnv
 from nanoddp.parallel.zero.flat import FlatLayout
-from nanoddp.train.checkpoint import optim_state, snapshot
+from nanoddp.train.checkpoint import pieces, snapshot
 from nanoddp.train.trainer import Trainer
 
 STOP, END = 5, 12  # batch 12 is 9 steps an epoch: stop mid-epoch 0, finish in epoch 1
@@ -117,9 +116,9 @@ def _load_by_hand(trainer: Trainer, saved: dict, whole: dict[str, dict[str, torc
         }
     for group, saved_group in zip(trainer.optimizer.param_groups, at_stop["groups"], strict=True):
         group.update(saved_group)
-    trainer.scheduler.load_state_dict(saved["scheduler"])
-    trainer.sampler.load_state_dict(saved["sampler"])
-    trainer.step = saved["step"]
+    trainer.scheduler.load_state_dict(saved["scheduler"]["state"])
+    trainer.sampler.load_state_dict(saved["sampler"]["state"])
+    trainer.step = saved[snapshot.TRAIN]["state"]["step"]
 
 
 def _as_held(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -144,9 +143,10 @@ def _resume_worker(env: DistEnv, tmp: str, wholes: dict, at_stop: dict) -> dict:
         resumed.train()
         out[engine] = resumed.engine.state_dict()  # collective
 
-        saved = snapshot.load(snapshot.snapshot_path(f"{tmp}/{engine}/snapshots", STOP))
+        saved = snapshot.load(snapshot.snapshot_path(f"{tmp}/{engine}/snapshots", STOP))["objects"]
         by_hand = _trainer(_config(engine, f"{tmp}/by-hand-{engine}"), env)
-        assert saved["model"] is None and saved["optimizer"] is None  # in per-rank files, never gathered
+        kinds = (saved["model"]["kind"], saved["optimizer"]["kind"])
+        assert kinds == ("sharded_module", "sharded_optim")  # in per-rank files, never gathered
         _load_by_hand(by_hand, saved, whole, at_stop[engine])
         by_hand.train()
         reference = by_hand.engine.state_dict()
@@ -176,60 +176,27 @@ def test_sharded_resume_at_another_world_size(tmp_path):
             torch.testing.assert_close(resumed[engine], results[0][f"{engine}-whole"], rtol=1e-4, atol=1e-5)
 
 
-def test_reshard_refuses_a_different_model():
-    """A layout whose shapes differ from the optimizer's parameters is a clear ValueError."""
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    layout = {"world_size": 2, "units": [[(0, 12, (4, 3)), (1, 3, (3,))]]}
-    per_rank = [{"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}] * 2
-    with pytest.raises(ValueError, match=r"#0: saved \(4, 3\), now \(3, 4\)"):
-        optim_state.reshard(per_rank, layout, optimizer, 3, 0)
-
-
 def test_reshard_round_trip_with_empty_pieces_and_a_frozen_parameter():
-    """Pure arithmetic, no processes: sizes 5, 1 (frozen, not in the optimizer), 7 and 2 cut
-    at ws=4 (some ranks hold no piece of a parameter), resharded to ws=3 and to ws=1; every
-    new rank's pieces, laid end to end in rank order, give back the original whole tensors."""
-    shapes = [(5,), (7,), (2,)]  # the optimizer's parameters; the frozen one sits between #0 and #1
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    optimizer = torch.optim.AdamW(params)
+    """Pure arithmetic, no processes: a ZeRO-2 unit of sizes 5, 1 (frozen, not in the optimizer)
+    and 7, and one of size 2, cut at ws=4 (some ranks hold no piece of a parameter); each state
+    tensor's pieces are put back together at ws=3 and ws=1 by the checkpoint's piece arithmetic,
+    and every new rank's pieces, laid end to end in rank order, give back the whole tensor."""
+    units = [[5, 1, 7], [2]]
     g = torch.Generator().manual_seed(0)
-    whole = [{"exp_avg": torch.randn(s, generator=g), "exp_avg_sq": torch.rand(s, generator=g)} for s in shapes]
-    units = [[(0, 5, (5,)), (None, 1, (1,)), (1, 7, (7,))], [(2, 2, (2,))]]
-    layout = {"world_size": 4, "units": units}
+    whole = [[torch.randn(n, generator=g) for n in unit] for unit in units]
 
-    def pieces_at(ws: int, rank: int) -> dict[int, tuple[int, int]]:
-        out = {}
-        for unit in units:
-            for (index, _, _), piece in zip(unit, FlatLayout([n for _, n, _ in unit], ws).piece_of(rank), strict=True):
-                if index is not None:
-                    out[index] = (piece.start, piece.stop)
-        return out
+    def cut(unit: list[int], ws: int, j: int) -> list[tuple[str, int, int]]:
+        return [("range", p[j].start, p[j].stop) for p in (FlatLayout(unit, ws).piece_of(r) for r in range(ws))]
 
-    groups = optimizer.state_dict()["param_groups"]
-    per_rank = []
-    for rank in range(4):
-        state = {}
-        for i, (a, b) in pieces_at(4, rank).items():
-            step = torch.tensor(3.0)
-            state[i] = {"step": step, **{k: v[a:b].clone() for k, v in whole[i].items()}}
-        per_rank.append({"state": state, "param_groups": groups})
-    assert any(b == a for r in range(4) for a, b in pieces_at(4, r).values())  # an empty piece is covered
-    for new_ws in (3, 1):
-        got = [optim_state.reshard(per_rank, layout, optimizer, new_ws, r)["state"] for r in range(new_ws)]
-        for i in range(len(shapes)):
-            assert all(torch.equal(s[i]["step"], torch.tensor(3.0)) for s in got)
-            for key, value in whole[i].items():
-                assert torch.equal(torch.cat([s[i][key] for s in got]), value), (new_ws, i, key)
-
-
-def test_restore_refuses_shards_cut_by_the_other_sharded_engine():
-    """zero2's buckets and fsdp's units cut the parameters differently: a zero2 snapshot's
-    shards are refused by fsdp (at the same world size too), naming the engine to use."""
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    groups = optimizer.state_dict()["param_groups"]
-    saved = {"per_rank": [{"state": {}, "param_groups": groups}], "layout": {"engine": "zero2", "world_size": 1}}
-    with pytest.raises(ValueError, match="cut by --engine zero2; resume with --engine zero2, not --engine fsdp"):
-        optim_state.restore(optimizer, saved, "fsdp", DistEnv.single_process("gloo"))
-    optim_state.restore(optimizer, saved, "zero2", DistEnv.single_process("gloo"))  # its own engine: fine
+    assert any(piece[1] == piece[2] for unit in units for j in range(len(unit)) for piece in cut(unit, 4, j))
+    for u, unit in enumerate(units):
+        for j in range(len(unit)):
+            if (u, j) == (0, 1):
+                continue  # the frozen parameter: it shapes the cut, it has no optimizer state
+            saved = cut(unit, 4, j)
+            for new_ws in (3, 1):
+                got = []
+                for rank, target in enumerate(cut(unit, new_ws, j)):
+                    read = lambda r, u=u, j=j, saved=saved: whole[u][j][saved[r][1] : saved[r][2]].clone()  # noqa: E731
+                    got.append(pieces.assemble(f"#{u}.{j}", torch.float32, target, saved, read, prefer=rank))
+                assert torch.equal(torch.cat(got), whole[u][j]), (u, j, new_ws)

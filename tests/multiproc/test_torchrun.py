@@ -140,7 +140,8 @@ def test_signal_to_the_agent_snapshots_the_step_and_rerun_is_bit_identical(refer
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
     step = int(match.group(1))
     assert 5 <= step < 30
-    assert snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", step))["interrupted"] == sig
+    path = snapshot.snapshot_path(tmp_path / "snapshots", step)
+    assert snapshot.train_state(snapshot.load(path), path)["interrupted"] == sig
     rerun = _nanoddp_train("--nproc", "2", "--out", str(tmp_path))
     output = _finish(rerun)
     assert rerun.returncode == 0, output[-3000:]
@@ -195,7 +196,7 @@ def test_crash_without_restarts_is_one_line_per_rank_with_its_log(reference_run,
     configuration, model shapes; its optimizer state does not load): one line per failed rank
     with the exception and the path of that rank's full log, which holds the traceback."""
     state = snapshot.load(snapshot.snapshot_path(reference_run / "snapshots", 30))
-    state["optimizer"] = {"state": {}, "param_groups": []}
+    state["objects"]["optimizer"]["state"] = {"state": {}, "param_groups": []}
     bad = snapshot.save(tmp_path / "bad.pt", state)
     out = tmp_path / "run"
     proc = _nanoddp_train("--nproc", "2", "--max-restarts", "0", "--out", str(out), "--resume", str(bad))

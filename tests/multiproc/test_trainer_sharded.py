@@ -42,13 +42,14 @@ def _sharded_worker(env: DistEnv, tmp: str) -> dict:
 
 
 def _check_own_pieces_only(trainer: Trainer, directory: str, env: DistEnv) -> None:
-    """A sharded snapshot gathers nothing on rank 0: the snapshot holds no model or optimizer,
-    and each rank's file of its companion holds exactly this rank's pieces of the parameters."""
-    dist.barrier()  # rank 0 writes the snapshot after every rank's shard file
-    state = snapshot.load(snapshot.snapshot_path(directory, STOP))
-    assert state["model"] is None and state["optimizer"] is None
-    assert state["companion"]["objects"] == ["model", "optimizer"]
-    manifest = snapshot.companion_path(snapshot.snapshot_path(directory, STOP))
+    """A sharded snapshot gathers nothing on rank 0: its manifest holds no parameter and no
+    optimizer state tensor, and each rank's shard file holds exactly this rank's pieces."""
+    dist.barrier()  # rank 0 writes the manifest after every rank's shard file
+    manifest = snapshot.snapshot_path(directory, STOP)
+    saved = snapshot.load(manifest)["objects"]
+    assert (saved["model"]["kind"], saved["optimizer"]["kind"]) == ("sharded_module", "sharded_optim")
+    assert not set(saved["model"]["state"]["whole"]) & {name for name, _ in trainer.module.named_parameters()}
+    assert _tensors(saved["optimizer"]) == 0  # where each piece lies; the values are in the rank files
     (mine,) = manifest.parent.glob(f"{manifest.name}.*.rank{env.rank}-of-{env.world_size}")
     held = {k: v.numel() for k, v in snapshot.load(mine)["model"]["tensors"].items()}
     pieces = trainer.module.state_dict(keep_vars=True)  # the registered parameters: this rank's pieces
@@ -56,6 +57,14 @@ def _check_own_pieces_only(trainer: Trainer, directory: str, env: DistEnv) -> No
     assert held == {k: n for k, n in local.items() if k in held}  # this rank's piece of each, no more
     whole = sum(p.numel() for p in trainer.engine.state_dict().values())  # collective
     assert 0 < sum(held.values()) < whole  # a part of the model, not all of it
+
+
+def _tensors(value) -> int:
+    """How many tensors `value` holds, however deep."""
+    if torch.is_tensor(value):
+        return 1
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(_tensors(v) for v in items)
 
 
 def test_sharded_engines_match_one_process_and_resume_bitwise(tmp_path):
@@ -81,10 +90,12 @@ def _nanoddp_train(out, *flags: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(900)
 def test_cli_resumes_a_sharded_run_whose_snapshot_keeps_the_model_in_rank_files(tmp_path):
     """`nanoddp train` checks a snapshot against the model before any worker starts: for a sharded
-    run the shapes come from the companion's manifest (the snapshot itself holds no model)."""
+    run the shapes come from the manifest's layout (the model itself is in the rank files)."""
     first = _nanoddp_train(tmp_path, "--steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", 2))["model"] is None
+    assert (
+        snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", 2))["objects"]["model"]["kind"] == "sharded_module"
+    )
     again = _nanoddp_train(tmp_path, "--steps", "4", "--resume", "auto")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stderr and "step 2" in again.stderr

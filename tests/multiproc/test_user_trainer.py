@@ -125,7 +125,7 @@ def test_resume_with_an_fp16_grad_scaler_is_bitwise(tmp_path):
     straight = _fit("loss_fn", tmp_path / "straight", 8, amp="fp16", snapshot_every=4)
     _fit("loss_fn", tmp_path / "split", 4, amp="fp16", snapshot_every=4)
     first = snapshot.load(snapshot.snapshot_path(tmp_path / "split" / "snapshots", 4))
-    assert first["scaler"] is not None and first["scaler"]["scale"] > 1  # the scaler's state is saved
+    assert first["objects"]["scaler"]["state"]["scale"] > 1  # the scaler's state is saved
     resumed = _fit("loss_fn", tmp_path / "split", 8, amp="fp16", snapshot_every=4)
     assert resumed.resumed_from is not None
     for name, value in straight.module.state_dict().items():

@@ -54,7 +54,8 @@ def test_snapshot_of_another_model_shape_is_refused(tmp_path, capsys):
     ).train()
     path = snapshot.snapshot_path(tmp_path / "src" / "snapshots", 3)
     state = snapshot.load(path)
-    state["model"]["tok_emb.weight"] = state["model"]["tok_emb.weight"][:, :16]  # same config, other shapes
+    model = state["objects"]["model"]["state"]
+    model["tok_emb.weight"] = model["tok_emb.weight"][:, :16]  # same config, other shapes
     bad = snapshot.save(tmp_path / "other.pt", state)
     err = _refused(["--out", str(tmp_path / "run"), "--resume", str(bad)], capsys)
     assert f"snapshot {bad} does not fit this model (tok_emb.weight: (256, 16) vs (256, 32))" in err

@@ -73,7 +73,7 @@ def test_run_id_and_fingerprint_in_config_and_snapshots(tmp_path):
         {k: v for k, v in saved.items() if k not in ("run_id", "fingerprint")}
     )
     for _, path in snapshot.list_snapshots(tmp_path / "snapshots"):
-        state = snapshot.load(path)
+        state = snapshot.train_state(snapshot.load(path), path)
         assert state["run_id"] == trainer.run_id and state["fingerprint"] == saved["fingerprint"]
     resumed = Trainer.from_config(
         replace(SMALL, out=str(tmp_path), steps=5, resume="auto"), DistEnv.single_process("gloo")

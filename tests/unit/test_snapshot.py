@@ -81,54 +81,52 @@ def test_keep_last_k(tmp_path):
         snapshot.prune(tmp_path, keep=0)
 
 
-def _with_companion(directory, step: int, ranks: int = 2) -> list:
-    """A snapshot naming its companion manifest, which lists one shard file per rank (as the
-    Trainer writes them for a sharded engine); returns the shard files."""
+def _sharded(directory, step: int, ranks: int = 2) -> list:
+    """A sharded snapshot: a manifest listing one shard file per rank beside it (as a Trainer
+    on a sharded engine writes it through save_state); returns the shard files."""
     path = snapshot.snapshot_path(directory, step)
-    manifest = snapshot.companion_path(path)
-    shards = [manifest.with_name(f"{manifest.name}.abcd{step:04d}.rank{r}-of-{ranks}") for r in range(ranks)]
+    shards = [path.with_name(f"{path.name}.abcd{step:04d}.rank{r}-of-{ranks}") for r in range(ranks)]
     for r, shard in enumerate(shards):
         snapshot.save(shard, {"rank": r, "piece": torch.full((3,), float(step))})
     listed = [{"file": f.name, "sha256": snapshot.payload_digest(f)} for f in shards]
-    snapshot.save(manifest, {"format": "nanoddp.save_state/2", "shards": listed})
-    snapshot.save(path, {"step": step, "companion": {"file": manifest.name, "objects": ["model"]}})
+    snapshot.save(path, {"format": "nanoddp.save_state/2", "step": step, "shards": listed})
     return shards
 
 
-def test_a_snapshot_whose_companion_is_incomplete_is_skipped(tmp_path):
+def test_a_snapshot_whose_shard_files_are_incomplete_is_skipped(tmp_path):
     """Resume must not pick a snapshot whose per-rank shard files are missing or replaced: it
-    falls back to the newest snapshot whose companion is whole, naming what was wrong."""
-    _with_companion(tmp_path, 3)
-    newer = _with_companion(tmp_path, 6)
+    falls back to the newest snapshot whose shard files are all there, naming what was wrong."""
+    _sharded(tmp_path, 3)
+    newer = _sharded(tmp_path, 6)
     assert snapshot.find_latest_valid(tmp_path)[0].name == "step-00000006.pt"
     newer[1].unlink()
     skipped: list[str] = []
     assert snapshot.find_latest_valid(tmp_path, skipped)[0].name == "step-00000003.pt"
-    assert "step-00000006.shards.pt.abcd0006.rank1-of-2" in skipped[0]
+    assert "step-00000006.pt.abcd0006.rank1-of-2" in skipped[0]
     snapshot.save(newer[1], {"rank": 1, "piece": torch.zeros(3)})  # a valid file, but not the one listed
     skipped.clear()
     assert snapshot.find_latest_valid(tmp_path, skipped)[0].name == "step-00000003.pt"
     assert "is not the shard file" in skipped[0]
-    snapshot.companion_path(snapshot.snapshot_path(tmp_path, 6)).unlink()
+    snapshot.snapshot_path(tmp_path, 6).unlink()
     skipped.clear()
     assert snapshot.find_latest_valid(tmp_path, skipped)[0].name == "step-00000003.pt"
-    assert "cannot read snapshot" in skipped[0]
+    assert not skipped  # shard files with no manifest are no snapshot: nothing to skip
 
 
-def test_prune_takes_companions_with_their_snapshots(tmp_path):
-    """Pruning deletes a snapshot's companion manifest and shard files with it, and those of a
-    sharded save whose snapshot was never written (killed in between); a user's file stays."""
+def test_prune_takes_shard_files_with_their_snapshots(tmp_path):
+    """Pruning deletes a snapshot's shard files with it, and those of a sharded save whose
+    manifest was never written (killed in between); a user's file stays."""
     for step in (1, 2, 3):
-        _with_companion(tmp_path, step)
-    orphan = _with_companion(tmp_path, 4)
-    snapshot.snapshot_path(tmp_path, 4).unlink()  # killed after the shards, before the snapshot
+        _sharded(tmp_path, step)
+    orphan = _sharded(tmp_path, 4)
+    snapshot.snapshot_path(tmp_path, 4).unlink()  # killed after the shards, before the manifest
     (tmp_path / "step-00000001.pt.bak").write_text("the user's copy, left alone")
     snapshot.prune(tmp_path, keep=2)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted(
         ["step-00000001.pt.bak"]
-        + [f"step-0000000{s}.{suffix}" for s in (2, 3) for suffix in ("pt", "shards.pt")]
-        + [f"step-0000000{s}.shards.pt.abcd000{s}.rank{r}-of-2" for s in (2, 3) for r in (0, 1)]
+        + [f"step-0000000{s}.pt" for s in (2, 3)]
+        + [f"step-0000000{s}.pt.abcd000{s}.rank{r}-of-2" for s in (2, 3) for r in (0, 1)]
     )
     assert not any(p.exists() for p in orphan)
 

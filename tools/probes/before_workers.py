@@ -129,7 +129,7 @@ def worker_failure(ctx: Ctx) -> tuple[bool, str]:
     bad = ctx.dir / "bad.pt"
     code = (
         "import sys; from nanoddp.train.checkpoint import snapshot; s = snapshot.load(sys.argv[1]); "
-        "s['optimizer'] = {'state': {}, 'param_groups': []}; snapshot.save(sys.argv[2], s)"
+        "s['objects']['optimizer']['state'] = {'state': {}, 'param_groups': []}; snapshot.save(sys.argv[2], s)"
     )
     python_snippet(ctx, code, snap(source, 3), bad)
     out = ctx.dir / "run"

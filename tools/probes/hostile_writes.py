@@ -148,7 +148,7 @@ FINITE = """
 import sys, torch
 from nanoddp.train.checkpoint import snapshot
 paths = sys.argv[1:]
-states = [snapshot.load(p)["model"] if "step-" in p else torch.load(p) for p in paths]
+states = [snapshot.load(p)["objects"]["model"]["state"] if "step-" in p else torch.load(p) for p in paths]
 print(all(all(v.isfinite().all() for v in s.values()) for s in states))
 """
 

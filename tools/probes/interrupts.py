@@ -52,7 +52,7 @@ def interrupted_run(ctx: Ctx, sig: signal.Signals, group: bool = False) -> tuple
     if step is not None and snap(out, step).is_file():
         code = (
             "import sys; from nanoddp.train.checkpoint import snapshot; "
-            "print(snapshot.load(sys.argv[1]).get('interrupted'))"
+            "print(snapshot.train_state(snapshot.load(sys.argv[1]), sys.argv[1]).get('interrupted'))"
         )
         saved = python_snippet(ctx, code, snap(out, step)).strip()
     seen = {

@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.checkpoint.atomic import try_lock
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "metrics",
         "trace",
         "engine",
-        "zero",
         "compile",
         "grad_accum",
         "on_nan",
@@ -118,8 +118,13 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def check_resumable(state: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
-    """Raise ValueError if the snapshot `state` was written by a different run definition."""
-    differences = config_differences(state.get("config", {}), current)
+    """Raise ValueError if the snapshot `state` is not a Trainer snapshot or was written by a
+    different run definition."""
+    try:
+        saved = snapshot.train_state(state, path).get("config", {})
+    except snapshot.SnapshotError as exc:
+        raise ValueError(str(exc)) from None
+    differences = config_differences(saved, current)
     if differences:
         raise ValueError(
             f"snapshot {path} belongs to a different configuration ({'; '.join(differences)}); only "
@@ -160,8 +165,6 @@ def remove_if_empty(out: str | Path, also: frozenset[str] = frozenset()) -> bool
 
 
 def has_snapshots(out: str | Path) -> bool:
-    from nanoddp.train.checkpoint import snapshot
-
     return bool(snapshot.list_snapshots(Path(out) / "snapshots"))
 
 
@@ -173,8 +176,6 @@ def find_resume_snapshot(mode: str, out: str | Path, quiet: bool = False) -> tup
     an error, never a silent start from step 0. `never` returns None. A snapshot skipped on the
     way is one warning line each, unless `quiet` (the launcher: its workers decide again and say it).
     """
-    from nanoddp.train.checkpoint import snapshot
-
     if mode == "never":
         return None
     if mode == "auto":
@@ -191,7 +192,7 @@ def find_resume_snapshot(mode: str, out: str | Path, quiet: bool = False) -> tup
             logger.warning("skipping snapshot: %s", reason)
         return found
     try:
-        return path, snapshot.load(path)
+        return path, snapshot.load_checked(path)
     except snapshot.SnapshotError as exc:
         raise ValueError(f"--resume {mode}: {exc}") from None
 

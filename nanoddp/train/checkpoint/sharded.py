@@ -8,13 +8,16 @@ tensor (`pieces`), and each loading rank computes its own pieces from that.
 
 The kinds (decided alike on every rank, from the objects alone):
 - "sharded_module": a module with DTensor parameters (`fully_shard`, torch's or ours) or flat
-  units (`zero2`, today's flat `fully_shard`): sharded entries go to the rank files, the rest
+  units (`zero2`): sharded entries go to the rank files, the rest
   (buffers, unsharded parameters) whole into the manifest, from rank 0;
 - "sharded_optim": a plain torch optimizer over such parameters: its state tensors shaped
   like the parameter's piece are sharded entries; the rest (`step`, hyperparameters) stays in
   each rank's file. Flat pieces are recognised through the modules passed in the same call;
 - "zero1": our `ZeroRedundancyOptimizer`: its own `sharded_state_dict()` per rank; at another
   world size every rank glues all shards into the full state and `load_state_dict`s it.
+
+A whole state (a replicated engine's model or optimizer) loads into a sharded object as a
+one-rank save would: every rank cuts its own pieces from it (`whole_optimizer_layout`).
 
 Loading is two steps, `prepare` (read and compute, touching nothing) then `apply`, so that
 `user_state` can make every rank agree that all were prepared before any object changes.
@@ -198,13 +201,34 @@ def prepare(name: str, obj: Any, module: nn.Module | None, kind: str, layout: di
     if not isinstance(obj, torch.optim.Optimizer):
         raise ValueError(f"load_state: {name} was saved from a torch optimizer over sharded parameters; pass one")
     params = _params(obj)
-    rest = copy.deepcopy(reader.get(rank if same_size else 0)[name]["rest"])
+    rest = copy.deepcopy(layout["rest"] if "rest" in layout else reader.get(rank if same_size else 0)[name]["rest"])
     for (i, key), spec in layout["specs"].items():
         if i >= len(params):
             raise ValueError(f"load_state: {name} was saved with more parameters than it has ({len(params)})")
         where = f"{name}: parameter #{i} {key!r}"
-        rest["state"].setdefault(i, {})[key] = _load_piece(where, spec, params[i], read((i, key)), ctx)
+        reading = (lambda r, v=layout["whole"][(i, key)]: v) if "rest" in layout else read((i, key))
+        rest["state"].setdefault(i, {})[key] = _load_piece(where, spec, params[i], reading, ctx)
     return rest
+
+
+def whole_optimizer_layout(state_dict: dict[str, Any], obj: torch.optim.Optimizer, registry: Registry) -> dict:
+    """A whole optimizer state_dict (saved from a replicated model) as the layout of a sharded
+    optimizer: each state tensor shaped like its whole parameter is one piece holding all of
+    it, so every rank cuts its own piece, as from a one-rank save. `prepare` takes the rest
+    (`step`, hyperparameters) from the layout instead of a shard file."""
+    params = _params(obj)
+    rest: dict[str, Any] = {"state": {}, "param_groups": state_dict["param_groups"]}
+    specs, whole = {}, {}
+    for i, state in state_dict["state"].items():
+        shape = _piece_of(f"parameter #{i}", params[i], registry)[1] if i < len(params) else None
+        rest["state"][i] = {}
+        for key, value in state.items():
+            if shape is not None and torch.is_tensor(value) and tuple(value.shape) == shape and value.dim() > 0:
+                specs[(i, key)] = {"shape": shape, "dtype": value.dtype, "pieces": [pieces.whole_piece(shape)]}
+                whole[(i, key)] = value
+            else:
+                rest["state"][i][key] = value
+    return {"specs": specs, "whole": whole, "rest": rest}
 
 
 def _load_piece(where: str, spec: dict, target: torch.Tensor, read, ctx: dict) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Atomic, checksummed training snapshots, keep-last-K, and finding the newest valid one.
 
-A snapshot file is a short text header followed by a `torch.save` payload::
+Every file nanoddp saves state in (`save_state`'s manifest and shard files, a Trainer
+snapshot, which is a `save_state` file with fixed names) is a short text header followed by a
+`torch.save` payload::
 
     NANODDP-SNAPSHOT 1\\n
     <sha256 of payload> <payload length>\\n
@@ -10,7 +12,8 @@ Written by `atomic.atomic_write_bytes` (a fresh temp file, fsynced, renamed over
 so a reader sees either the old file or the complete new one, never half of one. The
 header lets `load` reject a truncated or corrupted file before unpickling anything, which is
 what lets `--resume auto` skip a bad snapshot (a job killed mid-write, a full disk) and fall
-back to the previous one instead of crashing or, worse, resuming from garbage.
+back to the previous one instead of crashing or, worse, resuming from garbage; a sharded
+snapshot whose shard files are not all there, or not the ones it lists, is skipped the same way.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"NANODDP-SNAPSHOT 1\n"
 SNAPSHOT_RE = re.compile(r"^step-(\d+)\.pt$")
-# a snapshot, its companion manifest, or one of the companion's shard files (`shard_files.shard_name`)
-STEP_FILE_RE = re.compile(r"^step-(\d+)\.(pt|shards\.pt|shards\.pt\.[0-9a-f]+\.rank\d+-of-\d+)$")
+# a snapshot, or one of the shard files its manifest lists (`shard_files.shard_name`)
+STEP_FILE_RE = re.compile(r"^step-(\d+)\.pt(\.[0-9a-f]+\.rank\d+-of-\d+)?$")
+TRAIN = "train"  # a Trainer snapshot's entry for the loop's own facts (step, epoch, config, ...)
 
 
 class SnapshotError(RuntimeError):
@@ -94,24 +98,22 @@ def payload_digest(path: str | Path) -> str:
     return line.split()[0].decode(errors="replace")
 
 
-def companion_path(path: str | Path) -> Path:
-    """`step-N.shards.pt` beside snapshot `step-N.pt`: the manifest of a sharded engine's model
-    and optimizer, whose shards every rank wrote to its own file (`train/checkpoint/companion.py`)."""
-    path = Path(path)
-    return path.with_name(f"{path.stem}.shards.pt")
+def check_shards(path: str | Path, state: Any) -> None:
+    """Raise SnapshotError unless every shard file the manifest `state` lists (a sharded
+    `save_state`: each rank's pieces in its own file beside it) is there and is the one it was
+    written with (its header's checksum), so that resume falls back to an older snapshot rather
+    than fail on a missing shard. Reads the shard files' headers only."""
+    for entry in state.get("shards", []) if isinstance(state, dict) else []:
+        shard = Path(path).with_name(entry["file"])
+        if payload_digest(shard) != entry["sha256"]:
+            raise SnapshotError(f"{shard} is not the shard file {path} lists")
 
 
-def check_companion(path: str | Path, state: dict[str, Any]) -> None:
-    """Raise SnapshotError unless the companion files snapshot `path` names are all there and
-    are the ones it was written with (manifest loads; each shard file's header checksum matches),
-    so that resume falls back to an older snapshot rather than fail on a missing shard."""
-    record = state.get("companion")
-    if record is None:
-        return
-    manifest = Path(path).with_name(record["file"])
-    for entry in load(manifest).get("shards", []):
-        if payload_digest(manifest.with_name(entry["file"])) != entry["sha256"]:
-            raise SnapshotError(f"{manifest.with_name(entry['file'])} is not the shard file {manifest} lists")
+def load_checked(path: str | Path) -> dict[str, Any]:
+    """`load`, and `check_shards`: a snapshot whose every file is there and intact."""
+    state = load(path)
+    check_shards(path, state)
+    return state
 
 
 def unpickling_reason(exc: BaseException) -> str:
@@ -139,9 +141,7 @@ def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -
     `skipped` when given (the caller reports it, e.g. inside its one error line), else logged."""
     for _, path in list_snapshots(directory):
         try:
-            state = load(path)
-            check_companion(path, state)
-            return path, state
+            return path, load_checked(path)
         except SnapshotError as exc:
             if skipped is None:
                 logger.warning("skipping snapshot: %s", exc)
@@ -152,8 +152,8 @@ def find_latest_valid(directory: str | Path, skipped: list[str] | None = None) -
 
 def prune(directory: str | Path, keep: int, protect: int | None = None) -> list[Path]:
     """Delete all but the newest `keep` snapshots and snapshot `protect` (the newest whose loss was
-    finite: newer ones may all hold a skipped, non-finite stretch), with their companion files
-    (and those of a sharded save whose snapshot was never written); return the deleted paths."""
+    finite: newer ones may all hold a skipped, non-finite stretch), with their shard files (and
+    those of a sharded save whose manifest was never written); return the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     directory = Path(directory)
@@ -169,6 +169,32 @@ def prune(directory: str | Path, keep: int, protect: int | None = None) -> list[
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+# --- what a Trainer snapshot holds, read from its manifest alone ------------------------------
+
+
+def train_state(state: Any, path: str | Path) -> dict[str, Any]:
+    """The loop's own facts in a Trainer snapshot (`nanoddp.Trainer._save_snapshot`): step, epoch,
+    config, run_id, fingerprint, world_size, interrupted, loss_finite. SnapshotError when `state`
+    (a loaded file) is not a Trainer snapshot."""
+    try:
+        return state["objects"][TRAIN]["state"]
+    except (KeyError, TypeError, IndexError):
+        raise SnapshotError(
+            f"{path} is not a Trainer snapshot (no {TRAIN!r} entry); resume from a step-<N>.pt the Trainer wrote"
+        ) from None
+
+
+def model_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The whole shape of every model tensor of a Trainer snapshot, with no shard file read: what
+    the launcher checks against the model a config builds before resuming."""
+    entry = state["objects"]["model"]
+    if entry["kind"] == "module":  # saved whole, from rank 0
+        return {key: tuple(value.shape) for key, value in entry["state"].items()}
+    layout = entry["state"]  # sharded: the manifest records each tensor's whole shape
+    shapes = {key: tuple(spec["shape"]) for key, spec in layout["specs"].items()}
+    return shapes | {key: tuple(value.shape) for key, value in layout["whole"].items()}
 
 
 # --- RNG state, in a form that torch.load(weights_only=True) accepts -----------------------

@@ -41,19 +41,20 @@ iterator at another point of that stream than the uninterrupted run did.
 
 The file is a `nanoddp.train.checkpoint.snapshot` file: written atomically with a checksum, so a job
 killed mid-write leaves the previous file intact, and `load_state(directory)` skips a newest
-file that does not load (damaged, truncated, or holding what weights_only refuses: files older
-versions wrote), logging one line each, for the newest one that does (a damaged shard file of
-a complete manifest is an error naming it: load an older step's file by name). Both functions
-are collective when a process group is initialised: call them on every rank with the same
-names; a refusal or a failed read or write on any rank is the same error on every rank. A
-sharded save holds the lock `.<name>.lock` beside the file while it writes: a second job saving
-to the same path at once is refused (`SaveInProgress`) instead of deleting the first's shard files.
+file that does not load (damaged, truncated, holding what weights_only refuses, or listing a
+shard file that is missing or not the one it was written with), logging one line each, for the
+newest one that does (a shard file damaged inside is an error naming it: load an older step's
+file by name). A `nanoddp.Trainer` snapshot is such a file, with fixed names (model, optimizer,
+scheduler, scaler, sampler, train), so `load_state(snapshot, model=m, optimizer=o)` reads one.
+Both functions are collective when a process group is initialised: call them on every rank
+with the same names; a refusal or a failed read or write on any rank is the same error on every
+rank. A sharded save holds the lock `.<name>.lock` beside the file while it writes: a second job
+saving to the same path at once is refused (`SaveInProgress`) instead of deleting the first's
+shard files.
 """
 
 from __future__ import annotations
 
-import collections
-import copy
 import logging
 import numbers
 from pathlib import Path
@@ -66,7 +67,7 @@ from torch.utils.data import DistributedSampler
 from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
-from nanoddp.train.checkpoint import shard_files, sharded, snapshot
+from nanoddp.train.checkpoint import loadable, shard_files, sharded, snapshot
 from nanoddp.train.checkpoint.shard_files import SAME_ON_EVERY_RANK
 from nanoddp.train.ranks import distributed
 
@@ -124,69 +125,6 @@ def _capture(obj: Any, kind: str, is_master: bool) -> Any:
     return obj
 
 
-# Types `torch.load(weights_only=True)` rebuilds (torch._weights_only_unpickler's allowlist).
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.device, torch.dtype)
-_CONTAINERS = (dict, collections.OrderedDict, collections.Counter, list, tuple, set)
-
-
-def _type_name(value: Any) -> str:
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _from_numpy(value: Any, where: str) -> Any:
-    """A numpy scalar as a Python number, an array as a tensor; other values unchanged."""
-    try:
-        import numpy as np
-    except ImportError:
-        return value
-    if isinstance(value, np.generic):
-        item = value.item()
-        if type(item) in _ATOMS:
-            return item
-        raise TypeError(
-            f"save_state: {where} is a {_type_name(value)}, which torch.load(weights_only=True) cannot "
-            "read back; store it as a number, a string or a tensor"
-        )
-    if isinstance(value, np.ndarray) and not isinstance(value, np.ma.MaskedArray):
-        try:
-            return torch.from_numpy(np.ascontiguousarray(value)).clone()
-        except TypeError:
-            raise TypeError(
-                f"save_state: {where} is a numpy array of dtype {value.dtype}, which has no tensor form and "
-                "torch.load(weights_only=True) cannot read back; store it as a list or a numeric array"
-            ) from None
-    return value
-
-
-def _loadable(value: Any, where: str) -> Any:
-    """`value` in a form `torch.load(weights_only=True)` reads back; TypeError naming `where` if
-    there is none. Returns `value` itself when nothing changed (keeps a state_dict's _metadata)."""
-    value = _from_numpy(value, where)
-    kind = type(value)
-    if kind in _ATOMS or kind in (torch.Tensor, torch.nn.Parameter):
-        return value
-    if kind in _CONTAINERS:
-        if isinstance(value, dict):
-            items = [(_loadable(k, f"{where} (a key)"), _loadable(v, f"{where}[{k!r}]")) for k, v in value.items()]
-            if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
-                return value
-            converted = copy.copy(value)  # same class and attributes (a state_dict's _metadata)
-            converted.clear()
-            converted.update(items)
-            return converted
-        where_item = (lambda i: f"{where} (an element)") if kind is set else (lambda i: f"{where}[{i}]")
-        items = [_loadable(v, where_item(i)) for i, v in enumerate(value)]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
-    if kind in torch.serialization.get_safe_globals():  # allowed by the user: their responsibility
-        return value
-    raise TypeError(
-        f"save_state: {where} is a {_type_name(value)}, which torch.load(weights_only=True) cannot read "
-        "back; store plain values (numbers, strings, tensors, lists and dicts of them) instead, or allow "
-        "the class with torch.serialization.add_safe_globals"
-    )
-
-
 def _names_directory(path: str | Path) -> bool:
     """A directory: one that exists, a path written with a trailing slash, or a new name with no suffix."""
     as_path = Path(path)
@@ -223,7 +161,7 @@ def save_state(path: str | Path, **objects: Any) -> Path:
 
 
 def save_objects(target: Path, objects: dict[str, Any]) -> Path:
-    """`save_state` into file `target`, without its log line (the Trainer's snapshot companions)."""
+    """`save_state` into file `target`, without its log line (the Trainer's snapshots)."""
     modules, registry, kinds = _classify(objects)
     shards = [name for name, kind in kinds.items() if kind in sharded.KINDS]
     token, lock_fd = shard_files.begin_save(target) if shards else ("", None)
@@ -274,7 +212,7 @@ def _write_manifest(target: Path, saved: dict, reports: list[Any], shards: list[
         saved[name] = {"kind": kinds[name], "state": layouts[name]}
     for name, entry in saved.items():
         where = name if entry["kind"] == "value" else f"{name} (its state_dict)"
-        entry["state"] = _loadable(entry["state"], where)
+        entry["state"] = loadable.convert(entry["state"], where)
     state: dict[str, Any] = {
         "format": FORMAT,
         "objects": saved,
@@ -312,7 +250,7 @@ def _save_own_shard(target, token, shards, objects, modules, kinds, registry):
             part[name], found[name], layouts[name] = sharded.capture(
                 name, objects[name], modules.get(name), kinds[name], registry, _rank() == 0
             )
-            part[name] = _loadable(part[name], f"{name} (its shard)")
+            part[name] = loadable.convert(part[name], f"{name} (its shard)")
         path = target.parent / shard_files.shard_name(target, token, _rank(), _world_size())
         digest = shard_files.write_shard(path, part)
         return path, layouts, {"file": path.name, "sha256": digest, "pieces": found}
@@ -364,9 +302,9 @@ def _restore(obj: Any, entry: dict[str, Any]) -> Any:
     return obj
 
 
-def _read(path: str | Path, objects: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
-    """The file to load and its state, checked against the names asked for."""
-    resolved = _resolve(path)
+def _read(path: str | Path, objects: dict[str, Any], manifest: dict | None) -> tuple[Path, dict[str, Any]] | None:
+    """The file to load and its state (`manifest`: already read), checked against the names asked for."""
+    resolved = _resolve(path) if manifest is None else (Path(path), manifest)
     if resolved is None:
         return None
     file, state = resolved
@@ -392,12 +330,15 @@ def load_state(path: str | Path, **objects: Any) -> dict[str, Any] | None:
     return load_objects(path, objects)
 
 
-def load_objects(path: str | Path, objects: dict[str, Any], restore_rng: bool = True) -> dict[str, Any] | None:
-    """`load_state`; `restore_rng=False` also leaves every RNG as it is and the load unlogged
-    (the Trainer's snapshot companions: the snapshot restores the streams and says it resumed)."""
+def load_objects(
+    path: str | Path, objects: dict[str, Any], restore_rng: bool = True, manifest: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """`load_state`; `restore_rng=False` also leaves every RNG as it is and the load unlogged (the
+    Trainer restores the streams itself, re-seeding them at another world size, and says it
+    resumed); `manifest`: the file `path`'s state, when the caller has read it already."""
     found, error = None, None
     try:
-        found = _read(path, objects)
+        found = _read(path, objects, manifest)
     except Exception as exc:  # e.g. a file one rank can't read: every rank raises, none waits
         error = exc
     shard_files.agree(error)
@@ -409,9 +350,12 @@ def load_objects(path: str | Path, objects: dict[str, Any], restore_rng: bool = 
     result = {name: entry["state"] for name, entry in saved.items() if entry["kind"] == "value"}
     modules, registry, kinds = _classify(objects)
     entries = {name: saved[name] for name in objects}
-    for name, entry in entries.items():  # a whole state into a sharded module: each rank cuts its pieces
+    for name, entry in entries.items():  # a whole state into a sharded object: each rank cuts its pieces
         if entry["kind"] == "module" and kinds[name] == "sharded_module":
             entries[name] = {"kind": "sharded_module", "state": {"specs": {}, "whole": entry["state"]}}
+        elif entry["kind"] == "stateful" and kinds[name] == "sharded_optim":
+            layout = sharded.whole_optimizer_layout(entry["state"], objects[name], registry)
+            entries[name] = {"kind": "sharded_optim", "state": layout}
     shards = [name for name, entry in entries.items() if entry["kind"] in sharded.KINDS]
     prepared = {}
     if shards:  # read and compute every piece first: nothing changes unless every rank can load

@@ -111,7 +111,8 @@ def newest_snapshot(out: str | Path) -> tuple[int | None, bool]:
     found = snapshot.find_latest_valid(Path(out) / "snapshots")
     if found is None:
         return None, False
-    return int(found[1]["step"]), bool(found[1].get("interrupted"))
+    train = snapshot.train_state(found[1], found[0])
+    return int(train["step"]), bool(train.get("interrupted"))
 
 
 class _TorchrunNoise(logging.Filter):

@@ -45,7 +45,7 @@ from nanoddp.dataclass_cli import (
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import atomic, rundir
-from nanoddp.train.config import TrainConfig, filled, resolve_deprecated, validate
+from nanoddp.train.config import TrainConfig, filled, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
 from nanoddp.train.launcher import agent, preflight
@@ -105,7 +105,7 @@ def _load_config(args: argparse.Namespace) -> TrainConfig:
     else:  # Python 3.10
         import tomli as tomllib
     try:
-        return resolve_deprecated(config_from_args(TrainConfig, args, args.config))
+        return config_from_args(TrainConfig, args, args.config)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"config file {args.config!r} is not valid {Path(args.config).suffix[1:]}: {exc}") from None
 
@@ -323,10 +323,8 @@ def _worker_entry(argv: list[str] | None = None) -> int:
 
 
 def _worker_config(args: argparse.Namespace) -> TrainConfig:
-    """A worker's config. Deprecated keys are resolved as the launcher resolves them; the warning
-    comes from rank 0 only, and not at all under our launcher (which said it already)."""
-    quiet = agent.AGENT_PID_VAR in os.environ or os.environ.get("RANK", "0") != "0"
-    return resolve_deprecated(config_from_args(TrainConfig, args, args.config), warn=not quiet)
+    """A worker's config: defaults, --config FILE and flags, as the launcher reads them."""
+    return config_from_args(TrainConfig, args, args.config)
 
 
 # --- sample -------------------------------------------------------------------------------
@@ -335,7 +333,7 @@ def _worker_config(args: argparse.Namespace) -> TrainConfig:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from nanoddp.train.checkpoint import companion, snapshot
+    from nanoddp.train.checkpoint import snapshot, user_state
     from nanoddp.train.config import build_model
     from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
 
@@ -358,17 +356,13 @@ def run_sample(args: argparse.Namespace) -> int:
     encode, decode = _text_codec(config.model)
     model = build_model(config, DataSpec("lm", BYTE_VOCAB))
     if (run_dir / "model.pt").is_file():
-        state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
     else:
         found = snapshot.find_latest_valid(run_dir / "snapshots")
         if found is None:
             raise FileNotFoundError(f"no model.pt and no valid snapshot in {run_dir}")
-        path, saved = found
-        state = saved["model"]
-        if state is None:  # a sharded run: the model is in the snapshot's per-rank files
-            companion.load(path, saved["companion"], model, None)
-            state = model.state_dict()
-    model.load_state_dict(state)
+        # a sharded run's model is in per-rank files: this one process reads every piece
+        user_state.load_objects(found[0], {"model": model}, restore_rng=False, manifest=found[1])
     model.eval()
     prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
     generator = torch.Generator().manual_seed(args.seed)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanoddp.dataclass_cli import to_dict
-from nanoddp.train.checkpoint import atomic, companion, rundir
+from nanoddp.train.checkpoint import atomic, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, filled
 from nanoddp.train.data.datasets import DataSpec
 
@@ -42,10 +42,7 @@ def check_out_dir(out: str | Path) -> None:
 
 def check_shapes(state: dict[str, Any], model: torch.nn.Module, path: str | Path) -> None:
     """The snapshot's model tensors must match the model the config builds, name for name."""
-    if state.get("model") is None and state.get("companion"):  # a sharded run's: per-rank files
-        saved = companion.model_shapes(Path(path), state["companion"])
-    else:
-        saved = {name: tuple(t.shape) for name, t in state.get("model", {}).items()}
+    saved = snapshot.model_shapes(state)  # a sharded run's from its manifest, no shard file read
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     problems = [f"{n}: missing" for n in sorted(set(wanted) - set(saved))]
     problems += [f"{n}: unexpected" for n in sorted(set(saved) - set(wanted))]
@@ -73,4 +70,4 @@ def prepare_run_dir(config: TrainConfig, spec: DataSpec, overwrite: bool) -> str
         return f"{note}{fresh}"
     path, state = found
     check_shapes(state, build_model(config, spec), path)
-    return f"{note}resuming from {path} (step {state['step']})"
+    return f"{note}resuming from {path} (step {snapshot.train_state(state, path)['step']})"
