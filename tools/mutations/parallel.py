@@ -78,9 +78,9 @@ FAULTS = (
     ),
     Mutation(
         "fsdp: every rank takes the first rows",
-        "nanoddp/parallel/fsdp/param.py",
-        "start = min(mesh.shard_rank * self.rows, self.shape[0])",
-        "start = 0",
+        "nanoddp/parallel/fsdp/state_dict.py",
+        "            block = block.narrow(dim, start, length)\n",
+        "            block = block.narrow(dim, 0, length)\n",
         ("tests/multiproc/test_fsdp2_parity.py", "-k", "2"),
     ),
     Mutation(
@@ -100,8 +100,8 @@ FAULTS = (
     Mutation(
         "fsdp optimizer state: every rank takes the first rows",
         "nanoddp/parallel/fsdp/state_dict.py",
-        "[offset[0] : offset[0] + local_shape[0]]",
-        "[0 : local_shape[0]]",
+        "    local = rows_of_whole(value.to(like.device), like.device_mesh, like.placements).to(like.dtype).clone()",
+        "    local = value.to(like.device)[: like.to_local().shape[0]].to(like.dtype).clone()",
         ("tests/multiproc/test_reshard.py", "-k", "another_world_size"),
     ),
     Mutation(

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nanoddp.parallel.fsdp.state_dict import local_block, rows_of_whole
 
 aten = torch.ops.aten
 
@@ -62,13 +63,13 @@ def fill_whole_then_keep_rows(
     if not _whole_draw_applies(target):
         return _torch_path(op_call, args, kwargs)
     local = target._local_tensor
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    if tuple(shape) != tuple(local.shape):  # a layout torch's chunking does not describe
+    mesh, placements = target.device_mesh, target.placements
+    size, _ = local_block(target.shape, mesh, placements)
+    if size != tuple(local.shape):  # a layout torch's chunking does not describe
         return _torch_path(op_call, args, kwargs)
     full = torch.empty(target.shape, dtype=local.dtype, device=local.device)  # (*global shape)
     op_call(full, *args[1:], **kwargs)  # the same generator state on every rank: the same full tensor
-    rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    local.copy_(full[rows])  # (*local shape)
+    local.copy_(rows_of_whole(full, mesh, placements))  # (*local shape)
     return target
 
 

@@ -24,9 +24,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from nanoddp.parallel.fsdp.state import ModuleState, post_forward, pre_forward
+from nanoddp.parallel.fsdp.state_dict import full_state, load_full_state
 
 # A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
 # a plain class at runtime (the module's class comes after it in the MRO).
@@ -185,32 +186,11 @@ class FSDPModule(TorchFSDPModule, _ModuleBase):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """`state_dict()` with every DTensor whole, as CPU tensors. Collective: all ranks call it."""
-        return {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
-            for k, v in self.state_dict().items()
-        }
+        return full_state(self)
 
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (saved at any world size): each rank copies in its own rows."""
-        own = self.state_dict(keep_vars=True)
-        if set(state) != set(own):
-            missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-            raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
-        for name, target in own.items():
-            value = state[name]
-            if value.shape != target.shape:
-                got, want = tuple(value.shape), tuple(target.shape)
-                raise ValueError(f"{name}: state dict has shape {got}, the parameter {want}")
-            if isinstance(target, DTensor):
-                local, mesh = target._local_tensor, target.device_mesh
-                shard = target.placements[-1]
-                dim = shard.dim if isinstance(shard, Shard) else 0
-                rows = -(-target.shape[dim] // mesh.size(mesh.ndim - 1))
-                start = min(rows * mesh.get_local_rank(mesh.ndim - 1), target.shape[dim])
-                local.copy_(value.narrow(dim, start, local.shape[dim]))
-            else:
-                target.copy_(value)
+        load_full_state(self, state)
 
     def sharded_bytes(self) -> dict[str, int]:
         """Parameter and gradient bytes this rank holds now, over this module's tree."""

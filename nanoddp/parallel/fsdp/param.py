@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from nanoddp.parallel.fsdp.mesh import MeshInfo
+from nanoddp.parallel.fsdp.state_dict import rows_of_whole
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -85,16 +86,16 @@ class ShardedParam:
         self.rows = -(-self.shape[self.dim] // mesh.shard_size)  # ceil(size / ws) slices along dim
         self.row_numel = math.prod(s for i, s in enumerate(self.shape) if i != self.dim)  # numel of one slice
         self.padded_numel = self.rows * self.row_numel  # this rank's part in the collectives
-        # dim 0 may be uneven: the last ranks hold fewer rows, or none
-        start = min(mesh.shard_rank * self.rows, self.shape[0]) if self.dim == 0 else mesh.shard_rank * self.rows
-        self.local_rows = min(self.rows, self.shape[self.dim] - start)
-        self.local_shape = torch.Size([*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :]])
-        # (local_rows, *shape[1:]) for dim 0; a contiguous copy of the chunk for another dim
-        local = param.detach().narrow(self.dim, start, self.local_rows).clone(memory_format=torch.contiguous_format)
+        placements = mesh.placements_for(shard)
+        # (local_rows, *shape[1:]) for dim 0, where the last ranks may hold fewer rows or none;
+        # a contiguous copy of the chunk for another dim
+        local = rows_of_whole(param.detach(), mesh.mesh, placements).clone(memory_format=torch.contiguous_format)
+        self.local_shape = local.shape
+        self.local_rows = local.shape[self.dim]
         dtensor = DTensor.from_local(
             local,
             mesh.mesh,
-            mesh.placements_for(shard),
+            placements,
             run_check=False,
             shape=self.shape,
             stride=_contiguous_stride(self.shape),

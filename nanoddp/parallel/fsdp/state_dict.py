@@ -1,11 +1,20 @@
-"""Whole tensors in and out of DTensor-sharded models and their optimizers (FSDP, ours or torch's).
+"""Whole <-> sharded: the one conversion between whole tensors and a rank's part of them.
 
-Why: the Trainer's snapshots and model.pt hold whole tensors, so that any world size (or a
-plain model) can load them, while an FSDP model's parameters and its optimizer's state are
-DTensors holding this rank's rows (Shard(0), cut as `torch.chunk` cuts). Three moves:
+Why one: snapshots, `model.pt` and `full_state_dict()` hold whole tensors, so that any world
+size (or a plain model) can load them, while a sharded model holds only this rank's part. Two
+cuts exist, and each is computed here and nowhere else:
 
-- `full_state(module)`: every DTensor whole (collective);
-- `load_full_state(module, state)`: whole tensors in, each rank keeps its rows (no comm);
+- rows (FSDP, ours or torch's): a DTensor placed `Shard(d)` (on a 1-D mesh, or the shard dim
+  of an HSDP mesh) holds the block torch's `DTensor` layout gives this rank, `torch.chunk`'s cut
+  along d: `local_block` says where it is, `rows_of_whole` cuts it out of a whole tensor;
+- pieces (ZeRO-2): a flat unit's piece is the element range [start, stop) of the flattened
+  parameter (`FlatPiece`, from the unit's layout); `piece_of_whole` cuts it out.
+
+The moves built on them:
+
+- `full_state(module)`: every DTensor whole (collective; the inverse of the cuts for rows;
+  ZeRO-2 gathers its flat units itself and passes the whole values in);
+- `load_full_state(module, state)`: whole tensors in, each rank keeps its part (no comm);
 - `shard_optimizer_state(optimizer)`: after loading whole optimizer state (saved at any world
   size) into an optimizer over DTensor parameters, every state tensor shaped like its whole
   parameter becomes a DTensor of this rank's rows; `rebind_optimizer` first moves an optimizer
@@ -14,47 +23,99 @@ DTensors holding this rank's rows (Shard(0), cut as `torch.chunk` cuts). Three m
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
-def _whole(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+class FlatPiece(NamedTuple):
+    """A ZeRO-2 piece: elements [start, stop) of the flattened whole tensor of `shape`."""
+
+    shape: torch.Size
+    start: int
+    stop: int
 
 
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with every DTensor whole, as CPU copies. Collective."""
-    return {k: _whole(v).detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+def local_block(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(size, offset) of this rank's block of a tensor of global `shape` placed on `mesh`.
+
+    [Note: torch's cut] The block is what torch's DTensor gives this rank (`torch.chunk` along
+    each sharded dim: ceil(size / n) slices per rank, the last ranks fewer or none), so our
+    shards, torch's FSDP2 and `torch.distributed.checkpoint` agree on who holds which rows."""
+    size, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(size), tuple(offset)
+
+
+def rows_of_whole(whole: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's block of `whole` (the global tensor) as a view: `narrow` along every cut dim."""
+    size, offset = local_block(whole.shape, mesh, placements)
+    block = whole
+    for dim, (length, start) in enumerate(zip(size, offset, strict=True)):
+        if length != whole.shape[dim]:
+            block = block.narrow(dim, start, length)
+    return block
+
+
+def piece_of_whole(whole: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+    """This rank's ZeRO-2 piece of `whole`: a view of its elements [start, stop), (piece numel,)."""
+    return whole.reshape(-1)[piece.start : piece.stop]
 
 
 def rows_of(value: torch.Tensor, like: DTensor) -> DTensor:
     """`value` (whole, `like`'s global shape) cut to this rank's part, as a DTensor like `like`."""
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(f"whole tensor {tuple(value.shape)} does not match the sharded one {tuple(like.shape)}")
-    local_shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    local = value.to(like.device)[offset[0] : offset[0] + local_shape[0]].to(like.dtype).clone()
+    local = rows_of_whole(value.to(like.device), like.device_mesh, like.placements).to(like.dtype).clone()
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
 
 
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state(module: nn.Module, wholes: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every sharded entry whole, as CPU copies. Collective.
+
+    A DTensor is gathered (`full_tensor()`); a ZeRO-2 piece is looked up in `wholes`
+    (id(piece) -> its whole tensor, which the flat units gathered)."""
+    wholes = wholes or {}
+    out = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        whole = wholes[id(value)] if id(value) in wholes else _whole(value.detach())
+        out[name] = whole.detach().to("cpu", copy=True)
+    return out
+
+
 @torch.no_grad()
-def load_full_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors (saved at any world size, or by a plain model): each rank copies its rows."""
+def load_full_state(
+    module: nn.Module, state: Mapping[str, torch.Tensor], pieces: Mapping[int, FlatPiece] | None = None
+) -> None:
+    """Load whole tensors (saved at any world size, or by a plain model): each rank copies its
+    part in, no communication. A DTensor takes its rows; a ZeRO-2 piece (id(piece) -> its
+    `FlatPiece` in `pieces`) its element range; anything else the whole value."""
+    pieces = pieces or {}
     own = module.state_dict(keep_vars=True)
     if set(state) != set(own):
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
     for name, target in own.items():
-        value = state[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, the model {tuple(target.shape)}")
+        value, piece = state[name], pieces.get(id(target))
+        shape = piece.shape if piece is not None else target.shape
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, the model {tuple(shape)}")
         if isinstance(target, DTensor):
-            target.to_local().copy_(rows_of(value, target).to_local())
+            target.to_local().copy_(rows_of_whole(value, target.device_mesh, target.placements))
+        elif piece is not None:
+            target.copy_(piece_of_whole(value, piece))
         else:
             target.copy_(value)
 

@@ -5,7 +5,8 @@ units (nanoddp.parallel.zero.flat). The user-facing methods that follow from tha
 (gradient accumulation, whole-tensor state dicts, memory accounting) live here, apart from how
 the units are cut and reduced, so another flat kind would only say which units it has and how
 its gradient reduction is switched off. (FSDP, `fully_shard`, shards DTensor rows instead:
-`parallel.fsdp.module.FSDPModule` has the same methods for it.)
+`parallel.fsdp.module.FSDPModule` has the same methods for it.) Whole tensors go in and out
+through the one conversion, `parallel.fsdp.state_dict`, which cuts a piece as it cuts rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from nanoddp.parallel.fsdp.state_dict import FlatPiece, full_state, load_full_state, piece_of_whole
 from nanoddp.parallel.zero.flat import FlatParamUnit
 
 # A mixin for nn.Module subclasses only: type-checked as one (its methods use the module's own),
@@ -96,8 +98,8 @@ def install_whole_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> N
         for name, (unit, i) in _piece_names(mod, units).items():
             value = state.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.shape == unit.shapes[i]:
-                piece = unit.pieces[i]
-                state[prefix + name] = value.reshape(-1)[piece.start : piece.stop]  # (piece numel,)
+                piece = FlatPiece(unit.shapes[i], unit.pieces[i].start, unit.pieces[i].stop)
+                state[prefix + name] = piece_of_whole(value, piece)  # (piece numel,)
 
     module.register_state_dict_post_hook(whole_entries)
     module.register_load_state_dict_pre_hook(take_pieces)
@@ -114,35 +116,23 @@ def _piece_names(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, tup
     return {name: where[id(p)] for name, p in named if id(p) in where}
 
 
-def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with every sharded parameter whole (CPU copies). Collective."""
-    full = {}
-    for unit in units:
-        for p, value in zip(unit.params, unit.full_tensors(), strict=True):
-            full[id(p)] = value
-    own = module.state_dict(keep_vars=True)  # the pieces themselves
-    return {name: full[id(v)] if id(v) in full else v.detach().to("cpu", copy=True) for name, v in own.items()}
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, units: list[FlatParamUnit], state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors (from `full_state_dict` or a plain model, at any world size): each
-    rank keeps its pieces. No communication; the next forward gathers the new values."""
-    own = module.state_dict(keep_vars=True)  # the pieces themselves
-    if set(state) != set(own):
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        raise ValueError(f"state dict keys differ from the module's: missing {missing}, unexpected {unexpected}")
-    pieces = {
-        id(p): (piece, shape)
+def flat_pieces(units: list[FlatParamUnit]) -> dict[int, FlatPiece]:
+    """id(registered piece) -> which elements of its whole parameter it holds: what a
+    whole <-> piece conversion (`load_full_state`, a sharded checkpoint) needs to know."""
+    return {
+        id(p): FlatPiece(shape, piece.start, piece.stop)
         for unit in units
         for p, piece, shape in zip(unit.params, unit.pieces, unit.shapes, strict=True)
     }
-    for name, target in own.items():
-        value = state[name]
-        if id(target) in pieces:
-            piece, shape = pieces[id(target)]
-            if value.shape != shape:
-                raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
-            target.copy_(value.reshape(-1)[piece.start : piece.stop].to(target.device))  # (piece numel,)
-        else:
-            target.copy_(value)
+
+
+def full_state_dict(module: nn.Module, units: list[FlatParamUnit]) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every sharded parameter whole (CPU copies). Collective."""
+    wholes = {id(p): value for unit in units for p, value in zip(unit.params, unit.full_tensors(), strict=True)}
+    return full_state(module, wholes)
+
+
+def load_full_state_dict(module: nn.Module, units: list[FlatParamUnit], state: dict[str, torch.Tensor]) -> None:
+    """Load whole tensors (from `full_state_dict` or a plain model, at any world size): each
+    rank keeps its pieces. No communication; the next forward gathers the new values."""
+    load_full_state(module, state, flat_pieces(units))
