@@ -1,9 +1,11 @@
-"""Teaching strategies: gradient synchronisation written out by hand, as the seeds do it.
+"""Teaching strategies: gradient synchronisation written out by hand. Read this file first.
 
-These run *after* `loss.backward()` has finished, so communication never overlaps compute;
-that is exactly the cost `nanoddp.DistributedDataParallel` removes. They are kept small and
-readable on purpose, and they are correct: a ws-N run with per-rank batch B matches a single
-process with batch N*B.
+Data parallelism in one file, before `ddp/` (the engine) and `zero/`/`fsdp/` (sharding): every
+rank holds the whole model, runs its own batch, and the ranks average their gradients so every
+replica takes the same step. These strategies run *after* `loss.backward()` has finished, so
+communication never overlaps compute; that is exactly the cost `nanoddp.DistributedDataParallel`
+removes. They are kept small and readable on purpose, and they are correct: a ws-N run with
+per-rank batch B matches a single process with batch N*B.
 
 - `allreduce_gradients`: one all-reduce per parameter, then divide by the world size.
 - `reduce_scatter_all_gather_gradients`: one flat tensor; reduce-scatter gives each rank the
@@ -36,6 +38,15 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _sum_to_mean(summed: torch.Tensor, world_size: int) -> None:
+    """The ranks' summed gradients into their mean, in place: how both strategies average.
+
+    [Note: after the sum] Sum first, then divide: the order a reader writes by hand. torch's
+    DDP divides before the sum instead (nanoddp.parallel.ddp.average), which rounds differently
+    when the world size is not a power of two; both are the mean within float rounding."""
+    summed.div_(world_size)
+
+
 @torch.no_grad()
 def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str = DEFAULT_COMM_BACKEND) -> None:
     """Average every parameter's gradient over the ranks of `group`, one all-reduce each."""
@@ -47,7 +58,7 @@ def allreduce_gradients(model: nn.Module, group: Any = None, comm_backend: str =
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         collectives.all_reduce(param.grad, group=group)
-        param.grad.div_(world_size)
+        _sum_to_mean(param.grad, world_size)
 
 
 @torch.no_grad()
@@ -69,7 +80,7 @@ def reduce_scatter_all_gather_gradients(
         flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_zeros(padding)])  # (ws*S,)
         shard = flat.new_empty(flat.numel() // world_size)  # (S,)
         collectives.reduce_scatter_tensor(shard, flat, group=group)  # shard = sum over ranks
-        shard.div_(world_size)
+        _sum_to_mean(shard, world_size)
         collectives.all_gather_into_tensor(flat, shard, group=group)  # every shard, everywhere
         offset = 0
         for param in params:

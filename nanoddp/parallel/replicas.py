@@ -1,4 +1,4 @@
-"""Keeping replicas identical: check their structure, copy rank 0's state, compare values.
+"""Keeping replicas identical: check their structure, copy rank 0's weights, compare values.
 
 Data parallelism is only correct if every rank starts from the same model. Two failure modes
 are common and silent: a different architecture on some rank (a config typo) and the same
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,23 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], collectives: Collective
         for t in same_kind:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+@torch.no_grad()
+def broadcast_rank0_weights(
+    weights: nn.Module | Iterable[torch.Tensor], collectives: Collectives | None = None, group=None
+) -> None:
+    """Overwrite every rank's weights with those of rank 0 of `group` (the default group if None).
+
+    `weights` is a module (all its parameters and buffers: what an engine syncs before it
+    shards or trains) or the tensors to sync (DDP leaves out what the user told it to ignore;
+    its delayed parameters and its per-forward buffer sync pass theirs).
+    [Note: why sync at all] Seeding makes replicas equal only if every rank builds the model
+    the same way; one broadcast makes it so whatever happened before, one message per dtype."""
+    if isinstance(weights, nn.Module):
+        weights = [*weights.parameters(), *weights.buffers()]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    broadcast_coalesced([t.detach() for t in weights], collectives or collectives_for(), group, src)
 
 
 @torch.no_grad()

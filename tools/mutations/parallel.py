@@ -7,9 +7,9 @@ from mutations.fault import Mutation
 FAULTS = (
     Mutation(
         "bucket averaging: DDP sums instead of averaging",
-        "nanoddp/parallel/ddp/reducer.py",
-        "bucket.buffer.mul_(1.0 / self.divisor)",  # the default path (gradients copied into buckets)
-        "pass",
+        "nanoddp/parallel/ddp/average.py",
+        "        return tensor.mul_(1.0 / divisor)\n",  # the default path (gradients copied into buckets)
+        "        return tensor\n",
         ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
     ),
     Mutation(
@@ -58,8 +58,8 @@ FAULTS = (
     Mutation(
         "fsdp: gradients summed instead of averaged",
         "nanoddp/parallel/fsdp/unit.py",
-        "op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM",
-        "op = dist.ReduceOp.SUM",
+        "    return dist.ReduceOp.AVG if divide_factor is None else dist.ReduceOp.SUM",
+        "    return dist.ReduceOp.SUM",
         ("tests/multiproc/test_fsdp2_parity.py", "-k", "2"),
     ),
     Mutation(
@@ -72,7 +72,7 @@ FAULTS = (
     Mutation(
         "HSDP: no all-reduce across replicas",
         "nanoddp/parallel/fsdp/unit.py",
-        "            self.comm.all_reduce(output, op=op, group=replicas)",
+        "            self.comm.all_reduce(output, op=gradient_reduce_op(self.divide_factor), group=replicas)",
         "            pass",
         ("tests/multiproc/test_fsdp2_hsdp.py",),
     ),

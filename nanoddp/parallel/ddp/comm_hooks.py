@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import GradBucket
 from nanoddp.parallel.ddp.sparse import sparse_all_reduce
 
@@ -79,7 +80,7 @@ def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
     """Average the bucket over ranks: divide by the world size, then all-reduce (SUM) in place."""
     collectives, group = _collectives_and_group(process_group, bucket)
     tensor = bucket.buffer()  # (N,), or the sparse gradient of a sparse bucket
-    tensor.div_(dist.get_world_size(group))
+    divide_for_average(tensor, dist.get_world_size(group))
     if tensor.is_sparse:
         return sparse_all_reduce(tensor, collectives, group)
     work = collectives.all_reduce(tensor, group=group, async_op=True)
@@ -89,7 +90,7 @@ def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
 def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
     collectives, group = _collectives_and_group(process_group, bucket)
     buffer = bucket.buffer()  # (N,) in the gradients' dtype
-    compressed = buffer.to(dtype).div_(dist.get_world_size(group))  # (N,) 16-bit: what goes on the wire
+    compressed = divide_for_average(buffer.to(dtype), dist.get_world_size(group))  # (N,) 16-bit, on the wire
     if buffer.is_sparse:
         return sparse_all_reduce(compressed, collectives, group).then(lambda fut: fut.value().to(buffer.dtype))
     work = collectives.all_reduce(compressed, group=group, async_op=True)

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from nanoddp.comm.backend import Collectives
-from nanoddp.parallel.replicas import broadcast_coalesced
+from nanoddp.parallel.ddp.average import divide_for_average
+from nanoddp.parallel.replicas import broadcast_rank0_weights
 
 
 def check_delayed_args(module: nn.Module, named_params: Any, hook_param: Any) -> list[tuple[str, nn.Parameter]]:
@@ -92,7 +93,6 @@ class DelayedAllReduce:
         collectives: Collectives,
         group: Any,
         world_size: int,
-        src: int,
         broadcast: bool = True,
     ):
         self.names = {name for name, _ in named_params}
@@ -106,7 +106,7 @@ class DelayedAllReduce:
             offset += p.numel()
         self._handle = None
         if broadcast:  # at construction; not after unpickling (the parameters are what was saved)
-            broadcast_coalesced([p.detach() for p in self.params], collectives, group, src)
+            broadcast_rank0_weights(self.params, collectives, group)
         handle = hook_param.register_hook(functools.partial(_hook_trampoline, weakref.ref(self)))
         weakref.finalize(self, handle.remove)
 
@@ -128,7 +128,7 @@ class DelayedAllReduce:
         """From the hook: average as we sum, start the all-reduce, and wait for it once the
         outermost backward ends (an engine callback), before `backward()` returns."""
         self.wait()  # a second firing in one backward (reentrant checkpointing): keep order
-        self.buffer.div_(self._world_size)
+        divide_for_average(self.buffer, self._world_size)
         self._handle = self._collectives.all_reduce(self.buffer, group=self._group, async_op=True)
         torch.autograd.Variable._execution_engine.queue_callback(self.wait)
 

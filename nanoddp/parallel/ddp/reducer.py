@@ -21,6 +21,7 @@ import torch
 
 from nanoddp.comm.backend import Collectives
 from nanoddp.parallel.ddp import buckets as bucketing
+from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
 from nanoddp.parallel.ddp.comm_hooks import check_comm_hook
 from nanoddp.parallel.ddp.sparse import empty_sparse_like, sparse_all_reduce
@@ -242,7 +243,7 @@ class Reducer:
                 "gradient there (as torch's does): build the module with sparse=False to reduce it densely"
             )
         if self.comm_hook is None:
-            grad.div_(self.divisor)
+            divide_for_average(grad, self.divisor)
         bucket.buffer = grad
 
     def _launch_ready_buckets(self) -> None:
@@ -258,13 +259,8 @@ class Reducer:
         if self.comm_hook is None and bucket.sparse:
             bucket.handle = sparse_all_reduce(bucket.buffer, self.collectives, self.group)  # averaged when ready
         elif self.comm_hook is None:
-            # average as we sum: (N,). torch's reducer multiplies by 1/n when it copies a gradient
-            # into its bucket and divides a bucket-view gradient in place; the same ops here
-            # give its rounding bit for bit when n is not a power of two.
-            if self.gradient_as_bucket_view:
-                bucket.buffer.div_(self.divisor)
-            else:
-                bucket.buffer.mul_(1.0 / self.divisor)
+            # average as we sum: (N,); a copied-in gradient by the reciprocal, as torch's reducer
+            divide_for_average(bucket.buffer, self.divisor, by_reciprocal=not self.gradient_as_bucket_view)
             bucket.handle = self.collectives.all_reduce(bucket.buffer, group=self.group, async_op=True)
         else:
             if self.serialize_hooks and self._last_hook_future is not None:

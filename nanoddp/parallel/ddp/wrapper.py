@@ -49,7 +49,7 @@ from nanoddp.parallel.ddp.mixed_precision import MixedPrecision
 from nanoddp.parallel.ddp.reducer import CommHook, Reducer
 from nanoddp.parallel.ddp.sparse import expects_sparse_grad
 from nanoddp.parallel.detect import refuse_sharded
-from nanoddp.parallel.replicas import broadcast_coalesced, check_same_structure, group_size_rank_src
+from nanoddp.parallel.replicas import broadcast_rank0_weights, check_same_structure, group_size_rank_src
 from nanoddp.parallel.tensors import move_to, tensors_in
 
 
@@ -192,7 +192,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if args.delayed:
             assert self._param_to_hook_all_reduce is not None  # resolve_args checked it with the delayed names
             self._delayed = DelayedAllReduce(
-                args.delayed, self._param_to_hook_all_reduce, collectives, process_group, self._world_size, src,
+                args.delayed, self._param_to_hook_all_reduce, collectives, process_group, self._world_size,
                 broadcast=not unpickled,  # torch broadcasts them even with init_sync=False
             )  # fmt: skip
             if not named:
@@ -201,7 +201,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             check_same_structure(module, collectives, process_group)
             states = synced_parameters(module, self._ignored)
             states += synced_buffers(module, self._ignored) if args.init_sync_buffers else []
-            broadcast_coalesced(states, collectives, process_group, src)
+            broadcast_rank0_weights(states, collectives, process_group)
         self.reducer.build_initial_buckets()
         ddp_ref = weakref.ref(self)
         handles = [
@@ -274,7 +274,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._join_config.enable:
                 broadcast_buffers_from_trainer(reducer, self.module, self._ignored, training=True)
             elif buffers := synced_buffers(self.module, self._ignored):
-                broadcast_coalesced(buffers, reducer.collectives, self.process_group, reducer.src)
+                broadcast_rank0_weights(buffers, reducer.collectives, self.process_group)
         reducer.reset()
         self._finalize_queued = False
         reducer.sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync

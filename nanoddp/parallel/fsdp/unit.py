@@ -67,6 +67,17 @@ def _bump_versions(optimizer: torch.optim.Optimizer, args: object, kwargs: objec
         torch.autograd.graph.increment_version(params)
 
 
+def gradient_reduce_op(divide_factor: float | None) -> dist.ReduceOp.RedOpType:
+    """The op of a unit's gradient collectives: how FSDP averages.
+
+    [Note: averaging in FSDP] With no divide factor the collectives themselves average
+    (ReduceOp.AVG, as torch's FSDP2 does for fp32/bf16): the reduce-scatter over the shard
+    group and HSDP's all-reduce over the replicas each divide by their own size, so the result
+    is the mean over every data-parallel rank with no separate divide. With
+    `set_gradient_divide_factor(f)` both sum, and the sum is divided by f once, at the end."""
+    return dist.ReduceOp.AVG if divide_factor is None else dist.ReduceOp.SUM
+
+
 class ShardedUnit:
     """The parameters one `fully_shard` call took, gathered and reduced together."""
 
@@ -242,8 +253,7 @@ class ShardedUnit:
             offset += p.padded_numel
         flat = rows.view(-1)  # (ws * trainable numel,)
         output = torch.empty(flat.numel() // ws, dtype=dtype, device=flat.device)
-        factor = self.divide_factor
-        op = dist.ReduceOp.AVG if factor is None else dist.ReduceOp.SUM
+        op = gradient_reduce_op(self.divide_factor)
         work: Waitable | None = None
         if ws == 1:
             output.copy_(flat)
@@ -270,9 +280,8 @@ class ShardedUnit:
             if not self.all_reduce:  # accumulate across micro-steps, all-reduce on the last
                 self._partial, self._partial_had = output, had
                 return
-            op = dist.ReduceOp.AVG if self.divide_factor is None else dist.ReduceOp.SUM
-            self.comm.all_reduce(output, op=op, group=replicas)
-        if self.divide_factor is not None:
+            self.comm.all_reduce(output, op=gradient_reduce_op(self.divide_factor), group=replicas)
+        if self.divide_factor is not None:  # summed above: [Note: averaging in FSDP]
             output.div_(self.divide_factor)
         offset = 0
         for p, local_grad in zip(params, had, strict=True):

@@ -7,7 +7,7 @@ padding, whatever the sizes, at the cost of parameters split across rank boundar
 layout is a pure function of the sizes, so every rank computes it alone.
 
 `FlatLayout` is the arithmetic (ZeRO-1's exact partition uses it directly). `FlatParamUnit`
-is the storage ZeRO-2 and FSDP share: the module's registered parameters become this rank's
+is ZeRO-2's storage: the module's registered parameters become this rank's
 1-D pieces of the flat shard (the same `nn.Parameter` objects, so an optimizer built before or
 after steps on shards only), and a full flat buffer holds the unsharded values, exposed as
 one `nn.Parameter` view per original parameter, swapped into the module only while it runs.
@@ -235,6 +235,9 @@ class FlatParamUnit:
         shard_grad = self.grad_shard
         assert shard_grad is not None  # made by reduce_scatter_grads
         self.grad_shard = None
+        # [Note: averaging in ZeRO-2] The one place ZeRO-2 averages: the reduce-scatter sums
+        # (SUM, every backend has it), then this rank's shard alone is divided, 1/ws of the
+        # elements a divide before the collective would touch.
         shard_grad.div_(self.world_size)
         for p, piece in zip(self.params, self.pieces, strict=True):
             if not p.requires_grad:
