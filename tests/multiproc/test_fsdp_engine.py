@@ -208,7 +208,7 @@ def _refusal_worker(env: DistEnv, tmp: str) -> dict:
         for engine in ("nanoddp", "torch", "zero2"):
             with pytest.raises(ValueError, match=f"already sharded \\(fsdp\\): engine '{engine}'.*engine='fsdp'"):
                 _fit(env, model, f"{tmp}/refused-{engine}", engine=engine)
-    zero2_model = nanoddp.parallel.zero.stage2(_sequential())
+    zero2_model = nanoddp.parallel.zero.stage2.zero2(_sequential())
     with pytest.raises(ValueError, match="already sharded \\(zero2.*engine='zero2'"):
         nanoddp.DistributedDataParallel(zero2_model)
     as_is = _fit(env, _presharded(), f"{tmp}/as-is", engine="fsdp")
