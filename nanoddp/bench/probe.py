@@ -9,6 +9,10 @@ neither engine's code path, and every engine pays them alike:
   (torch's reducer and ours both hand a bucket to the collective layer from that hook, the
   moment its last gradient lands). With the wrapper's bucket layout (structure, not timings)
   this gives when the first bucket was handed over, and when the last gradient was ready.
+- `step_window`: from those, the step's communication as the trainer's timer defines it
+  (`nanoddp.train.metrics.CommWindow`: first hand-over to last done, and the last gradient as
+  the end of backward's compute), so a benchmark's comm and exposed figures mean what the
+  training log line's do.
 - `bytes_written`: the bytes this process passed to write()/writev() (Linux /proc/self/io
   `wchar`), the calls gloo's TCP transport sends with: every frame on the wire, headers
   included, for torch's collectives and ours alike.
@@ -23,6 +27,8 @@ import time
 
 import torch
 import torch.nn as nn
+
+from nanoddp.train.metrics import CommWindow
 
 
 class GradClock:
@@ -76,6 +82,27 @@ def bucket_layout(model: nn.Module, clock: GradClock) -> list[list[int]] | None:
         buckets = model.reducer._get_zeros_like_grad_buckets()  # the reducer's buckets, in order
         return [[by_id[id(p)] for p in bucket.parameters()] for bucket in buckets] or None
     return None
+
+
+def step_window(
+    clock: GradClock, layout: list[list[int]] | None, backward_end: float, sync_end: float, syncs_after: bool
+) -> CommWindow | None:
+    """The step just taken's gradient communication, from the outside probes (None: not seen).
+
+    `syncs_after`: a manual engine, whose communication is its sync call after backward
+    (`backward_end` to `sync_end`); else a DDP, whose bucket 0 is handed over from its last
+    gradient's hook and whose last bucket is done when backward returns. The end of compute is
+    the last gradient hook either way.
+    """
+    last_grad = clock.last_ready()
+    if not last_grad:  # no gradient hook ran (a wrapper that swaps the parameters): unknown
+        return None
+    if syncs_after:
+        return CommWindow(backward_end, sync_end, compute_done=last_grad)
+    handoff = clock.first_handoff(layout or [])
+    if handoff is None:  # no bucket layout known for this wrapper (yet): not measured
+        return None
+    return CommWindow(handoff, backward_end, compute_done=last_grad)
 
 
 def bytes_written() -> int | None:

@@ -41,12 +41,12 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp.bench.machine import Memory, command_line, git_commit, machine_description, tune_malloc
-from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written
+from nanoddp.bench.probe import GradClock, bucket_layout, bytes_written, step_window
 from nanoddp.bench.report import summarise
 from nanoddp.models import GPT, count_parameters, gpt_config
-from nanoddp.train.engines import ENGINE_REGISTRY, CommTimer, Engine, build_engine
+from nanoddp.train.engines import AMP_DTYPES, ENGINE_REGISTRY, Engine, ManualEngine, build_engine, shard_model
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
-from nanoddp.train.fsdp_engine import AMP_DTYPES, shard_model
+from nanoddp.train.metrics import CommTimer
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class _Runner:
     @staticmethod
     def _build(name: str, module, env: nanoddp.DistEnv, traced: bool, amp: str):
         """(engine, our DDP wrapper or None). `dp` and torch's FSDP2 are built here, the rest by
-        engines.py. `amp`: the FSDPs all-gather and compute in it (fp32 reduce), as the trainer's."""
+        the engine registry. `amp`: the FSDPs all-gather and compute in it (fp32 reduce), as the trainer's."""
         if name == "dp":
             devices = [env.device] * env.world_size  # N replicas in threads of this one process
             wrapper = nanoddp.DataParallel(module, device_ids=devices)
@@ -143,7 +143,8 @@ class _Runner:
         if name == "fsdp":
             shard_model(module, env, amp=amp)  # the trainer's units; build_engine takes it as is
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
-        # build_engine's nanoddp DDP records bucket launch/done times: the comm window in `_comm`
+        # our DDP wrapper, if this engine has one: the probes read its buckets, and its own
+        # timeline is switched off when they time it (__init__)
         ours = engine.model if isinstance(engine.model, nanoddp.DistributedDataParallel) else None
         return engine, ours
 
@@ -183,17 +184,11 @@ class _Runner:
         (report.DEFINITIONS). None where no gradient crosses a process boundary."""
         if self.env.world_size == 1 or self.name in ("dp", NOCOMM):
             return {"comm_s": None, "exposed_comm_s": None}
-        last_grad = self.clock.last_ready()
-        if not last_grad:  # no gradient hook ran (a wrapper that swaps the parameters): unknown
+        syncs_after = isinstance(self.engine, ManualEngine)
+        window = step_window(self.clock, self.layout, backward_end, sync_end, syncs_after)
+        if window is None:
             return {"comm_s": None, "exposed_comm_s": None}
-        if self.engine.sync_grads is not None:  # manual: handed over when the sync call starts
-            start, end = backward_end, sync_end
-        else:  # DDP: bucket 0 handed over from its last gradient's hook; done when backward returns
-            handoff = self.clock.first_handoff(self.layout or [])
-            if handoff is None:  # no bucket layout known for this wrapper (yet): not measured
-                return {"comm_s": None, "exposed_comm_s": None}
-            start, end = handoff, backward_end
-        return {"comm_s": end - start, "exposed_comm_s": end - last_grad}
+        return {"comm_s": window.comm_s, "exposed_comm_s": window.waited_s}
 
 
 def _storage_bytes(tensors: list) -> int:
@@ -213,7 +208,7 @@ class _DPEngine:
     """DataParallel behind the Engine interface: gradients are summed by autograd, no sync."""
 
     def __init__(self, model, module):
-        self.model, self.module, self.comm, self.sync_grads = model, module, None, None
+        self.model, self.module, self.comm = model, module, None
 
     def micro_step(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -22,22 +22,21 @@ What it adds to plain `torchrun`:
 - a rank that exits 0 while others run on is named after `--finished-grace` seconds, or ends the
   job with `--fail-on-early-exit` (`nanoddp.run.finished`), instead of a silent hang.
 
-The launch itself is torchrun's (`torch.distributed.run`), in this process, as in `nanoddp
-train`: `--nnodes/--node-rank/--rdzv-*` and `--max-restarts` mean what they mean there.
+The launch itself is torchrun's (`torch.distributed.run`), in this process, through the one
+agent wrapper `nanoddp train` uses too (`nanoddp.train.launcher.agent`): `--nnodes/--node-rank/
+--rdzv-*` and `--max-restarts` mean what they mean there.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import shutil
 import signal
 import sys
 
-from nanoddp import torchrun
-from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, EarlyExit, watched_agent
-from nanoddp.tempdirs import make_private_dir
-from nanoddp.train.launcher.agent import AGENT_PID_VAR, _quiet_torchrun_logs, failure_reason, private_rendezvous
+from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, watched_agent
+from nanoddp.train.launcher.agent import AgentJob, failure_reason, run_torchrun_agent
 from nanoddp.train.launcher.cli import add_launch_args, default_nproc
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
@@ -101,11 +100,11 @@ def check_args(args: argparse.Namespace) -> int:
     return nproc
 
 
-def agent_argv(args: argparse.Namespace, nproc: int, log_dir: str) -> list[str]:
-    """torchrun's command line for this launch (without the program name)."""
+def agent_argv(args: argparse.Namespace, nproc: int) -> list[str]:
+    """torchrun's command line for this launch (without the program name and the log dir)."""
     argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
     argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id, "--max-restarts", str(args.max_restarts)]
-    argv += ["--tee", "3", "--log-dir", log_dir]  # tee: torchrun prefixes each line it copies
+    argv += ["--tee", "3"]  # tee: torchrun prefixes each line it copies
     single_node = str(args.nnodes).split(":")[-1] == "1" and not args.rdzv_endpoint
     if args.standalone or single_node:
         argv.append("--standalone")
@@ -138,52 +137,21 @@ def failure_summary(script: str, failures: dict) -> str:
     return line
 
 
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    """Until torchrun's agent installs its own (as it starts the workers), SIGTERM is raised as
-    the agent raises it, so that a stop during the rendezvous ends the same way."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
-
-
 def run(args: argparse.Namespace) -> int:
     """`nanoddp run`: launch, wait, and return 0; 1 with the failure summary on stderr; 128 +
     signal with one line when stopped by SIGTERM or Ctrl-C (torchrun has stopped the workers)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torch_run
-
     nproc = check_args(args)
-    torchrun.prepare_torchrun_launch()
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
-    os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process (nanoddp.run.bootstrap)
-    if not getattr(args, "verbose", False):
-        _quiet_torchrun_logs()  # its warnings on a stop or a failure: this function prints one line instead
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    log_dir: str = args.log_dir or make_private_dir("nanoddp-run-")  # swept by the next start if killed
-    scratch = None if args.log_dir else log_dir  # ours to remove
-    # single node: the rendezvous store listens on loopback only, as for `nanoddp train`
-    argv, rendezvous_store = private_rendezvous(agent_argv(args, nproc, log_dir))
-    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
-    try:
-        with watched_agent(args.finished_grace, args.fail_on_early_exit):
-            torch_run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        print(failure_summary(args.script, exc.failures), file=sys.stderr)
-        return 1
-    except EarlyExit as exc:  # the agent stopped the workers on its way out
-        print(exc, file=sys.stderr)
-        return 1
-    except (SignalException, KeyboardInterrupt) as exc:
-        sig = signal.Signals(exc.sigval) if isinstance(exc, SignalException) else signal.SIGINT
-        print(f"nanoddp run: stopped by {sig.name}", file=sys.stderr)
-        return 128 + sig
-    finally:
-        del rendezvous_store  # referenced until the agent is done with it
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+    job = AgentJob(
+        torchrun_argv=agent_argv(args, nproc),
+        scratch_prefix="nanoddp-run-",
+        failure_lines=lambda failures: [failure_summary(args.script, failures)],
+        stopped_line=lambda sig: f"nanoddp run: stopped by {sig.name}",
+        log_dir=args.log_dir,
+        watch=functools.partial(watched_agent, args.finished_grace, args.fail_on_early_exit),
+        verbose=getattr(args, "verbose", False),
+    )
+    return run_torchrun_agent(job)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,12 @@ import psutil
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from nanoddp.train.launcher.agent import AgentStop
+
 DEFAULT_FINISHED_GRACE_S = 60.0
 
 
-class EarlyExit(RuntimeError):
+class EarlyExit(AgentStop):
     """Some ranks finished and others were still running after the grace period (`--fail-on-early-exit`)."""
 
 

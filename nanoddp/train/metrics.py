@@ -1,5 +1,10 @@
-"""Training metrics: `metrics.jsonl` (one JSON object per log step), optional TensorBoard, and
-the one-line console summary. Used by rank 0 only."""
+"""Training metrics: the one communication timer, `metrics.jsonl` (one JSON object per log
+step), optional TensorBoard, and the one-line console summary.
+
+The comm timer (`CommWindow`, `CommTimer`, `timed_comm_hook`) is shared: the trainer's engines
+time their gradient communication with it on every rank, and `nanoddp bench train` turns its
+outside probes' timestamps into the same window. The files and the line are rank 0's.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,116 @@ REQUIRED_KEYS = (
     "comm_exposed_s",
     "world_size",
 )
+
+
+# --- the communication timer ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommWindow:
+    """One step's gradient communication: first launch, last done, and when backward's compute
+    ended (None: not seen), as perf_counter seconds."""
+
+    launched: float
+    finished: float
+    compute_done: float | None = None
+
+    @property
+    def comm_s(self) -> float:
+        """How long communication was in flight: first launch to last done."""
+        return max(self.finished - self.launched, 0.0)
+
+    @property
+    def waited_s(self) -> float | None:
+        """How long the step waited for it once compute was over: last done minus compute end.
+        [Note: a sync launched after compute (the manual engines) also counts backward's tail
+        from the last gradient to the launch, so this may exceed `comm_s`.]"""
+        if self.compute_done is None:
+            return None
+        return max(self.finished - self.compute_done, 0.0)
+
+
+class CommTimer:
+    """How long gradient communication was in flight during a step (first launch to last done),
+    and how much of that was *exposed*: the step waiting on it after backward's last gradient
+    was computed (the rest ran hidden under backward's compute).
+
+    Exposed time is known where the engine sees when compute ended: nanoddp's DDP timeline (its
+    last gradient hook) and the manual engines (their sync starts after backward, so all of it
+    is exposed). A timed comm hook alone (traced torch DDP) gives the window only.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.exposed_s = 0.0
+        self.exposed_known = True  # False once a step's window came without its compute end
+        self._first: float | None = None
+        self._last: float | None = None
+        self._compute_done: float | None = None
+
+    def launched(self) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def finished(self) -> None:
+        self._last = time.perf_counter()
+
+    def compute_done(self) -> None:
+        """Backward's compute is over: whatever communication remains is waited for."""
+        self._compute_done = time.perf_counter()
+
+    def close_step(self) -> None:
+        """Fold the current step's window into the totals (called once per optimizer step)."""
+        if self._first is not None and self._last is not None:
+            window = CommWindow(self._first, self._last, self._compute_done)
+            self.total_s += window.comm_s
+            if window.waited_s is None:
+                self.exposed_known = False
+            else:  # [Note: the log line's share hidden is a share: exposed never exceeds the window]
+                self.exposed_s += min(window.waited_s, window.comm_s)
+        self._first = self._last = self._compute_done = None
+
+    def add_timeline(self, timeline: list[tuple[str, float, object]]) -> None:
+        """Take the step from a nanoddp DDP `last_timeline`: first bucket launch to all done, and
+        the last gradient hook (else the finalize callback) as the end of backward's compute."""
+        launches = [t for event, t, _ in timeline if event == "launch"]
+        done = [t for event, t, _ in timeline if event == "done"]
+        ready = [t for event, t, _ in timeline if event == "grad_ready"] or [
+            t for event, t, _ in timeline if event == "finalize"
+        ]
+        if launches and done:
+            self._first, self._last = launches[0], done[-1]
+            self._compute_done = ready[-1] if ready else None
+
+    def pop(self) -> tuple[float, float | None]:
+        """(comm seconds, exposed seconds or None where not measured) since the last pop."""
+        total, exposed = self.total_s, self.exposed_s if self.exposed_known else None
+        self.total_s, self.exposed_s, self.exposed_known = 0.0, 0.0, True
+        return total, exposed
+
+
+def timed_comm_hook(hook: Callable, timer: CommTimer) -> Callable:
+    """`hook` (state, bucket) -> Future, telling `timer` when the first bucket launches and each
+    one finishes: the one way a DDP comm hook is timed (the trainer's and the tracer's).
+
+    No return annotation on purpose: torch DDP rejects a hook whose annotation is anything but
+    `Future[Tensor]`, and an absent one is accepted.
+    """
+
+    def timed(state, bucket):
+        timer.launched()
+
+        def done(fut: torch.futures.Future):
+            timer.finished()
+            return fut.value()
+
+        return hook(state, bucket).then(done)
+
+    timed.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
+    return timed
+
+
+# --- the log line and the files -----------------------------------------------------------------
 
 
 def _si(value: float) -> str:

@@ -43,14 +43,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint.atomic import atomic_write_bytes
-from nanoddp.train.engines import (
-    NANODDP_DDP_ENGINES,
-    CommTimer,
-    Engine,
-    build_engine,
-    device_ids_for,
-    timed_comm_hook,
-)
+from nanoddp.train.engines import Engine, build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -101,26 +94,12 @@ def _traced_sync(sync: Callable[[nn.Module], None]) -> Callable[[nn.Module], Non
 def build_traced_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
     """`build_engine(name, module, env)`, drawing each bucket's reduction on the timeline.
 
-    DDP engines get `traced_comm_hook(hooks.allreduce_hook)` (torch DDP's built with it
-    directly, since a torch DDP takes one hook and `build_engine` already gives it a timing
-    one); manual engines get a "gradient sync" span around their after-backward sync.
+    Each engine says how (`Engine.trace_comm`): the DDP engines reduce through
+    `traced_comm_hook(hooks.allreduce_hook)`, timed; the manual engines get a "gradient sync"
+    span around their after-backward sync.
     """
-    from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
-    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
-
-    if name == "torch":
-        from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-        model, timer = TorchDDP(module, device_ids=device_ids_for(env)), CommTimer()
-        model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), timer))
-        return Engine(name, model, module, comm=timer)
     engine = build_engine(name, module, env)
-    if name in NANODDP_DDP_ENGINES and env.world_size > 1:
-        engine.comm = CommTimer()
-        assert isinstance(engine.model, DistributedDataParallel)  # what build_engine wraps these in
-        engine.model.register_comm_hook(None, timed_comm_hook(traced_comm_hook(allreduce_hook), engine.comm))
-    elif engine.sync_grads is not None:  # a manual engine: draw its after-backward sync
-        engine.sync_grads = _traced_sync(engine.sync_grads)
+    engine.trace_comm(env, traced_comm_hook, _traced_sync)
     return engine
 
 

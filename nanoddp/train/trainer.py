@@ -39,8 +39,7 @@ from nanoddp.train.config import TrainConfig, build_model, check_data, filled, t
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
-from nanoddp.train.engines import SHARDED_ENGINES, build_engine
-from nanoddp.train.fsdp_engine import prepare_model
+from nanoddp.train.engines import SHARDED_ENGINES, build_engine, prepare_model
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
 from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master

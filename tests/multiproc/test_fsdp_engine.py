@@ -28,7 +28,7 @@ from nanoddp.env import DistEnv
 from nanoddp.fsdp import FSDPModule, fully_shard
 from nanoddp.parallel.fsdp.auto_wrap import modules_to_shard
 from nanoddp.parallel.grad_scaler import ShardedGradScaler
-from nanoddp.train.fsdp_engine import shard_model
+from nanoddp.train.engines import shard_model
 
 # bf16 keeps 8 significant bits, fp16 11: the ws=2 run sums each weight gradient over half the
 # batch per rank (then a float32 reduce-scatter) where one process sums the whole batch in the

@@ -126,7 +126,7 @@ def test_ddp_step_at_world_size_2_equals_one_process_on_the_whole_batch():
 def _fsdp_step_worker(env: DistEnv) -> float:
     """The model sharded as `nanoddp train --engine fsdp` shards it (a unit per decoder layer,
     then the root); each gradient is this rank's rows, gathered whole to compare."""
-    from nanoddp.train.fsdp_engine import shard_model
+    from nanoddp.train.engines import shard_model
 
     def wrap(model):
         sharded = shard_model(model, env)

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from nanoddp.train.engines import CommTimer
-from nanoddp.train.metrics import format_comm, format_log_line
+from nanoddp.train.metrics import CommTimer, format_comm, format_log_line
 
 RECORD = {"step": 120, "loss": 2.31, "lr": 3e-4, "step_time_s": 0.0412, "samples_per_s": 155, "tokens_per_s": 9900}
 

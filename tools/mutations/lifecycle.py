@@ -44,16 +44,16 @@ FAULTS = (
     ),
     Mutation(
         "nanoddp run: a signal stop exits 1",
-        "nanoddp/run/cli.py",
+        "nanoddp/train/launcher/agent.py",
         "        return 128 + sig",
         "        return 1",
         ("tests/reliability/test_run_lifecycle.py", "-k", "signal_stops"),
     ),
     Mutation(
         "nanoddp run: temp dir not named by pid, never swept",
-        "nanoddp/run/cli.py",
-        'make_private_dir("nanoddp-run-")',
-        '__import__("tempfile").mkdtemp(prefix="nanoddp-run-")',
+        "nanoddp/train/launcher/agent.py",
+        "make_private_dir(job.scratch_prefix)",
+        '__import__("tempfile").mkdtemp(prefix=job.scratch_prefix)',
         ("tests/reliability/test_run_lifecycle.py", "-k", "sigkilled"),
     ),
     Mutation(

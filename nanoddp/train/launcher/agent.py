@@ -1,21 +1,32 @@
-"""The `nanoddp train` launcher's side of a run: torchrun's elastic agent, in this process.
+"""The one torchrun-agent wrapper, shared by `nanoddp train` and `nanoddp run`.
+
+Both start torchrun's elastic agent here, in this process, and differ only in what they pass
+(`AgentJob`: their lines, log dir and watch).
 
 What the user sees of a run is decided here: one line per outcome instead of torchrun's log
-dumps. A worker failure becomes one line per failed rank (exception type and message) with the
-path of that rank's full log; a SIGTERM/SIGINT, which torchrun forwards to the workers (they
-stop at an agreed step and snapshot it, see `signals`), becomes one line and exit 128 + signal.
-torchrun's own per-run log directory (error files) goes into a temp dir removed at the end.
+dumps. A worker failure becomes the command's failure line(s) (exception type and message per
+rank: `failure_reason`); a SIGTERM/SIGINT, which torchrun forwards to the workers (`nanoddp
+train`'s stop at an agreed step and snapshot it, see `signals`), becomes one line and exit
+128 + signal. Around the agent, for both commands: a fresh rendezvous store per restart
+(`torchrun.prepare_torchrun_launch`), workers that die with this process (`AGENT_PID_VAR`), a
+single-node rendezvous store on loopback only (`private_rendezvous`), torchrun's warnings kept
+quiet unless `-v`, and torchrun's log directory (error files, tee'd output) in a private temp
+dir removed at the end unless the command keeps it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import shutil
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nanoddp import env as nd
 from nanoddp import torchrun
@@ -25,8 +36,86 @@ from nanoddp.train import signals
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import TrainConfig, filled
 
-AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main)
+AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main, run.bootstrap)
 MESSAGE_CHARS = 300
+
+
+class AgentStop(RuntimeError):
+    """Raised inside the agent by a command's watch to end the job (exit 1); its text is the line shown."""
+
+
+@dataclass(kw_only=True)
+class AgentJob:
+    """What a command tells the one agent wrapper; everything else is the same for every command."""
+
+    torchrun_argv: list[str]
+    """torchrun's command line without the program name and without `--log-dir` (added here)."""
+    scratch_prefix: str
+    """Name prefix of the private temp log dir; named by pid, so the next start sweeps a killed one's."""
+    failure_lines: Callable[[dict[int, Any]], list[str]]
+    """The lines for a failed job, from torchrun's {global rank: ProcessFailure}."""
+    stopped_line: Callable[[signal.Signals], str]
+    """The line for a job stopped by SIGTERM or Ctrl-C."""
+    log_dir: str | None = None
+    """Keep torchrun's log dir (each worker's output) here; None: the temp dir, removed at the end."""
+    done_line: str | None = None
+    """The line for a job that finished; None: nothing."""
+    watch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around the agent (`nanoddp run`'s finished-ranks watch); may raise `AgentStop`."""
+    verbose: bool = False
+    """Show torchrun's own warnings (`nanoddp -v ...`)."""
+
+
+def run_torchrun_agent(job: AgentJob) -> int:
+    """Run torchrun's agent for `job` here; return the exit code: 0, 1 on a failure, 128 + signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    torchrun.prepare_torchrun_launch()
+    os.environ[AGENT_PID_VAR] = str(os.getpid())
+    if not job.verbose:
+        _quiet_torchrun_logs()  # its warnings on a stop or a failure: the job's one line instead
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    log_dir = job.log_dir or make_private_dir(job.scratch_prefix)  # else torchelastic leaves its own
+    argv, rendezvous_store = private_rendezvous(["--log-dir", log_dir, *job.torchrun_argv])
+    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
+    try:
+        with job.watch():
+            run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        _say(job.failure_lines(exc.failures))
+        return 1
+    except AgentStop as exc:  # the agent stopped the workers on its way out
+        _say([str(exc)])
+        return 1
+    except (SignalException, KeyboardInterrupt) as exc:  # torchrun forwarded it to the workers
+        sig = signal.Signals(exc.sigval) if isinstance(exc, SignalException) else signal.SIGINT
+        _say([job.stopped_line(sig)])
+        return 128 + sig
+    finally:
+        del rendezvous_store  # referenced until the agent is done with it
+        if job.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    if job.done_line is not None:
+        _say([job.done_line])
+    return 0
+
+
+def _say(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """Until torchrun's agent installs its own (as it starts the workers), SIGTERM is raised as
+    the agent raises it, so that a stop during the rendezvous ends the same way."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+# --- nanoddp train ----------------------------------------------------------------------------
 
 
 def rank_log(out: str | Path, rank: int) -> Path:
@@ -35,32 +124,20 @@ def rank_log(out: str | Path, rank: int) -> Path:
 
 
 def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = False) -> int:
-    """Run torchrun's agent for `torchrun_argv` here; return the process exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    torchrun.prepare_torchrun_launch()
-    os.environ[AGENT_PID_VAR] = str(os.getpid())
-    if not verbose:
-        _quiet_torchrun_logs()
-    torchrun_argv, rendezvous_store = private_rendezvous(torchrun_argv)
-    print(f"nanoddp: torchrun {' '.join(torchrun_argv)}", file=sys.stderr)
-    log_dir = make_private_dir("nanoddp-torchrun-")  # else torchelastic leaves its own
-    try:
-        run(get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_argv]))
-    except ChildFailedError as exc:
-        for rank, failure in sorted(exc.failures.items()):
-            print(f"nanoddp: {failure_line(rank, failure, filled(config.out))}", file=sys.stderr)
-        return 1
-    except SignalException as exc:  # torchrun forwarded it; the workers stopped and snapshotted
-        print(f"nanoddp: {signals.interrupt_line(*newest_snapshot(filled(config.out)))}", file=sys.stderr)
-        return 128 + int(exc.sigval)
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        del rendezvous_store
-    print(f"nanoddp: done; outputs in {config.out}/ (try: nanoddp sample --run {config.out})", file=sys.stderr)
-    return 0
+    """`nanoddp train`'s launch: the agent for `torchrun_argv`, with the train lines (one per
+    failed rank, the snapshot to resume from on a stop, the outputs when done)."""
+    out = filled(config.out)
+    job = AgentJob(
+        torchrun_argv=torchrun_argv,
+        scratch_prefix="nanoddp-torchrun-",
+        failure_lines=lambda failures: [
+            f"nanoddp: {failure_line(rank, failure, out)}" for rank, failure in sorted(failures.items())
+        ],
+        stopped_line=lambda sig: f"nanoddp: {signals.interrupt_line(*newest_snapshot(out))}",
+        done_line=f"nanoddp: done; outputs in {config.out}/ (try: nanoddp sample --run {config.out})",
+        verbose=verbose,
+    )
+    return run_torchrun_agent(job)
 
 
 def private_rendezvous(torchrun_argv: list[str]) -> tuple[list[str], object | None]:

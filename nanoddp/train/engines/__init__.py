@@ -1,0 +1,48 @@
+"""Engines: the ways to keep N model replicas in step, one small object per kind behind one interface.
+
+| engine      | wraps the model in                  | gradient sync                          |
+|-------------|-------------------------------------|----------------------------------------|
+| `nanoddp`   | `nanoddp.DistributedDataParallel`   | bucketed all-reduce hooked into backward |
+| `torch`     | `torch.nn.parallel.DistributedDataParallel` | the same, torch's C++ reducer   |
+| `allreduce` | nothing                             | one all-reduce per parameter after backward |
+| `rs_ag`     | nothing                             | one flat reduce-scatter + all-gather after backward |
+| `single`    | nothing (one process)               | none                                   |
+| `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
+| `zero2`     | ZeRO-2 hooks on the module (`parallel.zero.stage2`) | bucketed reduce-scatter into gradient shards |
+| `fsdp`      | `nanoddp.fsdp.fully_shard` per unit, then the root | all-gather params per unit, reduce-scatter grads |
+
+Files: `base.py` (the `Engine` interface), one per family (`ddp.py`, `manual.py`, `single.py`,
+`zero2.py`, `fsdp.py`), and `registry.py` (name -> engine class, `build_engine`). Gradient
+accumulation differs by kind: the DDP-like engines run the non-final micro-steps inside
+`no_sync()` so that backward skips the sync; the manual engines simply do not call their sync
+function until the last micro-step. `Engine.micro_step(sync)` hides the difference.
+"""
+
+from nanoddp.train.engines.base import Engine, device_ids_for
+from nanoddp.train.engines.fsdp import AMP_DTYPES, load_model_state, shard_model
+from nanoddp.train.engines.manual import ManualEngine
+from nanoddp.train.engines.registry import (
+    ENGINE_REGISTRY,
+    ENGINES,
+    SHARDED_ENGINES,
+    EngineName,
+    build_engine,
+    engine_help,
+    prepare_model,
+)
+
+__all__ = [
+    "AMP_DTYPES",
+    "ENGINES",
+    "ENGINE_REGISTRY",
+    "SHARDED_ENGINES",
+    "Engine",
+    "EngineName",
+    "ManualEngine",
+    "build_engine",
+    "device_ids_for",
+    "engine_help",
+    "load_model_state",
+    "prepare_model",
+    "shard_model",
+]

@@ -1,0 +1,78 @@
+"""The DDP engines: `nanoddp` (our DDP), `torch` (torch's), `zero1` (ours plus a sharded optimizer).
+
+Gradients are averaged inside backward, bucket by bucket, by the wrapper's hooks; on the
+non-final micro-steps of an accumulation `no_sync()` skips that (`Engine.micro_step`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch.nn as nn
+
+from nanoddp.env import DistEnv
+from nanoddp.train.engines.base import Engine, device_ids_for
+from nanoddp.train.metrics import CommTimer, timed_comm_hook
+
+if TYPE_CHECKING:
+    from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
+
+
+class DDPEngine(Engine):
+    """A DDP wrapper (ours or torch's: the same comm-hook contract) around the bare model."""
+
+    def trace_comm(self, env, wrap_hook, wrap_sync) -> None:
+        """Reduce through `hooks.allreduce_hook` (the default path's math), drawn and timed."""
+        from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
+
+        self.comm = CommTimer()
+        ddp = cast(Any, self.model)  # ours or torch's: both take a (state, bucket) -> Future hook
+        ddp.register_comm_hook(None, timed_comm_hook(wrap_hook(allreduce_hook), self.comm))
+
+
+class TorchDDPEngine(DDPEngine):
+    """torch's DDP exactly as users construct it: no comm hook, so its C++ reducer runs its own
+    all-reduce path. Nothing here times it (`comm=None`); `nanoddp bench train` times every
+    engine from outside (gradient hooks on the parameters and backward()'s return)."""
+
+    name = "torch"
+    help = "torch's DDP (its C++ reducer)"
+
+    @classmethod
+    def build(cls, module: nn.Module, env: DistEnv) -> Engine:
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        return cls(cls.name, TorchDDP(module, device_ids=device_ids_for(env)), module)
+
+
+class NanoddpEngine(DDPEngine):
+    """Our DDP, timed by its own timeline: a few timestamps per step give the comm window and
+    the end of backward's compute for the log line."""
+
+    name = "nanoddp"
+    help = "our DDP: bucketed all-reduce in backward"
+
+    @classmethod
+    def build(cls, module: nn.Module, env: DistEnv) -> Engine:
+        from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
+
+        model = DistributedDataParallel(module, device_ids=device_ids_for(env))
+        model.record_timeline = True
+        return cls(cls.name, model, module, comm=CommTimer())
+
+    def after_backward(self) -> None:
+        ddp = cast("DistributedDataParallel", self.model)
+        if self.comm is not None and ddp.record_timeline:
+            self.comm.add_timeline(ddp.last_timeline)
+
+    def trace_comm(self, env, wrap_hook, wrap_sync) -> None:
+        if env.world_size > 1:  # one process: no bucket is reduced, the timeline times it
+            super().trace_comm(env, wrap_hook, wrap_sync)
+
+
+class Zero1Engine(NanoddpEngine):
+    """ZeRO-1: our DDP as is; the trainer gives it a ZeroRedundancyOptimizer (`zero_optimizer`)."""
+
+    name = "zero1"
+    help = "ZeRO-1: nanoddp + optimizer state sharded"
+    zero_optimizer = True
