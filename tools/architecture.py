@@ -5,9 +5,10 @@ the import direction between layers, all read from `nanoddp` itself.
     python tools/architecture.py --check   # exit 1 if docs/architecture.md is out of date
 
 The import graph is built from the AST of every `nanoddp/**/*.py` (nothing is executed for it);
-`tests/unit/test_architecture.py` uses the same functions to check for import cycles and for
-imports that run from a lower layer to a higher one. The hand-written prose (the layering rules)
-lives here, as text, so the page has one source.
+`tests/unit/test_architecture.py` uses the same functions to check for import cycles (any import:
+at module level, inside a function or for type checking) and for imports that run from a lower
+layer to a higher one, between the top-level parts and between the layers inside `nanoddp.comm`.
+The hand-written prose (the layering rules) lives here, as text, so the page has one source.
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 LAYER_OF_TOP = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 
+# nanoddp.comm's own layers, lowest first, each with what it holds: a comm module imports its own
+# layer and those below it, at any level (`comm_upward_imports`). "" is `nanoddp/comm/__init__.py`.
+# [Note: plan below the algorithms] `plan` is a table of thresholds and a pure function of them;
+# the algorithms cut their pieces by its sizes, and it names them only as `Path` members.
+COMM_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("transport", "send/recv by group rank and tags, one runner thread per group, the hang watchdog, "
+     "groups that have collectives only", ("transport", "runner", "watchdog", "collectives_only")),
+    ("plan", "`plan()` and the one table of thresholds it reads; the α–β cost model", ("cost_model", "plan")),
+    ("algorithms", "the bulk algorithms over send/recv, each readable on its own",
+     ("reduce", "pieces", "ring", "exchange", "chain", "halving_doubling", "tree", "van_de_geijn")),
+    ("protocol", "the wire (the one header format, tag counter, verdict), the header round, settling a "
+     "failed call, argument checks", ("settle", "wire", "header_round", "checks")),
+    ("prepared rounds", "optional: the rounds a loop repeats, made once per call signature, where `plan()` "
+     "says so", ("cached_rounds",)),
+    ("api", "torch.distributed's collectives, each check -> plan -> run", ("collectives", "rooted", "alltoall",
+     "objects")),
+    ("face", "`nanoddp.comm`'s re-exports; the switch between ours and torch's", ("", "backend")),
+)  # fmt: skip
+COMM_LAYER_OF = {name: i for i, (_, _, names) in enumerate(COMM_LAYERS) for name in names}
+
 # Imports that run upward on purpose, each with its reason: (importer, imported) -> why.
 # The test fails on an upward import not listed here, so a new one is a decision, not a slip.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
@@ -53,8 +74,8 @@ RULES = """\
   a class is never split across files. Package `__init__.py` files only re-export (at most 60
   lines); no module under `nanoddp/` or `tools/` grows past 450 lines
   (`tests/unit/test_architecture.py` checks both).
-- **Imports run one way**, down the layers below; no import cycle among modules (module-level
-  imports; a function-level import still counts for the direction).
+- **Imports run one way**, down the layers below (inside `nanoddp.comm` too: its own layers,
+  below); no import cycle among modules, counting imports inside functions and for type checking.
 - The model knows nothing of parallelism: a wrapper is applied to it from outside
   (`DistributedDataParallel(model)`, a manual strategy, `ZeroRedundancyOptimizer`, `fully_shard`).
 - Gradients are averaged over the global batch: a ws-N run with per-rank batch B equals a
@@ -83,10 +104,11 @@ launch ──> env ──> data ──> model ──> parallel wrapper ──> c
 Layers, lowest first (a module imports its own layer and those below it):
 {layers}
 
-Where to read first: `examples/collectives.py` (send/recv, every collective, the ring all-reduce
-one step at a time), then `nanoddp/comm/` (the header round, then the ring and chain
-algorithms over `isend`/`irecv`), then `nanoddp/parallel/ddp/wrapper.py` (the DDP engine: its
-opening docstring tells the life of one iteration in order). Each topic has its page:
+Where to read first: `nanoddp/parallel/manual.py` (`SimpleDDP`, the smallest honest DDP), then
+`nanoddp/parallel/ddp/wrapper.py` (the DDP engine: its opening docstring tells the life of one
+iteration in order), `parallel/zero/` and `parallel/fsdp/`, then the collectives they call:
+`examples/collectives.py` (send/recv, every collective, the ring all-reduce one step at a time)
+and `nanoddp/comm/` from its api down (below). Each topic has its page:
 [comm](comm.md), [ddp](ddp.md), [sharding](sharding.md), [trainer](trainer.md),
 [notebook](notebook.md), [multinode](multinode.md), [performance](performance.md).
 """
@@ -206,11 +228,12 @@ def import_graph() -> list[Edge]:
 
 
 def import_cycles(edges: list[Edge]) -> list[list[str]]:
-    """Strongly connected components of more than one module over module-level imports."""
+    """Strongly connected components of more than one module, over every import: one inside a
+    function or under TYPE_CHECKING breaks no cycle at run time, but the two modules still need
+    each other to be read."""
     graph: dict[str, set[str]] = defaultdict(set)
     for e in edges:
-        if e.where == "module":
-            graph[e.source].add(e.target)
+        graph[e.source].add(e.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -247,6 +270,24 @@ def import_cycles(edges: list[Edge]) -> list[list[str]]:
 def upward_imports(edges: list[Edge]) -> list[Edge]:
     """Imports (at any level) from a lower layer to a higher one."""
     return [e for e in edges if layer_of(e.source) < layer_of(e.target)]
+
+
+def comm_part(module: str) -> str | None:
+    """A module's name inside nanoddp.comm ('ring' for nanoddp.comm.ring, '' for the package
+    itself); None outside it."""
+    if module == "nanoddp.comm":
+        return ""
+    return module.removeprefix("nanoddp.comm.") if module.startswith("nanoddp.comm.") else None
+
+
+def comm_upward_imports(edges: list[Edge]) -> list[Edge]:
+    """Imports (at any level) inside nanoddp.comm from a lower COMM_LAYERS layer to a higher one."""
+    upward = []
+    for e in edges:
+        source, target = comm_part(e.source), comm_part(e.target)
+        if source is not None and target is not None and COMM_LAYER_OF[source] < COMM_LAYER_OF[target]:
+            upward.append(e)
+    return upward
 
 
 # --- reading the public API ----------------------------------------------------------------
@@ -343,10 +384,11 @@ def render() -> str:
             out.append(f"- `{e.source}` → `{e.target}` ({e.where}-level): {why}")
     cycles = import_cycles(edges)
     if cycles:
-        out.append("\nImport cycles among modules (module-level imports), to be removed:\n")
+        out.append("\nImport cycles among modules (any import), to be removed:\n")
         out += [f"- {' ⇄ '.join(f'`{m}`' for m in c)}" for c in cycles]
 
     out.append("\n" + RULES)
+    out.append(_render_comm_layers(modules))
 
     out.append("## Module map\n\nEvery package and module, with the first line of its docstring.")
 
@@ -362,6 +404,21 @@ def render() -> str:
         rel = path.relative_to(ROOT).as_posix()
         out.append(f"| `{rel}` | {_cell(module_summary(path)) or '–'} |")
     return "\n".join(out) + "\n"
+
+
+def _render_comm_layers(modules: dict[str, Path]) -> str:
+    """The section on nanoddp.comm's own layers, top first, as a reader meets them."""
+    lines = [
+        "## Inside `nanoddp.comm`: layers\n",
+        "Top first, the order to read it in: each layer imports only the ones below it (checked, "
+        "at any import level), and the plain algorithms read on their own. "
+        "[comm.md](comm.md) walks through them.\n",
+        "| layer | what it holds | modules |\n|---|---|---|",
+    ]
+    for label, what, names in reversed(COMM_LAYERS):
+        files = ", ".join(f"`{modules[f'nanoddp.comm.{n}' if n else 'nanoddp.comm'].name}`" for n in names)
+        lines.append(f"| {label} | {_cell(what)} | {files} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

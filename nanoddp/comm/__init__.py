@@ -2,12 +2,14 @@
 
 This module is the face only: every name below takes the same arguments as its
 `torch.distributed` namesake (src/dst are *global* ranks, `group` may be a subgroup) and gives
-the same results, but every byte moves through `isend`/`irecv`. Where each lives:
-`collectives` (all_reduce, all_gather, reduce_scatter: check -> plan -> run), `rooted`
-(broadcast, reduce, scatter, gather), `alltoall` (all_to_all, barriers, batched p2p), `objects`
-(pickled objects; trusted ranks only). How a call travels: `plan` (which path), `header_round`
-and `cached_rounds` over `wire` (the check every call starts with), `ring`, `chain`, `exchange`
-(the bulk algorithms) over `transport`. The threading model is in `collectives`.
+the same results, but every byte moves through `isend`/`irecv`. The layers beneath, top first,
+each importing only the ones below it: the api (`collectives`: all_reduce, all_gather,
+reduce_scatter, each check -> plan -> run; `rooted`: broadcast, reduce, scatter, gather;
+`alltoall`: all_to_all, barriers, batched p2p; `objects`: pickled objects, trusted ranks only);
+the optional prepared rounds (`cached_rounds`); the protocol (`wire`, `header_round`, `settle`,
+`checks`: the check every call starts with); the bulk algorithms (`ring`, `chain`, `exchange`,
+...); `plan` (which path, one table); the transport (`transport`, `runner`, `watchdog`). The
+threading model is in `collectives`.
 """
 
 from torch.distributed import ReduceOp

@@ -1,34 +1,37 @@
-"""Header rounds prepared once per call signature: `PairRound` (2 gloo ranks) and `StarBroadcast`.
+"""Prepared header rounds: the optional fast layer, one round made once per call signature.
 
-Why a second way to run the same rounds: small collectives are what a training loop repeats every
-step (a loss all_reduce, a metric all_gather, DDP's buffer broadcast), and on a CPU host each step
-of a call costs far more than it does in a warm loop: the ranks' processes and gloo's I/O threads
-share the cores and evict each other's caches between calls, so every tensor op, slice and helper
-call on the way costs microseconds (measured: docs/notes/collectives-lab-log.md, "Per-call cost").
-`header_round.one_round` serves every collective, size and group through callbacks and builds its
-views, header rows and checks per call; a prepared round makes them once for one signature
-(collective, numel, dtype, op, root and the payload sizes each way), so a call writes the header,
-copies the payload in, sends and receives, compares the header rows with the ones it expects and
-copies out what arrived.
+Why a second way to run the same rounds: [Note: per-call cost] small collectives are what a
+training loop repeats every step (a loss all_reduce, a metric all_gather, DDP's buffer broadcast),
+and on a CPU host each step of a call costs far more than it does in a warm loop: the ranks'
+processes and gloo's I/O threads share the cores and evict each other's caches between calls, so
+every tensor op, slice and helper call on the way costs microseconds, and at 2 ranks a 4 KB call
+is only a few such steps above a bare exchange. `header_round.one_round` serves every collective,
+size and group through callbacks and builds its views, header rows and checks per call; a prepared
+round makes them once for one signature (collective, numel, dtype, op, root and the payload sizes
+each way), so a call writes the header, copies the payload in, sends and receives, compares the
+header rows with the ones it expects and copies out what arrived.
 
-The wire is the general round's own (`nanoddp.comm.wire`: same tag, header slots, buffers,
-counter and verdict), so a peer that took the general path, or made a mismatched or invalid call,
-is checked exactly as there and every rank raises the same error. Which calls run here is
-`nanoddp.comm.plan`'s choice (`Path.PAIR`, `Path.STAR`). Prepared rounds live with the frames they
-use (`FrameBuffers.rounds`), so they are dropped when the frames are re-made, and remembered calls
-when any of `plan`'s thresholds changes.
+Nothing here is a protocol of its own: the frames, tag, header slots, round counter, checks and
+error decoding are `nanoddp.comm.wire`'s, and the star's verdict is sent by
+`header_round.check_at_hub`, so a peer that took the general path, or made a mismatched or invalid
+call, is checked exactly as there and every rank raises the same error. The layer is optional and
+chosen in one place: a collective runs here only where `plan.plan` answers `Path.PAIR` or
+`Path.STAR` (and a header-only round where `plan.header_round_path` answers `Path.PAIR`); with
+those answers switched off every call takes the general round, with the same results
+(tests/multiproc/test_comm_paths.py runs both). The functions at the end are what the public
+collectives call: one per collective that has a prepared form. Prepared rounds live with the frames
+they use (`FrameBuffers.rounds`), so they are dropped when the frames are re-made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
 
 import torch
-from torch.distributed import ReduceOp
 
 from nanoddp.comm import header_round, plan, wire
 from nanoddp.comm.header_round import check_at_hub
+from nanoddp.comm.reduce import reduce_in_rank_order
 from nanoddp.comm.transport import Peers
 from nanoddp.comm.wire import COLLECTIVES, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
 
@@ -80,16 +83,10 @@ class PairRound:
         wire.raise_payload_mismatch(collective, self._expected[SLOT_NBYTES], theirs[SLOT_NBYTES])
 
 
-Prepared = TypeVar("Prepared", "PairRound", "StarBroadcast")
-
-
-def _cached(bufs: FrameBuffers, key: tuple[int | str, ...], make: Callable[[], Prepared]) -> Prepared:
-    prepared_round = bufs.rounds.get(key)
-    if prepared_round is None:
-        if len(bufs.rounds) >= MAX_ROUNDS:
-            bufs.rounds.clear()
-        prepared_round = bufs.rounds[key] = make()
-    return cast(Prepared, prepared_round)  # the key names the kind: only star_broadcast's end in "star"
+def _kept(bufs: FrameBuffers, key: tuple[int | str, ...], prepared: PairRound | StarBroadcast) -> None:
+    if len(bufs.rounds) >= MAX_ROUNDS:
+        bufs.rounds.clear()
+    bufs.rounds[key] = prepared
 
 
 def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torch.device, out_numel: int,
@@ -97,14 +94,17 @@ def pair_round(peers: Peers, header: list[int], dtype: torch.dtype, device: torc
     """The prepared round for this signature (`plan.Path.PAIR`: 2 gloo ranks, frames on CPU)."""
     bufs = wire.buffers(peers, device)
     key = (*header, out_numel, in_numel)
-    return _cached(bufs, key, lambda: PairRound(peers, bufs, tuple(header), dtype, out_numel, in_numel))
+    pair = bufs.rounds.get(key)  # only star_broadcast's keys end in "star": this one is a PairRound
+    if pair is None:
+        pair = PairRound(peers, bufs, tuple(header), dtype, out_numel, in_numel)
+        _kept(bufs, key, pair)
+    return pair
 
 
 def header_then(peers: Peers, header: list[int], device: torch.device, run: Callable[[], None] | None = None) -> None:
     """The header round of a call whose data moves after it (bulk paths, barrier), then `run()`
-    (already started: its receives are posted, its early piece sent). The round is cached at 2
-    gloo ranks (a frame of header slots only; cheaper per call, docs/notes/collectives-lab-log.md, "Per-call
-    cost"), `header_round.one_round` elsewhere."""
+    (already started: its receives are posted, its early piece sent): prepared where
+    `plan.header_round_path` says so (2 gloo ranks), `header_round.one_round` elsewhere."""
     if plan.header_round_path(peers.size, peers.backend, cpu=device.type == "cpu") is plan.Path.PAIR:
         pair_round(peers, header, torch.uint8, device, 0, 0).run()
     else:
@@ -194,45 +194,45 @@ def star_broadcast(peers: Peers, header: list[int], flat: torch.Tensor, root: in
     """The prepared broadcast for this signature (`plan.Path.STAR`: 3+ gloo ranks, frames on CPU)."""
     bufs = wire.buffers(peers, flat.device)
     key: tuple[int | str, ...] = (*header, "star")
-    return _cached(bufs, key, lambda: StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root))
+    star = bufs.rounds.get(key)
+    if star is None:
+        star = StarBroadcast(peers, bufs, tuple(header), flat.dtype, flat.numel(), root)
+        _kept(bufs, key, star)
+    return star
 
 
-# --- repeated calls -----------------------------------------------------------------------------
-# A call that ran through a prepared round is remembered under its public arguments, so the same
-# call again (a loss all_reduce, a buffer broadcast, every step) goes from the public function
-# straight to the round: the argument checks and the path choice it passed last time are not made
-# again (measured: docs/notes/collectives-lab-log.md, "Per-call cost"). What the call must still agree on with its
-# peers is checked by the round itself, every time.
-
-_CPU = torch.device("cpu")
-_PLAIN_ARGS = (int, type(ReduceOp.SUM), type(None))  # root, ReduceOp member, no argument
+# --- the collectives' prepared forms (each runs where `plan.plan` chose Path.PAIR or Path.STAR) ---
 
 
-def call_key(name: str, arg: object, *tensors: torch.Tensor) -> tuple[object, ...] | None:
-    """What identifies a repeat of a call: the collective, its root or op (`arg`) and each tensor's
-    dtype and numel; None where no repeat is looked up (a tensor that is not a contiguous CPU one,
-    an op object other than a plain ReduceOp, or under torch.compile, whose trace the runner breaks)."""
-    if type(arg) not in _PLAIN_ARGS or torch.compiler.is_compiling():
-        return None
-    key: list[object] = [name, arg]
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
-            return None
-        key += (t.dtype, t.numel())
-    return tuple(key)
+def all_reduce(peers: Peers, header: list[int], data: torch.Tensor, op: str) -> None:
+    """all_reduce of 1-D `data` at 2 ranks: swap, then reduce in rank order (so both ranks compute
+    bitwise the same result)."""
+    pair = pair_round(peers, header, data.dtype, data.device, data.numel(), data.numel())
+    pair.outgoing.copy_(data)
+    received = pair.run()
+    reduce_in_rank_order(op, [data, received] if peers.rank == 0 else [received, data], data)
 
 
-def repeat_of(peers: Peers, key: tuple[object, ...] | None) -> Callable[..., None] | None:
-    """The body remembered for `key` on this group (a callable taking the call's 1-D tensors), or None."""
-    if key is None or not peers.gloo:
-        return None
-    return wire.buffers(peers, _CPU).repeats.get(key)  # it drops them when the limits change
+def all_gather(peers: Peers, header: list[int], outputs: list[torch.Tensor], data: torch.Tensor) -> None:
+    """all_gather at 2 ranks: `outputs` (two 1-D tensors) get `data` and the peer's."""
+    pair = pair_round(peers, header, data.dtype, data.device, data.numel(), data.numel())
+    me = peers.rank
+    outputs[me].copy_(data)
+    pair.outgoing.copy_(data)
+    outputs[1 - me].copy_(pair.run())
 
 
-def remember(peers: Peers, key: tuple[object, ...] | None, body: Callable[..., None]) -> None:
-    """Keep `body` (what the general path just chose for this call) for the call's repeats."""
-    if key is not None:
-        repeats = wire.buffers(peers, _CPU).repeats
-        if len(repeats) >= MAX_ROUNDS:
-            repeats.clear()
-        repeats[key] = body
+def broadcast(peers: Peers, header: list[int], data: torch.Tensor, root: int) -> None:
+    """broadcast of 1-D `data` from group rank `root`: the star on 3+ ranks; at 2 ranks the root
+    sends and the other receives."""
+    if peers.size > 2:
+        star_broadcast(peers, header, data, root).run(data)
+        return
+    is_root = peers.rank == root
+    sizes = (data.numel(), 0) if is_root else (0, data.numel())
+    pair = pair_round(peers, header, data.dtype, data.device, *sizes)
+    if is_root:
+        pair.outgoing.copy_(data)
+        pair.run()
+    else:
+        data.copy_(pair.run())

@@ -120,7 +120,7 @@ def header(kind: str, tensor: torch.Tensor, op: str | None = None, root: int = -
 
 
 def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return tensor.nbytes
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,6 +132,8 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
     """Copy a result computed in `flat` into the caller's tensor, unless `flat` is its view."""
+    if flat is tensor:
+        return  # `flat` gave the caller's own 1-D tensor: the result is already there
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
 

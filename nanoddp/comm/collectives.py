@@ -13,11 +13,10 @@ signatures and results, built from point-to-point send/recv only. Each is the sa
    ring's 2(n-1) steps cost more, recursive halving and doubling (`halving_doubling.py`).
 3. **run** it. Every path starts with the header round (`nanoddp.comm.header_round`): each rank's
    header (collective, numel, dtype, op, root) reaches a place where all are checked, so
-   mismatched calls raise the same ValueError on every rank instead of hanging. The rounds a
-   training loop repeats run from views and header rows made once per call signature
-   (`nanoddp.comm.cached_rounds`), and a repeat of such a call (same arguments but the tensors'
-   values) goes from the public function straight to its round, past the checks and plan it
-   passed before.
+   mismatched calls raise the same ValueError on every rank instead of hanging. Where `plan`
+   answers `Path.PAIR`, the round a training loop repeats most runs from views and header rows
+   made once per call signature (`nanoddp.comm.cached_rounds`, an optional layer over the same
+   wire); everything else runs the general round.
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
 ring step, as gloo does; the one-round path accumulates in fp32 and rounds once, in rank order in
@@ -67,24 +66,23 @@ def all_reduce(
     runner = runner_for(group, "all_reduce")
     if runner is None:
         return None
-    key = cached_rounds.call_key("all_reduce", op, tensor)
-    if again := cached_rounds.repeat_of(runner.peers, key):
-        return runner.submit("all_reduce", tensor.numel(), lambda: again(flat(tensor)), [tensor], async_op)
 
     def prepare() -> Prepared:
         check(tensor, "tensor")
         name = op_name(op, tensor)
-        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name, key), [tensor]
+        return tensor.numel(), lambda: _all_reduce(runner.peers, tensor, name), [tensor]
 
     return submit(runner, "all_reduce", "all_reduce", prepare, async_op)
 
 
-def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) -> None:
+def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str) -> None:
     data, head, device = flat(tensor), header("all_reduce", tensor, op), tensor.device
-    path = plan("all_reduce", nbytes(tensor), peers.size, peers.backend, cpu=device.type == "cpu")
+    path = plan("all_reduce", nbytes(tensor), peers.size, peers.backend, cpu=tensor.is_cpu)
     if path is Path.LOCAL:
         return
-    if path is Path.HEADER_ONLY:
+    if path is Path.PAIR:
+        cached_rounds.all_reduce(peers, head, data, op)
+    elif path is Path.HEADER_ONLY:
         header_then(peers, head, device, None)
     elif path is Path.EXCHANGE:
         header_then(peers, head, device, start_exchange_reduce(peers, data, op))
@@ -94,11 +92,6 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) 
     elif path is Path.HALVING_DOUBLING:
         bounds = balanced_bounds(data.numel(), peers.size)
         header_then(peers, head, device, halving_doubling.start_all_reduce(peers, data, bounds, op))
-    elif path is Path.PAIR:
-        pair = cached_rounds.pair_round(peers, head, data.dtype, device, data.numel(), data.numel())
-        run = _pair_all_reduce(pair, op, peers.rank)
-        cached_rounds.remember(peers, key, run)
-        run(data)
     else:  # IN_FRAMES: every rank's data reduced in rank order: bitwise the same everywhere
 
         def combine(pick, p: int) -> torch.Tensor:
@@ -107,18 +100,6 @@ def _all_reduce(peers: Peers, tensor: torch.Tensor, op: str, key: tuple | None) 
 
         land(data, header_round.one_round(peers, head, device, lambda p: data, combine=combine, same_for_all=True))
     write_back(tensor, data)
-
-
-def _pair_all_reduce(pair: cached_rounds.PairRound, op: str, rank: int):
-    """all_reduce of a 1-D tensor at 2 ranks through `pair`: swap, then reduce in rank order (so
-    both ranks compute bitwise the same result)."""
-
-    def run(data: torch.Tensor) -> None:
-        pair.outgoing.copy_(data)
-        received = pair.run()
-        reduce_in_rank_order(op, [data, received] if rank == 0 else [received, data], data)
-
-    return run
 
 
 # --- all_gather -----------------------------------------------------------------------------------
@@ -143,7 +124,7 @@ def all_gather(
 
         def body() -> None:
             flats = [flat(t) for t in outputs]
-            _all_gather(runner.peers, flats, tensor, None, None)
+            _all_gather(runner.peers, flats, tensor, None)
             for out, f in zip(outputs, flats, strict=True):
                 write_back(out, f)
 
@@ -163,15 +144,6 @@ def all_gather_into_tensor(
     runner = runner_for(group, "all_gather_single")
     if runner is None:
         return None
-    key = cached_rounds.call_key("all_gather_into_tensor", None, output_tensor, input_tensor)
-    if again := cached_rounds.repeat_of(runner.peers, key):
-        m = input_tensor.numel()
-
-        def repeat() -> None:
-            out = flat(output_tensor)  # (2m,): a view, the key holds contiguous tensors only
-            again([out[:m], out[m:]], flat(input_tensor))
-
-        return runner.submit("all_gather_into_tensor", m, repeat, [output_tensor], async_op)
 
     def prepare() -> Prepared:
         check(input_tensor, "input_tensor")
@@ -180,7 +152,7 @@ def all_gather_into_tensor(
 
         def body() -> None:
             out = flat(output_tensor)
-            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, key, out)
+            _all_gather(runner.peers, [out[p * m : (p + 1) * m] for p in range(n)], input_tensor, out)
             write_back(output_tensor, out)
 
         return m, body, [output_tensor]
@@ -188,19 +160,14 @@ def all_gather_into_tensor(
     return submit(runner, "all_gather", "all_gather_into_tensor", prepare, async_op)
 
 
-def _all_gather(
-    peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, key: tuple | None, whole: torch.Tensor | None
-) -> None:
-    """outputs: one 1-D contiguous tensor per group rank; `key`: the call to remember (None: none);
-    `whole`: the outputs as one 1-D tensor, where they are (None: they are separate tensors)."""
+def _all_gather(peers: Peers, outputs: list[torch.Tensor], tensor: torch.Tensor, whole: torch.Tensor | None) -> None:
+    """outputs: one 1-D contiguous tensor per group rank; `whole`: the outputs as one 1-D tensor,
+    where they are (None: they are separate tensors)."""
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = flat(tensor), header("all_gather", tensor)
-    path = plan("all_gather", nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("all_gather", nbytes(tensor), n, peers.backend, cpu=tensor.is_cpu)
     if path is Path.PAIR:
-        pair = cached_rounds.pair_round(peers, head, data.dtype, device, data.numel(), data.numel())
-        run = _pair_all_gather(pair, me)
-        cached_rounds.remember(peers, key, run)
-        run(outputs, data)
+        cached_rounds.all_gather(peers, head, outputs, data)
         return
     outputs[me].copy_(data)
     if path is Path.HEADER_ONLY:
@@ -218,17 +185,6 @@ def _all_gather(
         if whole is None:
             for q in range(n):
                 outputs[q].copy_(buf[q * m : (q + 1) * m])
-
-
-def _pair_all_gather(pair: cached_rounds.PairRound, rank: int):
-    """all_gather at 2 ranks through `pair`: `outputs` (two 1-D views) get `data` and the peer's."""
-
-    def run(outputs: list[torch.Tensor], data: torch.Tensor) -> None:
-        outputs[rank].copy_(data)
-        pair.outgoing.copy_(data)
-        outputs[1 - rank].copy_(pair.run())
-
-    return run
 
 
 # --- reduce_scatter -------------------------------------------------------------------------------
@@ -292,7 +248,7 @@ def reduce_scatter(
 def _reduce_scatter(peers: Peers, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
     n, me, m, device = peers.size, peers.rank, output.numel(), output.device
     in_flat, out_flat, head = flat(input), flat(output), header("reduce_scatter", output, op)
-    path = plan("reduce_scatter", nbytes(output), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("reduce_scatter", nbytes(output), n, peers.backend, cpu=output.is_cpu)
     if path is Path.HEADER_ONLY:
         header_then(peers, head, device, None)
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,11 +21,15 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES_ONLY_BACKENDS = frozenset({"threaded"})
+# The module that makes such groups: until it is imported, none can exist.
+THREADED_PG_MODULE = "torch.testing._internal.distributed.multi_threaded_pg"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def has_no_point_to_point(group: dist.ProcessGroup | None) -> bool:
     """True for a group (None: the default one) of a backend that carries collectives only."""
+    if THREADED_PG_MODULE not in sys.modules:
+        return False
     if group is None:
         group = dist.GroupMember.WORLD  # the threaded backend keeps WORLD per thread
     if type(group) is dist.ProcessGroup or not isinstance(group, dist.ProcessGroup):
@@ -40,6 +45,11 @@ def or_torch_on_collectives_only(torch_name: str) -> Callable[[F], F]:
 
         @functools.wraps(ours)
         def collective(*args: Any, **kwargs: Any) -> Any:
+            # [Note: per-call cost] Every collective passes here, so the common answer comes first
+            # and costs one dict lookup: no collectives-only group exists before its module is
+            # imported (resolving the default group alone takes four Python calls).
+            if THREADED_PG_MODULE not in sys.modules:
+                return ours(*args, **kwargs)
             group = args[group_index] if len(args) > group_index else kwargs.get("group")
             # under torch.compile a group is an opaque object (and no test backend is traced)
             if not torch.compiler.is_compiling() and has_no_point_to_point(group):

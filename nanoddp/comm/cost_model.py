@@ -83,11 +83,6 @@ def cost(path: str, op: str, nbytes: int, n: int, alpha: float | None = None, be
     return (ALPHA_S if alpha is None else alpha) * steps + (BETA_S_PER_BYTE if beta is None else beta) * moved
 
 
-def cheaper(new: str, old: str, op: str, nbytes: int, n: int) -> bool:
-    """Whether the model predicts `new` faster than `old` for this call."""
-    return cost(new, op, nbytes, n) < cost(old, op, nbytes, n)
-
-
 def fit(samples: Iterable[tuple[str, str, int, int, float]]) -> tuple[float, float]:
     """Least-squares (α, β) from measured (path, op, nbytes, n, seconds), each sample weighted by
     1/seconds (relative error: small and large messages count alike)."""

@@ -12,11 +12,11 @@ send each other the same messages and all learn of the disagreement:
 * **2 ranks: one exchange.** Each rank sends the other its frame and checks the pair itself.
 * **3+ ranks: a star through group rank 0.** Every other rank sends its frame *up* to rank 0,
   which checks the table and answers each rank with one *down* frame: the verdict and that rank's
-  result. 2(n-1) messages instead of an all-to-all's n(n-1). It takes two hops instead of one, but
-  with more ranks than cores every message costs a scheduling round, so the star wins several
-  times over (docs/notes/collectives-lab-log.md, "The header round and the bulk phase"). It is
-  also what makes rooted ops cheap: their check goes through one rank, like their data, not
-  between every pair.
+  result. 2(n-1) messages instead of an all-to-all's n(n-1). [Note: star, not all-to-all] It
+  takes two hops instead of one, but with more ranks than cores every message costs a scheduling
+  round, so the star wins several times over (about 5x for the round alone at 4 ranks on 2
+  cores). It is also what makes rooted ops cheap: their check goes through one rank, like their
+  data, not between every pair.
 
 Small payloads ride inside the frames, so for them the check is free: the round *is* the
 collective. A one-round collective is three functions: `part(p)`, the bytes this rank contributes
@@ -26,7 +26,8 @@ rank q's share for p. With 2 ranks each combines its own result; in the star ran
 everyone's and sends each rank its own.
 
 The frame format, the round counter and the verdict are `nanoddp.comm.wire`'s, shared with the
-rounds cached per call signature (`nanoddp.comm.cached_rounds`), so either may meet the other.
+rounds prepared per call signature (`nanoddp.comm.cached_rounds`, the optional layer above this
+one), so either may meet the other.
 """
 
 from __future__ import annotations

@@ -4,13 +4,15 @@ Why it exists: the choice between carrying a message inside the header round's f
 running a bulk algorithm after it (and which one) depends on the message size, the group size
 and the backend only, and must be made the same way on every rank, by the collectives and by
 anything that reports what they do (`nanoddp bench collectives` prints `plan()`'s answer). So
-every switch point is a constant below, each with the reason it exists; the measurements behind
-the values are in docs/notes/collectives-lab-log.md ("Collectives: where the thresholds come from" and "The
-header round and the bulk phase"). Between the algorithms that cost depends on the group size
-(halving/doubling, the binomial tree, scatter + all-gather) the α–β model in `cost_model` chooses,
-so the choice is explained rather than tuned (docs/comm.md, "How plan() chooses: the α–β model").
-Tests shrink them by setting these module attributes; the
-frames and remembered calls follow (`limits()`).
+every switch point is a constant below, with the reason it exists beside it. Between the
+algorithms whose cost depends on the group size (halving/doubling, the binomial tree, scatter +
+all-gather) the α–β model in `cost_model` chooses, so the choice is explained rather than tuned
+(docs/comm.md, "How plan() chooses: the α–β model").
+
+This module is a table and a pure function: it imports nothing of the layers above it, and the
+algorithms read their piece sizes from it. Tests shrink the thresholds by setting these module
+attributes; every call asks `plan()` again, and the frames follow the inline limits
+(`wire.buffers`).
 
 `nbytes` is one rank's share: its tensor for all_reduce, broadcast, reduce, all_gather, gather
 and scatter; its output for reduce_scatter.
@@ -51,27 +53,12 @@ DIRECT_BROADCAST_MAX_BYTES = 8 * 1024 * 1024
 EARLY_MIN_BYTES = 64 * 1024
 EARLY_MAX_BYTES = 4 * 1024 * 1024
 # Halving/doubling, the binomial tree and scatter + all-gather are considered on gloo from this
-# many ranks: at 2-4 ranks the measured old paths were as fast or faster at every size
+# many ranks: at 2-4 ranks the fixed paths measured as fast or faster at every size
 # (docs/comm.md, "How plan() chooses: the α–β model"); above, `cost_model` picks by size.
 MODEL_FROM_WORLD_SIZE = 5
 # An explicit path per op, for tests and for benchmarking a path where plan() would not choose it
 # (gloo only; e.g. NANODDP_COMM_FORCE="all_reduce=HALVING_DOUBLING,broadcast=TREE").
 FORCED: dict[str, Path] = {}
-
-_LIMIT_NAMES = (
-    "INLINE_MAX_BYTES", "INLINE_SEND_BYTES", "BULK_FROM_BYTES", "PIECE_MIN_BYTES", "PIECE_MAX_BYTES",
-    "EXCHANGE_MAX_BYTES", "DIRECT_BROADCAST_MAX_BYTES", "EARLY_MIN_BYTES", "EARLY_MAX_BYTES",
-    "MODEL_FROM_WORLD_SIZE",
-)  # fmt: skip
-
-
-def limits() -> tuple:
-    """Every threshold above, as now set (and the forced paths, and the model's α and β): what a
-    remembered call's path choice was valid for."""
-    here = globals()
-    forced = tuple(sorted((op, path.name) for op, path in FORCED.items()))
-    return (*(here[name] for name in _LIMIT_NAMES), forced, cost_model.ALPHA_S, cost_model.BETA_S_PER_BYTE)
-
 
 # --- the paths ----------------------------------------------------------------------------------
 
@@ -82,8 +69,8 @@ class Path(enum.Enum):
     LOCAL = "one rank: the result is computed locally, nothing is sent"
     HEADER_ONLY = "no data (numel 0): the header round alone"
     IN_FRAMES = "data in the header round's frames (header_round.one_round)"
-    PAIR = "data in the frames, 2 gloo ranks, by a cached round (cached_rounds.PairRound)"
-    STAR = "broadcast in the frames, 3+ gloo ranks, by a cached star (cached_rounds.StarBroadcast)"
+    PAIR = "data in the frames, 2 gloo ranks, by a round prepared for the signature (cached_rounds.PairRound)"
+    STAR = "broadcast in the frames, 3+ gloo ranks, by a star prepared for the signature (cached_rounds.StarBroadcast)"
     EXCHANGE = "header round, then one exchange of whole tensors (exchange.py)"
     RING = "header round, then the pipelined ring (ring.py)"
     CHAIN = "header round, then the pipelined chain from or to the root (chain.py)"
@@ -110,7 +97,8 @@ _BULK = {
     "scatter": Path.DIRECT,
     "gather": Path.DIRECT,
 }
-# Which collectives have a cached round for their frames, by group size (2: PAIR; 3+: STAR).
+# Which collectives have a prepared round for their frames, by group size (2: PAIR; 3+: STAR); empty
+# tuples (and `header_round_path` giving IN_FRAMES) turn the optional cached_rounds layer off.
 _CACHED_PAIR = ("all_reduce", "all_gather", "broadcast")
 _CACHED_STAR = ("broadcast",)
 # What the α–β model may choose instead, on gloo from MODEL_FROM_WORLD_SIZE ranks.
@@ -125,8 +113,8 @@ _MODEL = {
 def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = True) -> Path:
     """The path of an `op` call with `nbytes` per rank on `world_size` ranks of `backend`.
 
-    `cpu`: whether the frames live in CPU memory (the cached rounds write their header slots
-    through numpy, so they run there only)."""
+    `cpu`: whether the frames live in CPU memory (the prepared rounds write their header slots
+    through numpy, so they run there only). The one place that chooses a prepared round."""
     if op not in _BULK:
         raise ValueError(f"no plan for op {op!r}; choose from {list(OPS)}")
     if backend not in BACKENDS:
@@ -138,17 +126,17 @@ def plan(op: str, nbytes: int, world_size: int, backend: str, *, cpu: bool = Tru
         return Path.HEADER_ONLY
     if gloo and op in FORCED:
         return FORCED[op]
-    old = _old_plan(op, nbytes, world_size, gloo, cpu)
+    fixed = _fixed_plan(op, nbytes, world_size, gloo, cpu)
     if not gloo or world_size < MODEL_FROM_WORLD_SIZE or op not in _MODEL:
-        return old
-    best, best_cost = old, cost_model.cost(old.name, op, nbytes, world_size)
+        return fixed
+    best, best_cost = fixed, cost_model.cost(fixed.name, op, nbytes, world_size)
     for path in _MODEL[op]:
         if (c := cost_model.cost(path.name, op, nbytes, world_size)) < best_cost:
             best, best_cost = path, c
     return best
 
 
-def _old_plan(op: str, nbytes: int, world_size: int, gloo: bool, cpu: bool) -> Path:
+def _fixed_plan(op: str, nbytes: int, world_size: int, gloo: bool, cpu: bool) -> Path:
     """The frames, or the bulk algorithm that the fixed thresholds pick."""
     if rides_in_frames(op, nbytes, world_size, gloo):
         if gloo and cpu and world_size == 2 and op in _CACHED_PAIR:
@@ -173,8 +161,9 @@ FORCED.update(_forced_from_env())
 
 
 def header_round_path(world_size: int, backend: str, *, cpu: bool = True) -> Path:
-    """How a header round without data runs (before a bulk phase, a barrier): by the cached pair
-    round at 2 gloo ranks with frames on CPU (cheaper per call), else the general round."""
+    """How a header round without data runs (before a bulk phase, a barrier): by the prepared pair
+    round at 2 gloo ranks with frames on CPU (a frame of header slots only, made once), else the
+    general round."""
     return Path.PAIR if world_size == 2 and backend == "gloo" and cpu else Path.IN_FRAMES
 
 
@@ -196,7 +185,8 @@ def inline_limit_for(world_size: int, gloo: bool) -> int:
     (gloo: what one rank sends in all stays under INLINE_SEND_BYTES; nccl: INLINE_MAX_BYTES)."""
     if not gloo:
         return INLINE_MAX_BYTES
-    return max(INLINE_MAX_BYTES, INLINE_SEND_BYTES // max(world_size - 1, 1))
+    per_peer = INLINE_SEND_BYTES // (world_size - 1) if world_size > 2 else INLINE_SEND_BYTES
+    return per_peer if per_peer > INLINE_MAX_BYTES else INLINE_MAX_BYTES  # no max(): runs every call
 
 
 def largest_frame_bytes(op: str, share_bytes: int, world_size: int) -> int:
@@ -210,7 +200,8 @@ def rides_in_frames(op: str, share_bytes: int, world_size: int, gloo: bool) -> b
     """Whether a one-round `op` with `share_bytes` per rank carries its data in the frames."""
     if gloo and op in IN_PLACE_BULK_OPS and share_bytes >= BULK_FROM_BYTES:
         return False
-    return largest_frame_bytes(op, share_bytes, world_size) <= inline_limit_for(world_size, gloo)
+    largest = share_bytes if world_size <= 2 else largest_frame_bytes(op, share_bytes, world_size)
+    return largest <= inline_limit_for(world_size, gloo)
 
 
 def early_bytes(nbytes: int, gloo: bool) -> int:

@@ -55,7 +55,7 @@ def reduce(
 def _reduce(peers: Peers, tensor: torch.Tensor, op: str, root: int) -> None:
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("reduce", tensor, op, root)
-    path = plan("reduce", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("reduce", _nbytes(tensor), n, peers.backend, cpu=tensor.is_cpu)
     if path is Path.LOCAL:
         return
     if path is Path.HEADER_ONLY:
@@ -86,38 +86,24 @@ def broadcast(
     runner = runner_for(group, "broadcast")
     if runner is None:
         return None
-    key = cached_rounds.call_key("broadcast", src, tensor)
-    if again := cached_rounds.repeat_of(runner.peers, key):
-        return runner.submit("broadcast", tensor.numel(), lambda: again(_flat(tensor)), [tensor], async_op)
 
     def prepare() -> Prepared:
         check(tensor, "tensor")
         root = group_root(runner.peers, src, "src")
-        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root, key), [tensor]
+        return tensor.numel(), lambda: _broadcast(runner.peers, tensor, root), [tensor]
 
     return _submit(runner, "broadcast", "broadcast", prepare, async_op)
 
 
-def _pair_broadcast(pair: cached_rounds.PairRound, is_root: bool):
-    """broadcast of a 1-D tensor at 2 ranks through `pair`: the root sends, the other receives."""
-
-    def send(flat: torch.Tensor) -> None:
-        pair.outgoing.copy_(flat)
-        pair.run()
-
-    def receive(flat: torch.Tensor) -> None:
-        flat.copy_(pair.run())
-
-    return send if is_root else receive
-
-
-def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None) -> None:
+def _broadcast(peers: Peers, tensor: torch.Tensor, root: int) -> None:
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("broadcast", tensor, root=root)
-    path = plan("broadcast", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("broadcast", _nbytes(tensor), n, peers.backend, cpu=tensor.is_cpu)
     if path is Path.LOCAL:
         return
-    if path is Path.HEADER_ONLY:
+    if path is Path.PAIR or path is Path.STAR:
+        cached_rounds.broadcast(peers, head, data, root)
+    elif path is Path.HEADER_ONLY:
         header_then(peers, head, device, None)
     elif path is Path.DIRECT:
         header_then(peers, head, device, chain.start_direct_broadcast(peers, data, root))
@@ -127,15 +113,6 @@ def _broadcast(peers: Peers, tensor: torch.Tensor, root: int, key: tuple | None)
         header_then(peers, head, device, tree.start_tree_broadcast(peers, data, root))
     elif path is Path.SCATTER_ALLGATHER:
         header_then(peers, head, device, van_de_geijn.start_scatter_allgather_broadcast(peers, data, root))
-    elif path is Path.STAR:
-        star = cached_rounds.star_broadcast(peers, head, data, root)
-        cached_rounds.remember(peers, key, star.run)
-        star.run(data)
-    elif path is Path.PAIR:
-        sizes = (data.numel(), 0) if me == root else (0, data.numel())
-        run = _pair_broadcast(cached_rounds.pair_round(peers, head, data.dtype, device, *sizes), me == root)
-        cached_rounds.remember(peers, key, run)
-        run(data)
     else:  # IN_FRAMES
         result = header_round.one_round(
             peers,
@@ -176,7 +153,7 @@ def _scatter(peers: Peers, tensor: torch.Tensor, sources: list[torch.Tensor] | N
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("scatter", tensor, root=root)
     flats = [_flat(t) for t in sources] if sources is not None else []  # the root's only (list_on_root)
-    path = plan("scatter", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("scatter", _nbytes(tensor), n, peers.backend, cpu=tensor.is_cpu)
     if path is Path.HEADER_ONLY:
         header_then(peers, head, device, None)
         return
@@ -229,7 +206,7 @@ def _gather(peers: Peers, tensor: torch.Tensor, targets: list[torch.Tensor] | No
     n, me, device = peers.size, peers.rank, tensor.device
     data, head = _flat(tensor), _header("gather", tensor, root=root)
     flats = [_flat(t) for t in targets] if targets is not None else []  # the root's only (list_on_root)
-    path = plan("gather", _nbytes(tensor), n, peers.backend, cpu=device.type == "cpu")
+    path = plan("gather", _nbytes(tensor), n, peers.backend, cpu=tensor.is_cpu)
     if path is Path.IN_FRAMES:
         others = others_for(n)
         result = header_round.one_round(

@@ -2,12 +2,12 @@
 
 Why it exists: a bulk path posts its receives, and sends its early piece (`plan.early_bytes`),
 before the header round says whether the ranks agree, so that data moves during the round. When
-the round raises, those handles used to be dropped where they stood. gloo cannot take that for a
-message already under way: a piece whose receive buffer is gone is never read, and nothing behind
-it on that connection is read either; a send dropped before the peer asked for it leaves a dead
-entry that wedges the sender's side when the peer's receive shows up. The next collective over
-that link then waits forever (seen at 3 ranks, where the verdict comes from the hub while the
-early piece comes from the left neighbour on another connection, and may arrive after it:
+the round raises, those handles must not simply be dropped. gloo cannot take that for a message
+already under way: a piece whose receive buffer is gone is never read, and nothing behind it on
+that connection is read either; a send dropped before the peer asked for it leaves a dead entry
+that wedges the sender's side when the peer's receive shows up. The next collective over that
+link would then wait forever (at 3 ranks the verdict comes from the hub while the early piece
+comes from the left neighbour on another connection, and may arrive after it:
 tests/multiproc/test_comm_mismatch.py, test_a_failed_calls_late_early_piece_does_not_wedge_the_link).
 
 So every rank of a failed round, and only of a failed round (its error is the same everywhere, so

@@ -19,15 +19,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from nanoddp.groups import group_ranks
-
-if TYPE_CHECKING:
-    from nanoddp.comm.wire import FrameBuffers
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
 # The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
@@ -55,7 +52,9 @@ class Peers:
         # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
         self.gloo = dist.get_backend(group) == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self.cache: dict[torch.device, FrameBuffers] = {}  # this group's frames per device (`wire.buffers`)
+        # The protocol layer's frames per device (`wire.buffers` makes and types them): kept here,
+        # with the group they belong to, but never read by this layer, which sits below the wire.
+        self.cache: dict[torch.device, Any] = {}
         self.calls = 0  # header rounds run on this group: the same count on every rank
         # (peer, tag, bytes, is a send, handle) of what this call posted before its verdict
         self.unsettled: list[tuple[int, int, int, bool, dist.Work]] = []
@@ -81,16 +80,15 @@ class Peers:
     def send_early(self, piece: torch.Tensor, peer: int) -> dist.Work:
         """Send this call's early piece (`early_bytes`) now, under the tag naming its size.
 
-        Posted on the calling thread, never by the background sender: a gloo send posted from
-        another thread while this one posts the header round's frames on the same pair can hang
-        the round (tests/multiproc/test_comm_mismatch.py, test_bulk_traffic_after_a_failed_header_round;
-        docs/notes/collectives-lab-log.md, "The header round and the bulk phase")."""
+        [Note: the calling thread] Never by the background sender: a gloo send posted from another
+        thread while this one posts the header round's frames on the same pair can hang the round
+        (tests/multiproc/test_comm_mismatch.py, test_bulk_traffic_after_a_failed_header_round)."""
         return self.isend(piece, peer, self.early_tag(piece.numel() * piece.element_size()))
 
-    # On gloo straight to the group's own send/recv (which take group ranks): `dist.isend`'s
-    # wrapper re-checks the group and translates ranks on every call, CPU paid twice per header
-    # round (docs/notes/collectives-lab-log.md, "Per-call cost"). nccl keeps the wrapper (its
-    # batching rules live there).
+    # [Note: straight to the group] On gloo, the group's own send/recv (which take group ranks):
+    # `dist.isend`'s wrapper re-checks the group and translates ranks on every call, CPU paid on
+    # both ranks' critical path twice per header round. nccl keeps the wrapper (its batching
+    # rules live there).
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
             work = self.group.send([tensor], peer, tag)
@@ -115,11 +113,12 @@ class Peers:
         return (tag - TAG_CALLS) >> 1 == self.calls % CALL_TAG_CYCLE
 
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
-        """A bulk-phase send. On gloo it is posted by a background thread: posting a large gloo
-        send writes it into the socket on the posting thread, so posted here it would hold up
-        receiving and reducing the next piece (docs/notes/collectives-lab-log.md, "The header round
-        and the bulk phase"). All of a bulk phase's sends go this way, so they reach gloo in the
-        order they were made."""
+        """A bulk-phase send. On gloo it is posted by a background thread.
+
+        [Note: background sends] Posting a large gloo send writes it into the socket on the
+        posting thread (about 1 ms per MB here), so posted here it would hold up receiving and
+        reducing the next piece. All of a bulk phase's sends go this way, so they reach gloo in
+        the order they were made."""
         if not self.gloo:
             return self.isend(tensor, peer, tag)
         return _background_send(self.group, tensor, peer, tag)

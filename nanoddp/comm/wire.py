@@ -1,9 +1,9 @@
 """The wire: what a header round puts on the wire, how it is counted and how its verdict is read.
 
 Why it exists: every collective starts with a header round, run either by the general round
-(`nanoddp.comm.header_round`, any collective, size and group) or by a round cached for one call
-signature (`nanoddp.comm.cached_rounds`). A rank on one may meet a peer on the other, so both must
-speak exactly the same wire, and this module is that wire, once:
+(`nanoddp.comm.header_round`, any collective, size and group) or by a round prepared for one call
+signature (`nanoddp.comm.cached_rounds`, the optional layer above). A rank on one may meet a peer
+on the other, so both must speak exactly the same wire, and this module is that wire, once:
 
 * **the frame format**: a frame is `HEADER_BYTES` of int64 slots (collective, numel, dtype, op,
   root, payload bytes, error code, spare; the codes below) and then the payload, in a group's
@@ -20,16 +20,13 @@ speak exactly the same wire, and this module is that wire, once:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from nanoddp.comm import plan
 from nanoddp.comm.settle import settle
 from nanoddp.comm.transport import Peers
-
-if TYPE_CHECKING:
-    from nanoddp.comm.cached_rounds import PairRound, StarBroadcast
 
 TAG_FRAME = 0x6E6401  # our own tag: a user's send/recv on the same group cannot steal a frame
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
@@ -108,7 +105,7 @@ class FrameBuffers:
 
     def __init__(self, size: int, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
-        self.limits: tuple[int, ...] | None = None  # the `plan.limits()` it was made for
+        self.limits: tuple[int, int] | None = None  # the inline limits it was sized for (`buffers`)
         self.inbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)  # (n, capacity)
         self.outbox = torch.empty(size, capacity, dtype=torch.uint8, device=device)
         self.in_rows, self.out_rows = self.inbox.unbind(0), self.outbox.unbind(0)
@@ -121,10 +118,9 @@ class FrameBuffers:
         # Views into the rows by (peer, payload bytes): slicing a tensor costs microseconds, and a
         # training loop sends the same few sizes over and over. Cleared when it grows large.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # nanoddp.comm.cached_rounds's rounds on these frames, by signature (a star's key ends in "star")
-        self.rounds: dict[tuple[int | str, ...], PairRound | StarBroadcast] = {}
-        # nanoddp.comm.cached_rounds's remembered calls (valid for `limits`): call key -> body
-        self.repeats: dict[tuple[object, ...], Callable[..., None]] = {}
+        # The rounds the layer above prepares on these frames, by signature (`cached_rounds`, which
+        # types them): they hold views into these rows, so they live and are dropped with them.
+        self.rounds: dict[tuple[int | str, ...], Any] = {}
 
     def _views_for(self, peer: int, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(outbox payload, outbox frame of header + payload, inbox payload) for `peer`, `nbytes`."""
@@ -171,11 +167,10 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def buffers(peers: Peers, device: torch.device) -> FrameBuffers:
     """This group's frames on `device`, re-made when the inline limit changed (tests shrink it).
 
-    Runs on every collective: the limits are compared as the constants they derive from, and the
-    capacity worked out only when those changed. Any change of `plan`'s thresholds drops the
-    remembered calls, each of which skips the path choice that put it where it is."""
-    limits = plan.limits()
-    bufs = peers.cache.get(device)
+    Runs on every collective: the limits are compared as the two constants the capacity derives
+    from, and the capacity worked out only when those changed."""
+    limits = (plan.INLINE_MAX_BYTES, plan.INLINE_SEND_BYTES)
+    bufs: FrameBuffers | None = peers.cache.get(device)
     if bufs is None or bufs.limits != limits:
         limit = plan.inline_limit_for(peers.size, peers.gloo)
         payload = -(-max(limit, ERROR_ROOM) // 64) * 64  # rows stay 64-byte aligned
@@ -183,7 +178,6 @@ def buffers(peers: Peers, device: torch.device) -> FrameBuffers:
         if bufs is None or bufs.capacity != capacity:
             bufs = peers.cache[device] = FrameBuffers(peers.size, capacity, device)
         bufs.limits = limits
-        bufs.repeats.clear()
     return bufs
 
 

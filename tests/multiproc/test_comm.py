@@ -337,9 +337,10 @@ def test_async_handles_progress_in_background():
 
 
 def _repeated_calls(env) -> None:
-    """A call repeated with the same signature runs its remembered prepared round (no checks, no
-    path choice): still torch's results, bitwise, for every shape, op, root and async_op; a call
-    that cannot be a repeat (non-contiguous) or whose limits changed takes the general path."""
+    """A call repeated with the same signature runs the round prepared for it the first time: still
+    torch's results, bitwise, for every shape, op, root and async_op, and no new round is made; a
+    non-contiguous tensor runs the same round through a contiguous copy, and a call whose limits
+    changed takes the path the new limits give."""
     r, n = env.rank, env.world_size
     peers = runner_for(None).peers
     seed = iter(range(10_000))
@@ -375,26 +376,26 @@ def _repeated_calls(env) -> None:
             dist.all_gather_into_tensor(ref.view(-1), x)  # gloo takes the concatenated form only
             _same(mine, ref, f"repeated all_gather_into_tensor {out_shape}")
 
+    rounds = wire.buffers(peers, torch.device("cpu")).rounds
+    before = len(rounds)
     calls(async_op=False)
-    repeats = wire.buffers(peers, torch.device("cpu")).repeats
-    remembered = len(repeats)
+    prepared = len(rounds) - before
     # broadcast: 2 numels x n roots; at 2 ranks also 3 all_reduces and 1 all_gather (both output
-    # shapes hold 2 x 6 elements: one signature, as the key holds dtype and numel, not the shape)
-    assert remembered == 2 * n + (3 + 1 if n == 2 else 0), sorted(map(str, repeats))
+    # shapes hold 2 x 6 elements: one signature, as a round is made for the numel, not the shape)
+    assert prepared == 2 * n + (3 + 1 if n == 2 else 0), sorted(map(str, rounds))
     for async_op in (False, True, False):  # every one a repeat now
         calls(async_op)
-    assert len(repeats) == remembered
-    odd = fresh(8)[::2]  # not contiguous: never looked up, never remembered
+    assert len(rounds) == before + prepared
+    odd = fresh(10)[::2]  # not contiguous, 5 elements: the round made for (5,) above
     ref = odd.clone()
     comm.broadcast(odd, src=0)
     dist.broadcast(ref, src=0)
     _same(odd, ref, "non-contiguous broadcast")
-    assert len(repeats) == remembered
+    assert len(rounds) == before + prepared
     saved = plan.INLINE_SEND_BYTES, plan.INLINE_MAX_BYTES
     plan.INLINE_SEND_BYTES = plan.INLINE_MAX_BYTES = 0  # nothing rides in the frames: all take the bulk path
     try:
         calls(async_op=False)
-        assert not wire.buffers(peers, torch.device("cpu")).repeats
     finally:
         plan.INLINE_SEND_BYTES, plan.INLINE_MAX_BYTES = saved
     calls(async_op=False)

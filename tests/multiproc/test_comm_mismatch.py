@@ -1,9 +1,9 @@
 """Calls the ranks disagree on raise the same error on every rank, and leave the group usable.
 
 Each launched function makes mismatched calls (numel, dtype, op, root, collective; the general
-round, the prepared rounds of `nanoddp.comm.cached_rounds`, remembered repeats, and bulk paths
-whose receives and early data were posted before the verdict) and checks that every rank raised
-the same words and that later calls still give torch.distributed's results.
+round, the prepared rounds of `nanoddp.comm.cached_rounds`, run fresh and run again, and bulk
+paths whose receives and early data were posted before the verdict) and checks that every rank
+raised the same words and that later calls still give torch.distributed's results.
 """
 
 from __future__ import annotations
@@ -89,9 +89,8 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 def _pair_mismatches(env) -> list[str]:
     """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.cached_rounds), and
-    where one does and the other takes the general or bulk path; one side of each is a repeated
-    call (`cached_rounds.repeat_of`, straight from the public function to the round). After each, the
-    same prepared calls still give torch's results."""
+    where one does and the other takes the general or bulk path; one side of each runs a round
+    prepared by an earlier call. After each, the same prepared calls still give torch's results."""
     r, messages = env.rank, []
 
     def still_right() -> None:  # the signatures prepared above, on fresh tensors
@@ -113,8 +112,7 @@ def _pair_mismatches(env) -> list[str]:
 
     still_right()
     bufs = wire.buffers(runner_for(None).peers, torch.device("cpu"))
-    assert len(bufs.rounds) == 2, "the calls above must run as prepared rounds"
-    assert len(bufs.repeats) == 2, "and be remembered: from here on, one rank's side is a repeat"
+    assert len(bufs.rounds) == 2, "the calls above must run as prepared rounds, from here on made before"
     expect_error(lambda: comm.all_reduce(torch.ones(5 if r == 1 else 4)))  # numel, both prepared
     expect_error(lambda: comm.broadcast(torch.ones(4), src=r))  # root
     expect_error(lambda: comm.all_reduce(torch.ones(4)) if r == 0 else comm.broadcast(torch.ones(4), src=1))

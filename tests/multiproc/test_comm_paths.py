@@ -4,8 +4,8 @@ A rank on a cached round (`nanoddp.comm.cached_rounds`) may meet a peer on the g
 (`nanoddp.comm.header_round`); both speak `nanoddp.comm.wire`. These tests run each size class
 both ways and compare the bytes with each other and with torch's built-ins, and check two
 things the cached rounds must do that the general round does by construction: the star
-broadcast's hub checks every rank's header, the last one included, and a remembered call is
-dropped when a threshold changes, even when the frames themselves are kept.
+broadcast's hub checks every rank's header, the last one included, and a threshold change takes
+effect at the next call, the frames and the rounds prepared on them following it.
 """
 
 from __future__ import annotations
@@ -85,14 +85,14 @@ def _general_and_cached_agree(env) -> list[str]:
             for op in plan.OPS:
                 covered.add((op, plan.plan(op, share, n, "gloo")))
             cached, ref = _each_collective(env, share, seed=100 * i)
-            again, _ = _each_collective(env, share, seed=100 * i)  # every cached call now a repeat
+            again, _ = _each_collective(env, share, seed=100 * i)  # every cached round now prepared
             with pytest.MonkeyPatch.context() as general:  # the same calls, no cached round anywhere
                 general.setattr(plan, "_CACHED_PAIR", ())
                 general.setattr(plan, "_CACHED_STAR", ())
                 general.setattr(plan, "header_round_path", lambda *a, **k: Path.IN_FRAMES)
-                wire.buffers(peers, CPU).repeats.clear()
+                prepared = dict(wire.buffers(peers, CPU).rounds)
                 plain, _ = _each_collective(env, share, seed=100 * i)
-                assert not wire.buffers(peers, CPU).repeats
+                assert wire.buffers(peers, CPU).rounds == prepared, "no round prepared or replaced"
             for name in ref:
                 where = f"{name}, {share} bytes per rank"
                 assert torch.equal(cached[name], plain[name]), where
@@ -120,7 +120,7 @@ def _last_rank_disagrees(env) -> list[str]:
     """ws 3: ranks 0 and 1 repeat a cached star broadcast; rank 2 alone passes another numel."""
     r, n, messages = env.rank, env.world_size, []
     for src in (0, n - 1):  # the hub as the root, and the disagreeing rank as the root
-        for _ in range(2):  # cached, then remembered: ranks 0 and 1 go straight to the round
+        for _ in range(2):  # prepared, then run again: ranks 0 and 1 use the round made the first time
             x = torch.full((4,), float(r))
             comm.broadcast(x, src=src)
             assert torch.equal(x, torch.full((4,), float(src)))
@@ -142,37 +142,46 @@ def test_the_star_hub_checks_the_last_ranks_header():
 
 
 def _limits_change(env) -> None:
-    """ws 2: a remembered call must be dropped when a threshold changes, frames kept or not."""
+    """ws 2: a threshold change takes effect at the next call: the path `plan` now gives, and frames
+    sized for the new limits (re-made, with their prepared rounds, when the capacity changes)."""
     r, peers = env.rank, runner_for(None).peers
+    ran: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "INLINE_SEND_BYTES", 0)
-        mp.setattr(plan, "INLINE_MAX_BYTES", 2 * KB)  # frames sized by their error room, not by this
-        x = _ints(256, seed=r)  # 1 KB: in the frames, by the cached pair round
-        key = cached_rounds.call_key("all_reduce", comm.ReduceOp.SUM, x)
-        comm.all_reduce(x.clone())
-        bufs = wire.buffers(peers, CPU)
-        assert cached_rounds.repeat_of(peers, key) is not None
-        mp.setattr(plan, "INLINE_MAX_BYTES", 512)  # 1 KB no longer fits: the exchange
-        assert wire.buffers(peers, CPU) is bufs, "the frames are kept (same capacity)"
-        assert cached_rounds.repeat_of(peers, key) is None, "the remembered call is dropped"
-        ours, ref = x.clone(), x.clone()
-        comm.all_reduce(ours)
-        dist.all_reduce(ref)
+        for name in ("all_reduce", "all_gather", "broadcast"):  # note each prepared call, then run it
+            prepared = getattr(cached_rounds, name)
+            mp.setattr(cached_rounds, name, lambda *a, _p=prepared, _n=name: (ran.append(_n), _p(*a))[1])
+        with pytest.MonkeyPatch.context() as small:
+            small.setattr(plan, "INLINE_SEND_BYTES", 0)
+            small.setattr(plan, "INLINE_MAX_BYTES", 2 * KB)  # frames sized by their error room, not by this
+            x = _ints(256, seed=r)  # 1 KB: in the frames, by the cached pair round
+            comm.all_reduce(x.clone())
+            assert ran == ["all_reduce"]
+            bufs = wire.buffers(peers, CPU)
+            small.setattr(plan, "INLINE_MAX_BYTES", 512)  # 1 KB no longer fits: the exchange
+            assert wire.buffers(peers, CPU) is bufs, "the frames are kept (same capacity)"
+            ours, ref = x.clone(), x.clone()
+            comm.all_reduce(ours)
+            dist.all_reduce(ref)
+            assert torch.equal(ours, ref)
+            assert ran == ["all_reduce"], "the exchange, not the round prepared before the change"
+
+            out = torch.zeros(2 * 64)
+            comm.all_gather_into_tensor(out, x[:64])  # 256 bytes: the cached pair round
+            assert ran[-1] == "all_gather"
+            small.setattr(plan, "BULK_FROM_BYTES", 128)  # all_gather leaves the frames from 128 bytes
+            ours, ref = torch.zeros(2 * 64), torch.zeros(2 * 64)
+            comm.all_gather_into_tensor(ours, x[:64])
+            dist.all_gather_into_tensor(ref, x[:64])
+            assert torch.equal(ours, ref)
+            assert ran.count("all_gather") == 1
+        # The limits back as they were: 512 KB rides in the frames again, so they grow to hold it.
+        big = _ints(128 * KB, seed=r)
+        ours, ref = big.clone(), big.clone()
+        comm.broadcast(ours, src=1)
+        dist.broadcast(ref, src=1)
         assert torch.equal(ours, ref)
-        assert key not in bufs.repeats, "and not remembered again: it took the exchange"
-
-        out = torch.zeros(2 * 64)
-        gather_key = cached_rounds.call_key("all_gather_into_tensor", None, out, x[:64])
-        comm.all_gather_into_tensor(out, x[:64])  # 256 bytes: the cached pair round
-        assert cached_rounds.repeat_of(peers, gather_key) is not None
-        mp.setattr(plan, "BULK_FROM_BYTES", 128)  # all_gather leaves the frames from 128 bytes
-        assert cached_rounds.repeat_of(peers, gather_key) is None
-        ours, ref = torch.zeros(2 * 64), torch.zeros(2 * 64)
-        comm.all_gather_into_tensor(ours, x[:64])
-        dist.all_gather_into_tensor(ref, x[:64])
-        assert torch.equal(ours, ref)
-        assert gather_key not in wire.buffers(peers, CPU).repeats
+        assert ran[-1] == "broadcast" and wire.buffers(peers, CPU) is not bufs
 
 
-def test_a_remembered_call_is_dropped_when_a_threshold_changes():
+def test_a_threshold_change_takes_effect_at_the_next_call():
     run_on_ranks(_limits_change, 2, timeout=120)

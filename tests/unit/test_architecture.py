@@ -1,8 +1,9 @@
 """The architecture the docs describe is the one the code has.
 
 docs/architecture.md is what `tools/architecture.py` generates from the code; it names every
-public name and every engine; imports run down the layers and form no cycle; files stay small
-(one concept per file). Nothing is launched: the import graph comes from the AST.
+public name and every engine; imports run down the layers (between the top-level parts, and
+between nanoddp.comm's own layers) and form no cycle, whatever the level of the import; files stay
+small (one concept per file). Nothing is launched: the import graph comes from the AST.
 """
 
 from __future__ import annotations
@@ -59,7 +60,40 @@ def test_import_graph_resolves_from_package_import_module(edges):
 
 def test_no_import_cycle_among_modules(edges):
     cycles = arch.import_cycles(edges)
-    assert not cycles, "module-level import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+    assert not cycles, "import cycles (any level): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _edge(source: str, target: str, where: str):
+    return arch.Edge(f"nanoddp.comm.{source}", f"nanoddp.comm.{target}", where, 1)
+
+
+def test_a_cycle_counts_imports_inside_functions_and_for_type_checking():
+    """Two modules that need each other form a cycle whatever the level of either import."""
+    for where in ("function", "typing"):
+        edges = [_edge("wire", "settle", "module"), _edge("settle", "wire", where)]
+        assert arch.import_cycles(edges) == [["nanoddp.comm.settle", "nanoddp.comm.wire"]], where
+    assert not arch.import_cycles([_edge("wire", "settle", "module"), _edge("settle", "transport", "function")])
+
+
+def test_comm_imports_run_down_its_layers(edges):
+    upward = arch.comm_upward_imports(edges)
+    assert not upward, (
+        "imports from a lower nanoddp.comm layer to a higher one (tools/architecture.py, "
+        "COMM_LAYERS): " + "; ".join(f"{e.source} -> {e.target} (line {e.line}, {e.where}-level)" for e in upward)
+    )
+
+
+def test_an_upward_import_inside_comm_is_caught_at_any_level():
+    for where in ("module", "function", "typing"):
+        assert arch.comm_upward_imports([_edge("ring", "collectives", where)]), where  # algorithms -> api
+    assert arch.comm_upward_imports([arch.Edge("nanoddp.comm.transport", "nanoddp.comm", "function", 1)])
+    assert not arch.comm_upward_imports([_edge("collectives", "ring", "module"), _edge("ring", "pieces", "module")])
+
+
+def test_every_comm_module_has_a_comm_layer():
+    parts = {arch.comm_part(m) for m in arch.module_files()} - {None}
+    assert parts - set(arch.COMM_LAYER_OF) == set(), "add these to tools/architecture.py's COMM_LAYERS"
+    assert set(arch.COMM_LAYER_OF) - parts == set(), "COMM_LAYERS names modules that do not exist"
 
 
 def test_imports_run_from_higher_layers_to_lower_ones(edges):
