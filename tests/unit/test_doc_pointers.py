@@ -1,9 +1,11 @@
-"""Every pointer from the code into docs/ leads somewhere.
+"""Every pointer from the code into docs/ leads somewhere, and none into a lab log.
 
-Comments keep the rule and point to the docs for the measurements behind it (`docs/x.md, "Section"`).
-When a page is split or a section renamed, such a pointer goes stale without any other test
-noticing; this one reads every pointer in `nanoddp/` and `tools/` and checks that the page exists
-and that each quoted name is one of its headings or a bold entry (`**Name**`) on it.
+Comments keep the rule and may point to a topic page for the explanation behind it
+(`docs/x.md, "Section"`). When a page is split or a section renamed, such a pointer goes stale
+without any other test noticing; this one reads every pointer in `nanoddp/` and `tools/` and checks
+that the page exists and that each quoted name is one of its headings or a bold entry (`**Name**`)
+on it. The reason for a line of code sits beside it as a note, never in a dated log: no pointer
+leads into docs/notes/.
 """
 
 from __future__ import annotations
@@ -45,8 +47,14 @@ def pointers() -> list[tuple[str, str, str | None]]:
 
 
 def test_the_code_points_into_the_docs():
-    # The check below must have something to check: the comm modules cite the lab log by section.
+    # The check below must have something to check: `nanoddp.comm.plan` cites docs/comm.md's section
+    # on the α–β model by name.
     assert any(name for _, _, name in pointers()), "no docs pointer with a section found: the pattern broke"
+
+
+def test_no_code_points_into_docs_notes():
+    into_notes = [f"{source}: {page}" for source, page, _ in pointers() if page.startswith("docs/notes/")]
+    assert not into_notes, "state the reason beside the code instead of pointing into a log:\n" + "\n".join(into_notes)
 
 
 def test_every_pointer_names_a_page_and_section_that_exist():
