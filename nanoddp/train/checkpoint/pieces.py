@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nanoddp.parallel.fsdp.state_dict import local_block
 
 Piece = tuple[Any, ...]
 
@@ -49,8 +50,8 @@ def dtensor_piece(t: DTensor, where: str) -> Piece:
     odd = [p for p in t.placements if type(p) not in (Shard, Replicate)]
     if odd:
         raise ValueError(f"{where} is a DTensor placed {tuple(t.placements)}; only Shard and Replicate can be saved")
-    size, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return box_piece(tuple(t.shape), tuple(offset), tuple(size))
+    size, offset = local_block(t.shape, t.device_mesh, t.placements)
+    return box_piece(tuple(t.shape), offset, size)
 
 
 def piece_numel(piece: Piece) -> int:

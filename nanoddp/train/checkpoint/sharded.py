@@ -32,7 +32,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from nanoddp.parallel.fsdp.state_dict import FlatPiece
 from nanoddp.parallel.zero.flat import FlatParamUnit
+from nanoddp.parallel.zero.module import flat_pieces
 from nanoddp.parallel.zero.partition import assemble_state
 from nanoddp.parallel.zero.stage1 import SHARD_KEY, ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint import pieces
@@ -40,7 +42,7 @@ from nanoddp.train.checkpoint.shard_files import ShardReader
 
 KINDS = ("sharded_module", "sharded_optim", "zero1")
 # id(parameter) -> (whole shape, start, stop): a flat unit's piece, elements [start, stop) of the parameter
-Registry = dict[int, tuple[tuple[int, ...], int, int]]
+Registry = dict[int, FlatPiece]
 
 
 def flat_registry(modules: list[nn.Module]) -> Registry:
@@ -48,10 +50,7 @@ def flat_registry(modules: list[nn.Module]) -> Registry:
     found: Registry = {}
     for module in modules:
         units = getattr(module, "_units", None)
-        for unit in units() if callable(units) else ():
-            if isinstance(unit, FlatParamUnit):
-                for p, piece, shape in zip(unit.params, unit.pieces, unit.shapes, strict=True):
-                    found[id(p)] = (tuple(shape), piece.start, piece.stop)
+        found.update(flat_pieces([u for u in (units() if callable(units) else ()) if isinstance(u, FlatParamUnit)]))
     return found
 
 
