@@ -10,6 +10,7 @@ from nanoddp.parallel.clip import clip_grad_norm_
 from nanoddp.parallel.ddp import comm_hooks as hooks
 from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
+from nanoddp.parallel.lowcomm import DiLoCo, LocalSGD
 from nanoddp.parallel.manual import SimpleDDP
 from nanoddp.parallel.replicas import verify_replicas
 from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer
@@ -21,9 +22,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "DiLoCo",
     "DistEnv",
     "DistributedDataParallel",
     "LaunchError",
+    "LocalSGD",
     "SimpleDDP",
     "Trainer",
     "ZeroRedundancyOptimizer",

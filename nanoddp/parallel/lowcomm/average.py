@@ -1,0 +1,43 @@
+"""The one way the low-communication optimizers average tensors over ranks: flat, one message.
+
+LocalSGD averages the parameters themselves, DiLoCo the pseudo-gradients; both send the same
+kind of thing (every trainable tensor, once every H steps), so both use this. The tensors of one
+dtype are laid end to end in a flat buffer and all-reduced once, which is what makes a sync cost
+one message per dtype instead of one per parameter.
+
+[Note: divide, then sum] Each rank divides its own copy by the world size before the all-reduce,
+as torch's `PeriodicModelAverager` (`torch.distributed.algorithms.model_averaging.utils`) does,
+so that our LocalSGD gives bitwise torch's result on two ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nanoddp.comm.backend import Collectives
+
+
+@torch.no_grad()
+def average_(tensors: Sequence[torch.Tensor], collectives: Collectives, group=None) -> int:
+    """Replace every tensor by its mean over the ranks of `group`, in place; returns the payload
+    bytes this rank handed to the all-reduce (0 when there is nothing to average or one rank)."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1 or not tensors:
+        return 0
+    sent = 0
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])  # (sum of numels,)
+        flat.div_(world_size)
+        collectives.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        sent += flat.numel() * flat.element_size()
+    return sent
