@@ -1,6 +1,6 @@
 """`fully_shard`: FSDP2's entry point, on DTensor parameters and our collectives.
 
-Why the same signature as torch's: the issue is "sharding you can drop in": FSDP2 code with
+Why the same signature as torch's: sharding you can drop in, FSDP2 code with
 only its import changed must run, so every argument name, kind and default matches
 `torch.distributed.fsdp.fully_shard`. nanoddp's own knobs (which collectives, learned
 prefetch) are not arguments but `settings`, read when `fully_shard` is called.
