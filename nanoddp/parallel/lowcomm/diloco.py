@@ -29,22 +29,18 @@ from typing import Any
 
 import torch
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND
 from nanoddp.parallel.lowcomm.average import average_
-from nanoddp.parallel.replicas import broadcast_rank0_weights
+from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 
 
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(PeriodicSync):
     """Wrap the inner `optimizer`; every `sync_every` steps apply the outer step (module doc).
 
-    An `Optimizer` for LR schedulers (they drive the inner learning rate) and `save_state`.
-
-    Build it before loading a checkpoint into the model: construction broadcasts rank 0's
-    weights, and between syncs each rank's weights are its own. `state_dict()` is this rank's
-    (the inner optimizer's state differs per rank): save it per rank for an exact resume.
+    See `PeriodicSync` for when to build it and how to save it.
     """
 
     def __init__(
@@ -58,45 +54,17 @@ class DiLoCo(torch.optim.Optimizer):
         group=None,
         comm_backend: str = DEFAULT_COMM_BACKEND,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DiLoCo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if int(sync_every) < 1:
-            raise ValueError(f"sync_every must be >= 1 (inner steps between outer steps), got {sync_every}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        self.optimizer = optimizer
-        self.sync_every = int(sync_every)
-        self.group = group
-        self.collectives = collectives_for(comm_backend)
-        self.local_step = 0
-        self.last_sync_bytes = 0  # what the last step() sent (0 between syncs): for metrics
-        # [Note: no super().__init__] as LocalSGD: the inner optimizer's groups and state.
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
-        params = self._params()
-        broadcast_rank0_weights(params, self.collectives, group)
+        super().__init__(optimizer, sync_every, group, comm_backend)
         # The outer optimizer steps a copy of the weights as they were at the last sync.
-        self.last_sync = [p.detach().clone() for p in params]
+        self.last_sync = [p.detach().clone() for p in self._params()]
         self.outer = torch.optim.SGD(
             self.last_sync, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One inner step; every `sync_every`-th also the outer step (all ranks together)."""
-        loss = self.optimizer.step(closure)
-        self.local_step += 1
-        self.last_sync_bytes = 0
-        if self.local_step % self.sync_every == 0:
-            self.last_sync_bytes = self._outer_step()
-        return loss
-
-    @torch.no_grad()
-    def _outer_step(self) -> int:
+    def _sync(self) -> int:
         params = self._params()
         pseudo_grads = [synced - p for p, synced in zip(params, self.last_sync, strict=True)]  # how far each moved
         sent = average_(pseudo_grads, self.collectives, self.group)
@@ -107,9 +75,6 @@ class DiLoCo(torch.optim.Optimizer):
             p.copy_(synced)
             synced.grad = None
         return sent
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -24,63 +24,25 @@ from typing import Any
 
 import torch
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND
 from nanoddp.parallel.lowcomm.average import average_
-from nanoddp.parallel.replicas import broadcast_rank0_weights
+from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 
 
-class LocalSGD(torch.optim.Optimizer):
+class LocalSGD(PeriodicSync):
     """Wrap `optimizer` so that its parameters are averaged over ranks every `sync_every` steps.
 
-    An `Optimizer` for LR schedulers and `save_state`: it shares `param_groups` and `state` with
-    the optimizer it wraps. `state_dict()` holds the inner optimizer's and the local step count,
-    so a resume syncs at the same steps as an uninterrupted run.
-
-    Build it before loading a checkpoint into the model: construction broadcasts rank 0's
-    weights, and between syncs each rank's weights are its own. `state_dict()` is this rank's
-    (the inner optimizer's state differs per rank): save it per rank for an exact resume.
+    `state_dict()` holds the inner optimizer's and the local step count, so a resume syncs at
+    the same steps as an uninterrupted run (see `PeriodicSync` for when to build and save it).
     """
 
     def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        sync_every: int,
-        *,
-        group=None,
-        comm_backend: str = DEFAULT_COMM_BACKEND,
+        self, optimizer: torch.optim.Optimizer, sync_every: int, *, group=None, comm_backend: str = DEFAULT_COMM_BACKEND
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if int(sync_every) < 1:
-            raise ValueError(f"sync_every must be >= 1 (steps between parameter averages), got {sync_every}")
-        self.optimizer = optimizer
-        self.sync_every = int(sync_every)
-        self.group = group
-        self.collectives = collectives_for(comm_backend)
-        self.local_step = 0
-        self.last_sync_bytes = 0  # what the last step() sent (0 between syncs): for metrics
-        # [Note: no super().__init__] The wrapper has no parameters of its own: it reads and
-        # writes the inner optimizer's groups and state, as torch's PostLocalSGDOptimizer does.
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
-        broadcast_rank0_weights(self._params(), self.collectives, group)
+        super().__init__(optimizer, sync_every, group, comm_backend)
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """The inner optimizer's step on this rank's gradients, then, on a sync step, the average."""
-        loss = self.optimizer.step(closure)
-        self.local_step += 1
-        self.last_sync_bytes = 0
-        if self.local_step % self.sync_every == 0:
-            self.last_sync_bytes = average_(self._params(), self.collectives, self.group)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def _sync(self) -> int:
+        return average_(self._params(), self.collectives, self.group)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "local_step": self.local_step}

@@ -1,0 +1,64 @@
+"""What LocalSGD and DiLoCo share: an optimizer wrapper that syncs every `sync_every` steps.
+
+Each rank steps the inner optimizer on its own gradients; every `sync_every`-th step also runs
+the subclass's `_sync()` (all ranks together: a collective). The wrapper is a
+`torch.optim.Optimizer` so that LR schedulers and `save_state` take it, but it has no parameters
+of its own: it shares `param_groups` and `state` with the inner optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.parallel.replicas import broadcast_rank0_weights
+
+
+class PeriodicSync(torch.optim.Optimizer):
+    """The inner optimizer's step on this rank, then every `sync_every` steps `_sync()`.
+
+    Build it before loading a checkpoint into the model: construction broadcasts rank 0's
+    weights, and between syncs each rank's weights are its own. `state_dict()` is this rank's
+    (the inner optimizer's state differs per rank): save it per rank for an exact resume.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, sync_every: int, group=None, comm_backend: str = DEFAULT_COMM_BACKEND
+    ):
+        name = type(self).__name__
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{name} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if int(sync_every) < 1:
+            raise ValueError(f"sync_every must be >= 1 (steps between syncs), got {sync_every}")
+        self.optimizer = optimizer
+        self.sync_every = int(sync_every)
+        self.group = group
+        self.collectives = collectives_for(comm_backend)
+        self.local_step = 0
+        self.last_sync_bytes = 0  # what the last step() sent (0 between syncs): for metrics
+        # [Note: no super().__init__] The wrapper has no parameters of its own: it reads and
+        # writes the inner optimizer's groups and state, as torch's PostLocalSGDOptimizer does.
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        broadcast_rank0_weights(self._params(), self.collectives, group)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _sync(self) -> int:
+        """Bring the replicas together (collective); returns the bytes this rank sent."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """The inner optimizer's step; every `sync_every`-th also `_sync()` (all ranks together)."""
+        loss = self.optimizer.step(closure)
+        self.local_step += 1
+        self.last_sync_bytes = self._sync() if self.local_step % self.sync_every == 0 else 0
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
