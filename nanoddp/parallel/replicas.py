@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, Collectives, collectives_for
+from nanoddp.parallel.tensors import through_flat
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +85,7 @@ def check_same_structure(module: nn.Module, collectives: Collectives, group=None
 @torch.no_grad()
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], collectives: Collectives, group=None, src: int = 0) -> None:
     """Overwrite `tensors` with `src`'s values using one broadcast per dtype/device."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for same_kind in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same_kind])  # (N,)
-        collectives.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in same_kind:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+    through_flat(tensors, lambda flat: collectives.broadcast(flat, src=src, group=group))
 
 
 @torch.no_grad()

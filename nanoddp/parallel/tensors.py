@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,3 +100,18 @@ def cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(obj, (tuple, list, set)):
         return type(obj)(cast_floats(x, dtype) for x in obj)
     return obj
+
+
+def through_flat(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
+    """Run `fn` in place on one flat tensor per dtype/device holding `tensors` end to end, then
+    copy the result back: how a collective over many tensors costs one message per dtype."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same_kind in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same_kind])  # (N,)
+        fn(flat)
+        offset = 0
+        for t in same_kind:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.parallel.tensors import through_flat
 
 
 @torch.no_grad()
@@ -27,17 +28,10 @@ def average_(tensors: Sequence[torch.Tensor], collectives: Collectives, group=No
     world_size = dist.get_world_size(group)
     if world_size == 1 or not tensors:
         return 0
-    sent = 0
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])  # (sum of numels,)
+
+    def mean(flat: torch.Tensor) -> None:
         flat.div_(world_size)
         collectives.all_reduce(flat, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        sent += flat.numel() * flat.element_size()
-    return sent
+
+    through_flat(tensors, mean)
+    return sum(t.numel() * t.element_size() for t in tensors)
