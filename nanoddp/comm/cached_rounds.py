@@ -32,7 +32,7 @@ import torch
 from nanoddp.comm import header_round, plan, wire
 from nanoddp.comm.header_round import check_at_hub
 from nanoddp.comm.reduce import reduce_in_rank_order
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.transport import Peers, send_on
 from nanoddp.comm.wire import COLLECTIVES, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
 
 MAX_ROUNDS = 256  # prepared signatures kept per group (a training loop uses a handful)
@@ -66,7 +66,7 @@ class PairRound:
         other = self._other
         self._out_slots[other] = self._mine
         received = self._group.recv([self._in_row], other, TAG_FRAME)  # first: gloo sends once it is announced
-        sent = self._group.send([self._frame], other, TAG_FRAME)
+        sent = send_on(self._group, self._frame, other, TAG_FRAME)
         received.wait()
         sent.wait()
         theirs = self._in_slots[other].tolist()
@@ -149,7 +149,7 @@ class StarBroadcast:
             self._up_data.copy_(flat.view(torch.uint8))
         self._out_slots[0] = self._mine
         received = self._group.recv([bufs.in_rows[0]], 0, TAG_FRAME)
-        sent = self._group.send([self._up], 0, TAG_FRAME)
+        sent = send_on(self._group, self._up, 0, TAG_FRAME)
         received.wait()
         sent.wait()
         verdict = self._in_slots[0].tolist()
@@ -174,7 +174,7 @@ class StarBroadcast:
         self._out_slots[0] = self._down_slots
         if root != 0:
             self._out_slots[root] = self._root_slots
-        sent = [self._group.send([self._root_down if p == root else self._down], p, TAG_FRAME) for p in range(1, n)]
+        sent = [send_on(self._group, self._root_down if p == root else self._down, p, TAG_FRAME) for p in range(1, n)]
         for work in sent:
             work.wait()
         if root != 0:

@@ -91,10 +91,11 @@ class Peers:
     # rules live there).
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
         if self.gloo:
-            work = self.group.send([tensor], peer, tag)
+            work = send_on(self.group, tensor, peer, tag)
             if tag >= TAG_CALLS and self._before_verdict(tag):
                 self.unsettled.append((peer, tag, tensor.numel() * tensor.element_size(), True, work))
             return work
+        count_sent(tensor)
         return posted(dist.isend(tensor, group=self.group, group_dst=peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
@@ -132,6 +133,8 @@ class Peers:
             return [self.irecv(t, p, tag) for t, p in recvs] + [self.isend(t, p, tag) for t, p in sends]
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
+        for t, _ in sends:
+            count_sent(t)
         return dist.batch_isend_irecv(ops) if ops else []
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,6 +145,31 @@ class Peers:
             buf = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
             self._scratch[(name, device)] = buf
         return buf[:nbytes].view(dtype)
+
+
+# Bytes this process has handed to sends for nanoddp's collectives (headers included), for the
+# trainer's `comm_bytes`: the main thread and the background sender both add to it, hence the lock.
+_SENT_BYTES = 0
+_SENT_LOCK = threading.Lock()
+
+
+def count_sent(tensor: torch.Tensor) -> None:
+    """Add `tensor`'s bytes to `sent_bytes()`."""
+    global _SENT_BYTES
+    with _SENT_LOCK:
+        _SENT_BYTES += tensor.numel() * tensor.element_size()
+
+
+def sent_bytes() -> int:
+    """Bytes this process has sent through nanoddp's collectives so far (a running total: take the
+    difference around a step for that step's bytes)."""
+    return _SENT_BYTES
+
+
+def send_on(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    """Every gloo send of nanoddp's collectives goes through here: `group.send`, counted."""
+    count_sent(tensor)
+    return group.send([tensor], peer, tag)
 
 
 def posted(work: dist.Work | None) -> dist.Work:
@@ -202,7 +230,7 @@ def _post(queued: _QueuedSend) -> None:
     message's whole storage alive (a broadcast root's 14 MB flat copy of a model, say)."""
     handle, group, tensor, peer, tag = queued
     try:
-        handle._work = group.send([tensor], peer, tag)
+        handle._work = send_on(group, tensor, peer, tag)
     except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
         handle._error = exc
     finally:
