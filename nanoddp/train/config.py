@@ -78,6 +78,14 @@ class TrainConfig:
     """--engine fsdp: comma-separated module class names to shard as units before the root
     (default: the model's layers: GPT blocks, a Hugging Face model's _no_split_modules, else
     children holding at least 5 percent of the parameters)."""
+    sync_every: int | None = None
+    """--engine localsgd|diloco: optimizer steps each rank takes on its own between two syncs of
+    the replicas (default 50); refused with any other engine."""
+    outer_lr: float | None = None
+    """--engine diloco: the outer SGD's learning rate on the averaged pseudo-gradient (default 0.7,
+    the DiLoCo paper's)."""
+    outer_momentum: float | None = None
+    """--engine diloco: the outer SGD's Nesterov momentum (default 0.9; 0 = plain SGD)."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False
@@ -116,6 +124,9 @@ class TrainConfig:
         for name, value in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["gpt"]).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        for name, value in getattr(ENGINE_REGISTRY.get(self.engine), "option_defaults", {}).items():
+            if getattr(self, name) is None:  # the engine's own options (--sync-every)
+                setattr(self, name, value)
 
 
 MODEL_DEFAULTS: dict[str, dict[str, float]] = {
@@ -125,6 +136,9 @@ MODEL_DEFAULTS: dict[str, dict[str, float]] = {
     "smollm2": {"text_max_bytes": 1_000_000, "batch_size": 8, "lr": 1e-4, "warmup_steps": 5, "eval_samples": 64},
 }
 
+
+# Fields that only some engines read (their `option_defaults` fill them; None = not given).
+ENGINE_OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
 
 T = TypeVar("T")
 
@@ -202,10 +216,27 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"amp must be off, bf16 or fp16, got {config.amp!r}")
     if config.fsdp_wrap and config.engine != "fsdp":
         raise ValueError(f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp")
+    _validate_engine_options(config)
     if config.resume not in ("auto", "never") and not Path(config.resume).exists():
         raise FileNotFoundError(
             f"--resume {config.resume!r}: no such snapshot file or run directory (or use auto / never)"
         )
+
+
+def _validate_engine_options(config: TrainConfig) -> None:
+    """The engine's own options (`Engine.option_defaults`): set only for an engine that reads them."""
+    own = ENGINE_REGISTRY[config.engine].option_defaults
+    for name in ENGINE_OPTIONS:
+        if getattr(config, name) is not None and name not in own:
+            readers = [engine for engine, kind in ENGINE_REGISTRY.items() if name in kind.option_defaults]
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} applies to --engine {'|'.join(readers)}, not {config.engine!r}: drop {flag}")
+    if config.sync_every is not None and config.sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1 (optimizer steps between syncs), got {config.sync_every}")
+    if config.outer_lr is not None and not (math.isfinite(config.outer_lr) and config.outer_lr > 0):
+        raise ValueError(f"outer_lr must be a finite number > 0, got {config.outer_lr}")
+    if config.outer_momentum is not None and not 0.0 <= config.outer_momentum < 1.0:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {config.outer_momentum}")
 
 
 def _validate_smollm2(config: TrainConfig) -> None:

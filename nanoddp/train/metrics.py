@@ -33,6 +33,7 @@ REQUIRED_KEYS = (
     "tokens_per_s",
     "comm_time_s",
     "comm_exposed_s",
+    "comm_bytes",
     "world_size",
 )
 
@@ -241,6 +242,7 @@ class Window:
         self.steps = 0
         self.loss_steps = 0  # steps whose loss counts: a skipped step's (non-finite) does not
         self.loss_sum = torch.zeros(())
+        self.comm_bytes = 0  # what this rank's step collectives sent over the window
         self.started = time.perf_counter()
         self.paused_s = 0.0
 
@@ -252,9 +254,11 @@ class Window:
         finally:
             self.paused_s += time.perf_counter() - started
 
-    def add_loss(self, loss: torch.Tensor | None) -> None:
-        """One step done, with its loss (None: a step whose update was skipped, see step_check)."""
+    def add_loss(self, loss: torch.Tensor | None, comm_bytes: int = 0) -> None:
+        """One step done, with its loss (None: a step whose update was skipped, see step_check)
+        and the bytes its collectives sent from this rank."""
         self.steps += 1
+        self.comm_bytes += comm_bytes
         if loss is not None:
             self.loss_sum = self.loss_sum.to(loss.device) + loss.float()
             self.loss_steps += 1

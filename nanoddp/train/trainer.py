@@ -10,7 +10,9 @@ them. What the tutorial version lacks and this one has:
   gives bitwise the same parameters at step n as never stopping;
 - gradient accumulation that skips the all-reduce on all but the last micro-step;
 - clipping on the *averaged* gradients (after the sync; clipping per rank before it would
-  clip each rank's noisy gradient by a different factor);
+  clip each rank's noisy gradient by a different factor), except where the engine never
+  averages them (`localsgd`, `diloco`: each rank clips its own, then its optimizer syncs the
+  replicas every few steps);
 - the logged loss is the global mean (all_reduce), validation covers every rank's shard with
   the uneven tail weighted correctly, and only rank 0 prints and writes files.
 """
@@ -29,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from nanoddp.comm import transport
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.grad_scaler import ShardedGradScaler
@@ -39,7 +42,7 @@ from nanoddp.train.config import TrainConfig, build_model, check_data, filled, t
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
-from nanoddp.train.engines import SHARDED_ENGINES, build_engine, prepare_model
+from nanoddp.train.engines import build_engine, prepare_model
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
 from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master
@@ -61,7 +64,9 @@ class Trainer:
 
     An `optimizer` built before the Trainer is fine for every engine: zero2 keeps the parameter
     objects, fsdp moves it onto the sharded ones. For ZeRO-1 pass a `nanoddp.ZeroRedundancyOptimizer` (with
-    `engine="zero1"`, or any replicated engine).
+    `engine="zero1"`, or any replicated engine). With `engine="localsgd"` or `"diloco"` the Trainer
+    wraps it in `nanoddp.LocalSGD` / `nanoddp.DiLoCo` (`sync_every`, `outer_lr`, `outer_momentum`
+    options), or uses the wrapper you pass as is.
     """
 
     def __init__(
@@ -130,8 +135,6 @@ class Trainer:
         prepare_model(config, module, optimizer, env)  # fsdp: shard now; refuse a model sharded otherwise
         self.batch_loss, self.collate_fn = batch_loss, collate_fn or default_collate
         self._tokens_per_sample = getattr(self.train_set, "tokens_per_sample", None)
-        scaler = ShardedGradScaler if config.engine in SHARDED_ENGINES else torch.amp.GradScaler  # same skips
-        self.scaler = scaler(env.device.type, enabled=config.amp == "fp16")
         self.sampler = ResumableDistributedSampler(
             self.train_set, env.world_size, env.rank, shuffle=True, seed=config.seed
         )
@@ -148,6 +151,13 @@ class Trainer:
         self._last_step_finite, self._newest_finite_snapshot = True, cast(int | None, None)  # prune keeps that one
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
         self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
+        self.optimizer = self.engine.wrap_optimizer(optimizer, config)  # localsgd/diloco: their periodic sync
+        # Gradients that differ per rank (sharded, or never averaged) would let an fp16 overflow
+        # skip the step on some ranks only: ShardedGradScaler agrees on the verdict.
+        per_rank_grads = self.engine.sharded or self.engine.local_gradients
+        scaler = ShardedGradScaler if per_rank_grads else torch.amp.GradScaler
+        self.scaler = scaler(env.device.type, enabled=config.amp == "fp16")
+        self._step_comm_bytes = 0  # what the last step's collectives sent from this rank
         self.resumed_from = self._maybe_resume()  # after the engine: a sharded one loads its own pieces
         self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
@@ -257,6 +267,7 @@ class Trainer:
     def _run_step(self, batches: Iterator) -> torch.Tensor | None:
         """One optimizer step over `grad_accum` micro-batches; returns this rank's mean loss, or
         None when a non-finite loss on some rank made every rank skip the update (`--on-nan skip`)."""
+        sent_before = transport.sent_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.env.device)
         for micro in range(self.config.grad_accum):
@@ -267,7 +278,7 @@ class Trainer:
         if verdict.nonfinite_ranks:
             self._skip_nonfinite(verdict.nonfinite_ranks)
         else:
-            if self.config.grad_clip > 0:  # on the averaged gradients, identical on every rank
+            if self.config.grad_clip > 0:  # on the averaged gradients (local_gradients: this rank's)
                 self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
                 self.engine.clip_grad_norm_(self.config.grad_clip)
             with region("optimizer step"):
@@ -276,6 +287,7 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.engine.end_step()
+        self._step_comm_bytes = self.engine.step_comm_bytes(transport.sent_bytes() - sent_before)
         self.step += 1
         return None if verdict.nonfinite_ranks else total / self.config.grad_accum
 
@@ -322,7 +334,7 @@ class Trainer:
         window = Window(self.step)
         with redirect_logging(progress), TraceSession(cfg.trace, self.env.rank) as tracer:
             while self.step < end:
-                window.add_loss(self._run_step(batches))
+                window.add_loss(self._run_step(batches), self._step_comm_bytes)
                 tracer.step()
                 progress.update(1)
                 final = self.step == end
@@ -377,6 +389,7 @@ class Trainer:
             else self.config.batch_size * self._tokens_per_sample / step_time,
             "comm_time_s": None if comm_s is None else comm_s / steps,
             "comm_exposed_s": None if exposed_s is None else exposed_s / steps,  # backward waited on it
+            "comm_bytes": window.comm_bytes,  # sent by this rank's step collectives since the last record
             "world_size": self.env.world_size,
         }
         if val_loss is not None:

@@ -14,7 +14,12 @@ The kinds (decided alike on every rank, from the objects alone):
   like the parameter's piece are sharded entries; the rest (`step`, hyperparameters) stays in
   each rank's file. Flat pieces are recognised through the modules passed in the same call;
 - "zero1": our `ZeroRedundancyOptimizer`: its own `sharded_state_dict()` per rank; at another
-  world size every rank glues all shards into the full state and `load_state_dict`s it.
+  world size every rank glues all shards into the full state and `load_state_dict`s it;
+- "replica_optim": a `nanoddp.LocalSGD`/`DiLoCo` wrapper: its `state_dict()` per rank, in the
+  same place zero1 keeps its shard. Between syncs each rank's replica is its own, so the model
+  it steps is saved per rank too: a "sharded_module" whose every tensor is one whole piece per
+  rank (`replica_registry`). Each rank loads back its own replica; at another world size rank r
+  takes saved replica r, and ranks the save did not have take rank 0's.
 
 A whole state (a replicated engine's model or optimizer) loads into a sharded object as a
 one-rank save would: every rank cuts its own pieces from it (`whole_optimizer_layout`).
@@ -33,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from nanoddp.parallel.fsdp.state_dict import FlatPiece
+from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 from nanoddp.parallel.zero.flat import FlatParamUnit
 from nanoddp.parallel.zero.module import flat_pieces
 from nanoddp.parallel.zero.partition import assemble_state
@@ -40,7 +46,8 @@ from nanoddp.parallel.zero.stage1 import SHARD_KEY, ZeroRedundancyOptimizer
 from nanoddp.train.checkpoint import pieces
 from nanoddp.train.checkpoint.shard_files import ShardReader
 
-KINDS = ("sharded_module", "sharded_optim", "zero1")
+KINDS = ("sharded_module", "sharded_optim", "zero1", "replica_optim")
+PER_RANK_STATE = ("zero1", "replica_optim")  # the whole object's own state_dict in each rank's file
 # id(parameter) -> (whole shape, start, stop): a flat unit's piece, elements [start, stop) of the parameter
 Registry = dict[int, FlatPiece]
 
@@ -54,10 +61,27 @@ def flat_registry(modules: list[nn.Module]) -> Registry:
     return found
 
 
+def replica_registry(objects: list[Any], modules: list[nn.Module]) -> Registry:
+    """Every tensor of the `modules` whose parameters a LocalSGD/DiLoCo among `objects` steps,
+    as a piece holding all of it: between syncs each rank's replica is its own, so each rank
+    saves its whole state as its piece (buffers too: nothing averages them)."""
+    stepped = {id(p) for obj in objects if isinstance(obj, PeriodicSync) for p in _params(obj)}
+    found: Registry = {}
+    for module in modules:
+        if stepped.isdisjoint(id(p) for p in module.parameters()):
+            continue
+        for value in module.state_dict(keep_vars=True).values():
+            if torch.is_tensor(value) and not isinstance(value, DTensor):
+                found[id(value)] = FlatPiece(value.shape, 0, value.numel())
+    return found
+
+
 def kind_of(obj: Any, module: nn.Module | None, registry: Registry) -> str | None:
     """The sharded kind of `obj` (`module`: it unwrapped, when it is one), None if not sharded."""
     if isinstance(obj, ZeroRedundancyOptimizer):
         return "zero1"
+    if isinstance(obj, PeriodicSync):
+        return "replica_optim"
     if module is not None:
         values = module.state_dict(keep_vars=True).values()
         return "sharded_module" if any(_is_piece(v, registry) for v in values) else None
@@ -108,8 +132,9 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 def capture(name: str, obj: Any, module: nn.Module | None, kind: str, registry: Registry, is_master: bool):
     """(this rank's file part, this rank's pieces {key: piece}, the manifest's layout; None off rank 0)."""
-    if kind == "zero1":
-        return {"rest": obj.sharded_state_dict()}, {}, ({} if is_master else None)
+    if kind in PER_RANK_STATE:
+        own = obj.sharded_state_dict() if kind == "zero1" else obj.state_dict()
+        return {"rest": own}, {}, ({} if is_master else None)
     # keyed by state_dict key (a sharded module) or (parameter index, state key) (an optimizer)
     tensors: dict[str | tuple[int, str], torch.Tensor] = {}
     found: dict[str | tuple[int, str], Any] = {}
@@ -170,6 +195,10 @@ def prepare(name: str, obj: Any, module: nn.Module | None, kind: str, layout: di
     """
     reader: ShardReader = ctx["reader"]
     rank, same_size = ctx["rank"], ctx["world_size"] == ctx["saved_world_size"]
+    if kind == "replica_optim":
+        if not isinstance(obj, PeriodicSync):
+            raise ValueError(f"load_state: {name} was saved by nanoddp.LocalSGD or DiLoCo; pass one to load it")
+        return reader.get(rank if rank < ctx["saved_world_size"] else 0)[name]["rest"]
     if kind == "zero1":
         if not isinstance(obj, ZeroRedundancyOptimizer):
             raise ValueError(f"load_state: {name} was saved by a ZeroRedundancyOptimizer; pass one to load it")
@@ -273,6 +302,8 @@ def apply(obj: Any, module: nn.Module | None, kind: str, prepared: Any) -> None:
     if kind == "zero1":
         how, state = prepared
         (obj.load_sharded_state_dict if how == "sharded" else obj.load_state_dict)(state)
+    elif kind == "replica_optim":
+        obj.load_state_dict(prepared)
     elif kind == "sharded_module":
         assert module is not None  # a sharded module's kind comes with its module
         module.load_state_dict(prepared)

@@ -13,7 +13,8 @@ guarantees without adopting the Trainer. You name the objects, we sort them by k
   prefix), from rank 0: data parallelism keeps the replicas identical;
 - sharded objects (a model with DTensor parameters, `fully_shard`'s; a `zero2` model; our
   `ZeroRedundancyOptimizer`; a torch optimizer over such a model's parameters, passed in the
-  same call) differ on every rank, so each rank writes its own shard file next to the file,
+  same call; a `nanoddp.LocalSGD`/`DiLoCo` and the model it steps, whose replicas are each
+  rank's own between syncs) differ on every rank, so each rank writes its own shard file next to the file,
   which is then a manifest of where every piece lies (`nanoddp.train.checkpoint.sharded`):
   same world size, each rank gets its own pieces back bitwise; another one, each rank reads
   the pieces it now holds from the files that have them. A module or optimizer whose shapes
@@ -234,6 +235,7 @@ def _classify(objects: dict[str, Any]) -> tuple[dict[str, torch.nn.Module], shar
     """The modules unwrapped, their flat-unit pieces, and every object's kind (alike on every rank)."""
     modules = {name: unwrap(obj) for name, obj in objects.items() if isinstance(obj, (torch.nn.Module, SimpleDDP))}
     registry = sharded.flat_registry(list(modules.values()))
+    registry |= sharded.replica_registry(list(objects.values()), list(modules.values()))
     kinds = {name: sharded.kind_of(obj, modules.get(name), registry) or _kind(obj) for name, obj in objects.items()}
     return modules, registry, kinds
 

@@ -10,12 +10,15 @@
 | `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
 | `zero2`     | ZeRO-2 hooks on the module (`parallel.zero.stage2`) | bucketed reduce-scatter into gradient shards |
 | `fsdp`      | `nanoddp.fsdp.fully_shard` per unit, then the root | all-gather params per unit, reduce-scatter grads |
+| `localsgd`  | nothing; optimizer: `nanoddp.LocalSGD` | none; weights averaged every `--sync-every` steps |
+| `diloco`    | nothing; optimizer: `nanoddp.DiLoCo` | none; outer step on the mean pseudo-gradient every H |
 
 Files: `base.py` (the `Engine` interface), one per family (`ddp.py`, `manual.py`, `single.py`,
-`zero2.py`, `fsdp.py`), and `registry.py` (name -> engine class, `build_engine`). Gradient
+`zero2.py`, `fsdp.py`, `lowcomm.py`), and `registry.py` (name -> engine class, `build_engine`). Gradient
 accumulation differs by kind: the DDP-like engines run the non-final micro-steps inside
 `no_sync()` so that backward skips the sync; the manual engines simply do not call their sync
-function until the last micro-step. `Engine.micro_step(sync)` hides the difference.
+function until the last micro-step; the low-communication engines have nothing to skip.
+`Engine.micro_step(sync)` hides the difference.
 """
 
 from nanoddp.train.engines.base import Engine, device_ids_for
@@ -24,7 +27,6 @@ from nanoddp.train.engines.manual import ManualEngine
 from nanoddp.train.engines.registry import (
     ENGINE_REGISTRY,
     ENGINES,
-    SHARDED_ENGINES,
     EngineName,
     build_engine,
     engine_help,
@@ -35,7 +37,6 @@ __all__ = [
     "AMP_DTYPES",
     "ENGINES",
     "ENGINE_REGISTRY",
-    "SHARDED_ENGINES",
     "Engine",
     "EngineName",
     "ManualEngine",

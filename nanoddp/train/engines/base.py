@@ -4,7 +4,10 @@ Each kind is a subclass (`engines.ddp`, `manual`, `single`, `zero2`, `fsdp`) and
 itself: how it is built from a bare model (`build`), what it needs before resume (`prepare`),
 what runs around one micro-step (`micro_step`), the whole model's state (`state_dict`), and how
 a timeline draws its communication (`trace_comm`). Its class attributes are its registry entry
-(`engines.registry`): `name`, `help`, `zero_optimizer`, `sharded`. Nothing asks an engine its name.
+(`engines.registry`): `name`, `help`, `zero_optimizer`, `sharded`, `local_gradients`,
+`option_defaults`. Nothing asks an engine its name. Two hooks finish the trainer's setup and
+step record: `wrap_optimizer` (the optimizer the trainer steps) and `step_comm_bytes` (what a
+step sent).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class Engine:
     # After backward each rank holds a shard of the gradients (fsdp: of the parameters too), so
     # clipping, saving and evaluation must involve every rank, and optimizer state is per rank.
     sharded = False
+    # After backward each rank holds its own gradient, never averaged (the low-communication
+    # engines): an fp16 overflow verdict must be agreed over ranks, and clipping is per rank.
+    local_gradients = False
+    # TrainConfig fields this engine reads, with their defaults (filled where left at None);
+    # such a field set for an engine that does not list it is refused (`config.validate_loop`).
+    option_defaults: dict[str, float] = {}
 
     def __init__(self, name: str, model: nn.Module, module: nn.Module, comm: CommTimer | None = None):
         self.name = name  # the class's for a registry engine; a benchmark's variant names itself
@@ -62,10 +71,22 @@ class Engine:
                 f"as the whole model; use engine={kind!r} (--engine {kind}), or pass the model unsharded"
             )
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.Optimizer:
+        """The optimizer the trainer steps, built once the engine is (the low-communication
+        engines wrap it in their periodic sync); here: `optimizer` itself."""
+        return optimizer
+
+    def step_comm_bytes(self, counted: int) -> int:
+        """Bytes this rank sent in one training step's collectives, given `counted`: what
+        nanoddp's transport counted over the step (`comm.transport.sent_bytes`). Here: that
+        count; an engine whose traffic bypasses our transport models its own (torch's DDP)."""
+        return counted
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the averaged gradients by their global norm: `nanoddp.clip_grad_norm_`, which
         takes each kind of gradient's part of the norm (replicated as is, fsdp's DTensors over
-        the mesh, zero2's pieces over the group; collective for the sharded engines)."""
+        the mesh, zero2's pieces over the group; collective for the sharded engines). With
+        `local_gradients` the gradients are this rank's own, so each rank clips by its own norm."""
         from nanoddp.parallel.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module, max_norm)

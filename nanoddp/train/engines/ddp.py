@@ -37,12 +37,27 @@ class TorchDDPEngine(DDPEngine):
 
     name = "torch"
     help = "torch's DDP (its C++ reducer)"
+    ring_bytes = 0  # what a step's gradient all-reduce sends, modelled (`build`)
 
     @classmethod
     def build(cls, module: nn.Module, env: DistEnv) -> Engine:
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-        return cls(cls.name, TorchDDP(module, device_ids=device_ids_for(env)), module)
+        engine = cls(cls.name, TorchDDP(module, device_ids=device_ids_for(env)), module)
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        engine.ring_bytes = ring_all_reduce_bytes(grad_bytes, env.world_size)
+        return engine
+
+    def step_comm_bytes(self, counted: int) -> int:
+        """Modelled, not counted: torch's reducer sends through gloo's own all-reduce, which our
+        transport never sees; a ring all-reduce of the gradient buckets sends `ring_bytes`."""
+        return counted + self.ring_bytes
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """What one rank sends in a ring all-reduce of `nbytes`: a reduce-scatter and an all-gather,
+    each (ws - 1) chunks of nbytes / ws (no headers: torch's gloo frames its own)."""
+    return 2 * (world_size - 1) * nbytes // world_size
 
 
 class NanoddpEngine(DDPEngine):

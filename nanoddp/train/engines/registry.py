@@ -13,6 +13,7 @@ from nanoddp.env import DistEnv
 from nanoddp.train.engines.base import Engine
 from nanoddp.train.engines.ddp import NanoddpEngine, TorchDDPEngine, Zero1Engine
 from nanoddp.train.engines.fsdp import FSDPEngine
+from nanoddp.train.engines.lowcomm import DiLoCoEngine, LocalSGDEngine
 from nanoddp.train.engines.manual import AllReduceEngine, ReduceScatterAllGatherEngine
 from nanoddp.train.engines.single import SingleEngine
 from nanoddp.train.engines.zero2 import Zero2Engine
@@ -26,13 +27,15 @@ _IN_HELP_ORDER: tuple[type[Engine], ...] = (
     Zero1Engine,
     Zero2Engine,
     FSDPEngine,
+    LocalSGDEngine,
+    DiLoCoEngine,
 )
 ENGINE_REGISTRY: dict[str, type[Engine]] = {kind.name: kind for kind in _IN_HELP_ORDER}
 ENGINES = tuple(ENGINE_REGISTRY)
-# Engines whose ranks hold shards: their optimizer state is saved per rank (see the trainer).
-SHARDED_ENGINES = frozenset(name for name, kind in ENGINE_REGISTRY.items() if kind.sharded)
 if TYPE_CHECKING:  # the checker needs the names spelled out; keep them in ENGINE_REGISTRY's order
-    EngineName = Literal["nanoddp", "torch", "allreduce", "rs_ag", "single", "zero1", "zero2", "fsdp"]
+    EngineName = Literal[
+        "nanoddp", "torch", "allreduce", "rs_ag", "single", "zero1", "zero2", "fsdp", "localsgd", "diloco"
+    ]
 else:
     EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
 

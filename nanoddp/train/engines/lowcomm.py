@@ -1,0 +1,88 @@
+"""The low-communication engines, `localsgd` and `diloco`: no gradient sync at all; the optimizer
+syncs the replicas every `sync_every` steps.
+
+The model is not wrapped: backward leaves each rank its own gradient, and the trainer's optimizer
+is wrapped by `nanoddp.LocalSGD` or `nanoddp.DiLoCo` (`wrap_optimizer`), whose `step()` runs the
+inner optimizer on this rank and, every `sync_every`-th step, brings the replicas together (an
+average of the weights, or DiLoCo's outer step on the averaged pseudo-gradients). So between
+syncs the ranks hold different weights and different inner optimizer states: snapshots save
+both per rank (`checkpoint.user_state` recognises the wrapper and the model it steps), and
+`model.pt` is the mean of the replicas (`state_dict`). What each rank does with its own
+gradient before the step (clipping, fp16 overflow checks) sees this rank's gradient alone:
+clipping is per rank, the overflow verdict is agreed over ranks (`local_gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanoddp.env import DistEnv
+from nanoddp.parallel.lowcomm.diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
+from nanoddp.parallel.lowcomm.localsgd import LocalSGD
+from nanoddp.parallel.lowcomm.periodic import PeriodicSync
+from nanoddp.train.engines.base import Engine
+
+SYNC_EVERY = 50  # steps between syncs unless --sync-every says otherwise
+
+
+class PeriodicSyncEngine(Engine):
+    """The bare model; the optimizer the trainer steps is a `PeriodicSync` around its own."""
+
+    local_gradients = True
+
+    def __init__(self, name: str, model: nn.Module, module: nn.Module):
+        super().__init__(name, model, module)
+        self.wrapper: PeriodicSync | None = None  # set by wrap_optimizer
+
+    @classmethod
+    def build(cls, module: nn.Module, env: DistEnv) -> Engine:
+        """The model as it is: the wrapper broadcasts rank 0's weights when it is built."""
+        return cls(cls.name, module, module)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.Optimizer:
+        """`optimizer` inside this engine's wrapper (collective: the wrapper broadcasts rank 0's
+        weights). A wrapper the user built already is used as is."""
+        if not isinstance(optimizer, PeriodicSync):
+            optimizer = self._wrap(optimizer, config)
+        self.wrapper = optimizer
+        return optimizer
+
+    def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The replicas' mean (collective): right after a sync they are equal and this is the
+        model as it is; between syncs each floating-point tensor is averaged over ranks, the
+        weights a LocalSGD sync at this step would give."""
+        from nanoddp.parallel.lowcomm.average import average_
+
+        state = self.module.state_dict()
+        wrapper = self.wrapper
+        if wrapper is None or wrapper.local_step % wrapper.sync_every == 0:
+            return state
+        state = {key: value.detach().clone() for key, value in state.items()}
+        average_([v for v in state.values() if v.is_floating_point()], wrapper.collectives, wrapper.group)
+        return state
+
+
+class LocalSGDEngine(PeriodicSyncEngine):
+    name = "localsgd"
+    help = "LocalSGD: weights averaged every --sync-every steps"
+    option_defaults = {"sync_every": SYNC_EVERY}
+
+    def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
+        return LocalSGD(optimizer, sync_every=config.sync_every)
+
+
+class DiLoCoEngine(PeriodicSyncEngine):
+    name = "diloco"
+    help = "DiLoCo: outer Nesterov step every --sync-every steps"
+    option_defaults = {"sync_every": SYNC_EVERY, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+
+    def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
+        return DiLoCo(
+            optimizer, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
+        )

@@ -1,0 +1,175 @@
+"""Trainer engines `localsgd` and `diloco`: equal to a single process that simulates both ranks'
+replicas, bitwise; resume between syncs is exact; every step record says what the step sent.
+
+One launch at world size 2 runs every trainer; the references and the record checks run here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import TINY, run_on_ranks, train_tiny, trainer_params
+from torch.utils.data import default_collate
+
+from nanoddp import cli
+from nanoddp.comm import plan, wire
+from nanoddp.env import DistEnv
+from nanoddp.parallel.clip import clip_grad_norm_
+from nanoddp.train.config import build_model
+from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.datasets import build_datasets
+from nanoddp.train.data.sampler import ResumableDistributedSampler
+from nanoddp.train.recipe import WarmupCosine, make_optimizer
+from nanoddp.train.trainer import Trainer
+
+WORLD_SIZE, SYNC_EVERY, STEPS, STOP = 2, 3, 7, 4  # syncs after steps 3 and 6; stop and end between syncs
+LOWCOMM = ("localsgd", "diloco")
+
+
+def _config(engine: str, **changes) -> object:
+    # one thread per rank, as in the reference: matmul sums split over threads in another order
+    return replace(TINY, engine=engine, sync_every=SYNC_EVERY, steps=STEPS, threads=1, **changes)
+
+
+def _worker(env: DistEnv, tmp: str) -> dict:
+    """Every trainer of this file on one launch: per engine a straight run, and one stopped
+    between syncs and resumed (compared bitwise here, on each rank's own replica)."""
+    out = {}
+    for engine in LOWCOMM:
+        whole = train_tiny(_config(engine, out=f"{tmp}/whole-{engine}"), env)
+        train_tiny(_config(engine, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
+        resumed = Trainer.from_config(_config(engine, out=f"{tmp}/split-{engine}", resume="auto"), env)
+        assert resumed.step == STOP and resumed.optimizer.local_step == STOP
+        resumed.train()
+        for key, value in trainer_params(whole).items():
+            assert torch.equal(value, resumed.module.state_dict()[key]), (engine, key)
+        out[engine] = trainer_params(whole)
+    for engine in ("nanoddp", "torch"):
+        train_tiny(replace(TINY, engine=engine, steps=2, out=f"{tmp}/{engine}"), env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ws2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lowcomm")
+    return run_on_ranks(_worker, WORLD_SIZE, str(tmp), timeout=240), tmp
+
+
+def _reference(engine: str) -> list[dict[str, torch.Tensor]]:
+    """`_simulate` on one thread, as every rank ran (then the thread count is given back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(engine)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(engine: str) -> list[dict[str, torch.Tensor]]:
+    """Both ranks' replicas in one process, by the algorithm: each steps its own AdamW on its
+    own batches (the sampler's rank r share), clipped by its own norm; every SYNC_EVERY steps
+    LocalSGD averages the weights, DiLoCo takes an outer Nesterov SGD step on the mean of
+    (weights at the last sync - weights now). Divide, then sum in rank order: the ranks' math."""
+    config = _config(engine)
+    train_set, _, spec = build_datasets(
+        config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
+    )
+    torch.manual_seed(config.seed)
+    first = build_model(config, spec)
+    replicas = [first, copy.deepcopy(first)]
+    optimizers = [make_optimizer(m, config) for m in replicas]
+    schedule = WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
+    params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    last_sync = [p.detach().clone() for p in params[0]]
+    if engine == "diloco":
+        outer = torch.optim.SGD(last_sync, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True)
+    order = ResumableDistributedSampler(train_set, WORLD_SIZE, 0, seed=config.seed).permutation(0).tolist()
+    micro, loss_of = config.batch_size // WORLD_SIZE, batch_loss_for(None)
+    for step in range(STEPS):
+        for rank, (model, optimizer, scheduler) in enumerate(zip(replicas, optimizers, schedulers, strict=True)):
+            mine = order[rank::WORLD_SIZE][step * micro : (step + 1) * micro]
+            optimizer.zero_grad(set_to_none=True)
+            loss_of(model, default_collate([train_set[i] for i in mine])).backward()
+            clip_grad_norm_(model, config.grad_clip)  # plain gradients: this replica's own norm
+            optimizer.step()
+            scheduler.step()
+        if (step + 1) % SYNC_EVERY == 0:
+            _sync(engine, params, last_sync, outer if engine == "diloco" else None)
+    return [dict(m.named_parameters()) for m in replicas]
+
+
+@torch.no_grad()
+def _sync(engine: str, params: list[list[torch.Tensor]], last_sync: list[torch.Tensor], outer) -> None:
+    for i, (a, b) in enumerate(zip(*params, strict=True)):
+        if outer is None:  # LocalSGD: the mean of the weights
+            mean = a / WORLD_SIZE + b / WORLD_SIZE
+        else:  # DiLoCo: the outer step on the mean pseudo-gradient moves the last-sync weights
+            last_sync[i].grad = (last_sync[i] - a) / WORLD_SIZE + (last_sync[i] - b) / WORLD_SIZE
+            mean = None
+        if mean is not None:
+            a.copy_(mean)
+            b.copy_(mean)
+    if outer is not None:
+        outer.step()
+        for i, (a, b) in enumerate(zip(*params, strict=True)):
+            a.copy_(last_sync[i])
+            b.copy_(last_sync[i])
+
+
+@pytest.mark.parametrize("engine", LOWCOMM)
+def test_replicas_equal_a_single_process_simulation_bitwise(ws2, engine):
+    results, tmp = ws2
+    named = _reference(engine)
+    for rank in range(WORLD_SIZE):  # step 7 is past the last sync: each rank its own replica
+        for name, expected in named[rank].items():
+            assert torch.equal(results[rank][engine][name], expected), (engine, rank, name)
+    assert not all(torch.equal(results[0][engine][n], results[1][engine][n]) for n in named[0])  # they drifted
+    # model.pt: the replicas' mean (what a LocalSGD sync at the last step would give), same bits
+    exported = torch.load(tmp / f"whole-{engine}" / "model.pt", weights_only=True)
+    for name, a in named[0].items():
+        assert torch.equal(exported[name], a.detach() / WORLD_SIZE + named[1][name].detach() / WORLD_SIZE), name
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if "event" not in json.loads(line)]
+
+
+def test_comm_bytes_count_the_syncs_and_every_step_says_its_world_size(ws2):
+    _, tmp = ws2
+    module = build_model(TINY, build_datasets(TINY.data, TINY.seq_len, 0.05, TINY.text_max_bytes)[2])
+    payload = sum(p.numel() * p.element_size() for p in module.parameters())  # one fp32 flat per sync
+    # ws 2: a payload this small rides in the header round's frame, one send of header + data
+    assert plan.plan("all_reduce", payload, WORLD_SIZE, "gloo") is plan.Path.PAIR
+    sync_bytes = wire.HEADER_BYTES + payload
+    for engine in LOWCOMM:
+        records = _records(tmp / f"whole-{engine}" / "metrics.jsonl")
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        expected = [sync_bytes if r["step"] % SYNC_EVERY == 0 else 0 for r in records]
+        assert [r["comm_bytes"] for r in records] == expected, engine
+    ours = _records(tmp / "nanoddp" / "metrics.jsonl")
+    assert ours and all(r["comm_bytes"] > payload for r in ours)  # every gradient, every step
+    # torch's DDP sends through gloo's own all-reduce: modelled as a ring, 2 (ws - 1) / ws x bytes
+    torch_records = _records(tmp / "torch" / "metrics.jsonl")
+    assert [r["comm_bytes"] for r in torch_records] == [2 * (WORLD_SIZE - 1) * payload // WORLD_SIZE] * 2
+    for engine in (*LOWCOMM, "nanoddp", "torch"):
+        run = f"whole-{engine}" if engine in LOWCOMM else engine
+        assert all(r["world_size"] == WORLD_SIZE for r in _records(tmp / run / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sync-every", "3"], "--sync-every applies to --engine localsgd|diloco, not 'nanoddp'"),
+        (["--engine", "localsgd", "--outer-lr", "0.5"], "--outer-lr applies to --engine diloco, not 'localsgd'"),
+        (["--engine", "diloco", "--sync-every", "0"], "sync_every must be >= 1"),
+        (["--engine", "diloco", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
+    ],
+)
+def test_engine_options_are_checked_in_the_launcher(argv, message, capsys):
+    assert cli.main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
