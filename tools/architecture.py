@@ -47,7 +47,8 @@ LAYER_OF_TOP = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 # the algorithms cut their pieces by its sizes, and it names them only as `Path` members.
 COMM_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("transport", "send/recv by group rank and tags, one runner thread per group, the hang watchdog, "
-     "groups that have collectives only", ("transport", "runner", "watchdog", "collectives_only")),
+     "groups that have collectives only, the simulated slow link", ("transport", "link", "runner", "watchdog",
+     "collectives_only")),
     ("plan", "`plan()` and the one table of thresholds it reads; the α–β cost model", ("cost_model", "plan")),
     ("algorithms", "the bulk algorithms over send/recv, each readable on its own",
      ("reduce", "pieces", "ring", "exchange", "chain", "halving_doubling", "tree", "van_de_geijn")),

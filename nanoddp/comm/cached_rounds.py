@@ -175,8 +175,8 @@ class StarBroadcast:
         if root != 0:
             self._out_slots[root] = self._root_slots
         sent = [send_on(self._group, self._root_down if p == root else self._down, p, TAG_FRAME) for p in range(1, n)]
-        for work in sent:
-            work.wait()
+        for sending in sent:
+            sending.wait()
         if root != 0:
             flat.view(torch.uint8).copy_(self._from_root)
 

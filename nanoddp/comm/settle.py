@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoddp.comm.transport import Peers, send_on, wait_all
+from nanoddp.comm.transport import Peers, Waitable, send_on, wait_all
 
 TAG_SETTLE = 0x6E6403  # our own tag: the records of a failed call's posted messages
 MAX_KINDS = 8  # (send or receive, tag) kinds per peer per call; a call uses at most four
@@ -43,10 +43,10 @@ def settle(peers: Peers) -> None:
         count, largest = mine[peer].get((is_send, tag), (0, 0))
         mine[peer][(is_send, tag)] = (count + 1, max(largest, nbytes))
     inboxes = {p: torch.empty(RECORD, dtype=torch.int64) for p in others}
-    records = [peers.group.recv([inboxes[p]], p, TAG_SETTLE) for p in others]
+    records: list[Waitable] = [peers.group.recv([inboxes[p]], p, TAG_SETTLE) for p in others]
     records += [send_on(peers.group, _encode(mine[p]), p, TAG_SETTLE) for p in others]
     wait_all(records)
-    closing = []
+    closing: list[Waitable] = []
     for p in others:
         theirs = _decode(inboxes[p])
         for (is_send, tag), (count, nbytes) in theirs.items():
@@ -58,7 +58,7 @@ def settle(peers: Peers) -> None:
             else:  # p's receives from me that no send of mine will fill: fill them with nothing
                 unmatched = count - mine[p].get((True, tag), (0, 0))[0]
                 closing += [send_on(peers.group, torch.empty(0, dtype=torch.uint8), p, tag) for _ in range(unmatched)]
-    wait_all([work for *_, work in posted] + closing)
+    wait_all([*(work for *_, work in posted), *closing])
 
 
 def _encode(kinds: Posted) -> torch.Tensor:

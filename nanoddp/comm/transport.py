@@ -16,14 +16,17 @@ round raised settles those messages (`nanoddp.comm.settle`) before their handles
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from nanoddp.comm.link import LinkModel, LinkShaper, link_from_environ
 from nanoddp.groups import group_ranks
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
@@ -57,7 +60,13 @@ class Peers:
         self.cache: dict[torch.device, Any] = {}
         self.calls = 0  # header rounds run on this group: the same count on every rank
         # (peer, tag, bytes, is a send, handle) of what this call posted before its verdict
-        self.unsettled: list[tuple[int, int, int, bool, dist.Work]] = []
+        self.unsettled: list[tuple[int, int, int, bool, Waitable]] = []
+        use_link(link_from_environ())  # the environment as it is when the group is first used
+        if _SHAPER is not None and not self.gloo:
+            raise ValueError(
+                "NANODDP_LINK_BANDWIDTH / NANODDP_LINK_LATENCY shape gloo's sends only, and this group is "
+                f"{dist.get_backend(group)}: unset them, or run on gloo (--backend gloo)"
+            )
 
     @property
     def backend(self) -> str:
@@ -77,7 +86,7 @@ class Peers:
         """The tag of this call's early piece of `nbytes` bytes (a power of two, see `early_bytes`)."""
         return TAG_EARLY + 32 * (self.calls % EARLY_TAG_CYCLE) + nbytes.bit_length() - 1
 
-    def send_early(self, piece: torch.Tensor, peer: int) -> dist.Work:
+    def send_early(self, piece: torch.Tensor, peer: int) -> Waitable:
         """Send this call's early piece (`early_bytes`) now, under the tag naming its size.
 
         [Note: the calling thread] Never by the background sender: a gloo send posted from another
@@ -89,7 +98,7 @@ class Peers:
     # `dist.isend`'s wrapper re-checks the group and translates ranks on every call, CPU paid on
     # both ranks' critical path twice per header round. nccl keeps the wrapper (its batching
     # rules live there).
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> Waitable:
         if self.gloo:
             work = send_on(self.group, tensor, peer, tag)
             if tag >= TAG_CALLS and self._before_verdict(tag):
@@ -113,29 +122,30 @@ class Peers:
             return (tag - TAG_EARLY) >> 5 == self.calls % EARLY_TAG_CYCLE
         return (tag - TAG_CALLS) >> 1 == self.calls % CALL_TAG_CYCLE
 
-    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | BackgroundSend:
+    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Waitable:
         """A bulk-phase send. On gloo it is posted by a background thread.
 
         [Note: background sends] Posting a large gloo send writes it into the socket on the
         posting thread (about 1 ms per MB here), so posted here it would hold up receiving and
         reducing the next piece. All of a bulk phase's sends go this way, so they reach gloo in
-        the order they were made."""
-        if not self.gloo:
+        the order they were made. On a shaped link the shaper's thread posts it (`send_on`)."""
+        if not self.gloo or _SHAPER is not None:
             return self.isend(tensor, peer, tag)
         return _background_send(self.group, tensor, peer, tag)
 
     def exchange(
         self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], tag: int = TAG_DATA
-    ) -> list[dist.Work]:
+    ) -> list[Waitable]:
         """Post (tensor, peer) sends and receives as one round: one nccl group, so a receive and a
         send to the same peer cannot deadlock; on gloo, receives first so sends can start."""
         if self.gloo:
-            return [self.irecv(t, p, tag) for t, p in recvs] + [self.isend(t, p, tag) for t, p in sends]
+            works: list[Waitable] = [self.irecv(t, p, tag) for t, p in recvs]
+            return works + [self.isend(t, p, tag) for t, p in sends]
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
         for t, _ in sends:
             count_sent(t)
-        return dist.batch_isend_irecv(ops) if ops else []
+        return [*dist.batch_isend_irecv(ops)] if ops else []
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable 1-D buffer of `numel` elements (contents undefined)."""
@@ -166,10 +176,47 @@ def sent_bytes() -> int:
     return _SENT_BYTES
 
 
-def send_on(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-    """Every gloo send of nanoddp's collectives goes through here: `group.send`, counted."""
+def send_on(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> Waitable:
+    """Every gloo send of nanoddp's collectives goes through here: `group.send`, counted; on a
+    simulated slow link (`nanoddp.comm.link`), posted by the shaper's thread when it is due."""
     count_sent(tensor)
+    if _SHAPER is None:  # the fast path pays this one test
+        return group.send([tensor], peer, tag)
+    handle = BackgroundSend()
+    nbytes = tensor.numel() * tensor.element_size()
+    link = dist.get_global_rank(group, peer)  # a link joins two processes, whichever group they share
+    _SHAPER.submit(link, nbytes, functools.partial(_post, (handle, group, tensor, peer, tag), _send_now))
+    return handle
+
+
+def _send_now(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
     return group.send([tensor], peer, tag)
+
+
+# [Note: a simulated slow link] `nanoddp.comm.link` explains the model. One shaper per process,
+# (re)read from the environment whenever a group is first used (`Peers`); None: no shaping.
+_SHAPER: LinkShaper | None = None
+
+
+def use_link(model: LinkModel | None) -> None:
+    """Shape every later gloo send of nanoddp's collectives as `model` says (None: at full speed).
+
+    Switching off waits until the shaper has posted what it holds, so that sends are never posted
+    from two threads at once (the shaper's note)."""
+    global _SHAPER
+    if model is None:
+        shaper, _SHAPER = _SHAPER, None
+        while shaper is not None and shaper.pending():
+            time.sleep(0.001)
+    elif _SHAPER is None:
+        _SHAPER = LinkShaper(model)
+    else:
+        _SHAPER.model = model  # one thread still posts everything, and queued messages keep their times
+
+
+def link_model() -> LinkModel | None:
+    """The simulated link in force, None when sends run at full speed."""
+    return None if _SHAPER is None else _SHAPER.model
 
 
 def posted(work: dist.Work | None) -> dist.Work:
@@ -191,7 +238,7 @@ class BackgroundSend:
 
     def __init__(self) -> None:
         self._posted = threading.Event()
-        self._work: dist.Work | None = None
+        self._work: Waitable | None = None
         self._error: BaseException | None = None
 
     def wait(self) -> None:
@@ -221,16 +268,16 @@ def _background_send(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, 
 def _send_loop(sends: queue.SimpleQueue[_QueuedSend]) -> None:
     """Post queued sends in order (FIFO keeps each pair's messages in the order they were made)."""
     while True:
-        _post(sends.get())
+        _post(sends.get(), send_on)
 
 
-def _post(queued: _QueuedSend) -> None:
-    """Post one queued send. A function of its own so that nothing of it outlives the call: the
-    loop waits for the next send holding no reference, where a loop variable would keep the last
+def _post(queued: _QueuedSend, send: Callable[[dist.ProcessGroup, torch.Tensor, int, int], Waitable]) -> None:
+    """Post one queued send by `send`. A function of its own so that nothing of it outlives the call:
+    the loop waits for the next send holding no reference, where a loop variable would keep the last
     message's whole storage alive (a broadcast root's 14 MB flat copy of a model, say)."""
     handle, group, tensor, peer, tag = queued
     try:
-        handle._work = send_on(group, tensor, peer, tag)
+        handle._work = send(group, tensor, peer, tag)
     except BaseException as exc:  # a destroyed group, say: the waiter gets it, the thread lives on
         handle._error = exc
     finally:
