@@ -19,6 +19,7 @@ from nanoddp import cli
 from nanoddp.comm import plan, wire
 from nanoddp.env import DistEnv
 from nanoddp.parallel.clip import clip_grad_norm_
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import build_model
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
@@ -41,7 +42,8 @@ def _worker(env: DistEnv, tmp: str) -> dict:
     out = {}
     for engine in LOWCOMM:
         whole = train_tiny(_config(engine, out=f"{tmp}/whole-{engine}"), env)
-        train_tiny(_config(engine, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
+        stopped = train_tiny(_config(engine, out=f"{tmp}/split-{engine}"), env, stop_after=STOP)
+        out[f"{engine}-stop"] = trainer_params(stopped)
         resumed = Trainer.from_config(_config(engine, out=f"{tmp}/split-{engine}", resume="auto"), env)
         assert resumed.step == STOP and resumed.optimizer.local_step == STOP
         resumed.train()
@@ -57,6 +59,12 @@ def _worker(env: DistEnv, tmp: str) -> dict:
 def ws2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lowcomm")
     return run_on_ranks(_worker, WORLD_SIZE, str(tmp), timeout=240), tmp
+
+
+def _resume_alone(env: DistEnv, snapshot_file: str, out: str) -> dict:
+    """One rank resuming a 2-rank diloco snapshot: the replica it loads, and DiLoCo's state."""
+    trainer = Trainer.from_config(_config("diloco", out=out, resume=snapshot_file), env)
+    return {"params": trainer_params(trainer), "optimizer": trainer.optimizer.state_dict()}
 
 
 def _reference(engine: str) -> list[dict[str, torch.Tensor]]:
@@ -133,6 +141,17 @@ def test_replicas_equal_a_single_process_simulation_bitwise(ws2, engine):
     exported = torch.load(tmp / f"whole-{engine}" / "model.pt", weights_only=True)
     for name, a in named[0].items():
         assert torch.equal(exported[name], a.detach() / WORLD_SIZE + named[1][name].detach() / WORLD_SIZE), name
+
+
+def test_resume_at_another_world_size_continues_rank_0s_replica(ws2, tmp_path):
+    results, tmp = ws2
+    snapshot_file = snapshot.snapshot_path(tmp / "split-diloco" / "snapshots", STOP)
+    alone = run_on_ranks(_resume_alone, 1, str(snapshot_file), str(tmp_path / "alone"))[0]
+    assert alone["optimizer"]["local_step"] == STOP
+    stopped = results[0]["diloco-stop"]
+    assert stopped.keys() == alone["params"].keys()
+    assert all(torch.equal(alone["params"][k], v) for k, v in stopped.items())  # rank 0's, not rank 1's
+    assert not all(torch.equal(results[1]["diloco-stop"][k], v) for k, v in stopped.items())
 
 
 def _records(path) -> list[dict]:
