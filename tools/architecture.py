@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models",)),
     ("comm", ("comm",)),
     ("parallel", ("parallel", "fsdp")),  # `nanoddp.fsdp` is the face of parallel/fsdp/
+    ("ft", ("ft",)),
     ("train", ("train",)),
     ("apps", ("bench", "notebook", "run", "cli", "__main__", "")),
 )

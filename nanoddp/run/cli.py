@@ -20,7 +20,10 @@ What it adds to plain `torchrun`:
   leaves a guard over its process group, `take_descendants_along`), and its temp dir, named by
   its pid, is removed by the next start (`nanoddp.tempdirs`);
 - a rank that exits 0 while others run on is named after `--finished-grace` seconds, or ends the
-  job with `--fail-on-early-exit` (`nanoddp.run.finished`), instead of a silent hang.
+  job with `--fail-on-early-exit` (`nanoddp.run.finished`), instead of a silent hang;
+- `--on-failure continue`: no torchrun agent, but a supervisor of one process per replica and
+  torchft's quorum service, so a lost rank costs the others one step, not a restart
+  (`nanoddp.run.ft_launch`, `nanoddp.ft`).
 
 The launch itself is torchrun's (`torch.distributed.run`), in this process, through the one
 agent wrapper `nanoddp train` uses too (`nanoddp.train.launcher.agent`): `--nnodes/--node-rank/
@@ -67,6 +70,14 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         help="stop the job (exit 1) instead of waiting when ranks run on --finished-grace seconds after one exited 0",
     )
     parser.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr here (default: not kept)")
+    parser.add_argument(
+        "--on-failure",
+        choices=("restart", "continue"),
+        default="restart",
+        help="restart: a lost rank restarts every worker (torchrun's agent); continue: the others go on "
+        "without it and a replacement joins live (the script uses nanoddp.ft; see docs/ft.md)",
+    )
+    parser.add_argument("--out", default=None, help="with --on-failure continue: write metrics.jsonl here")
     parser.add_argument("-m", dest="as_module", action="store_true", help="SCRIPT is a module, as in python -m")
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the script")
@@ -141,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     """`nanoddp run`: launch, wait, and return 0; 1 with the failure summary on stderr; 128 +
     signal with one line when stopped by SIGTERM or Ctrl-C (torchrun has stopped the workers)."""
     nproc = check_args(args)
+    if args.on_failure == "continue":
+        from nanoddp.run.ft_launch import run_fault_tolerant
+
+        return run_fault_tolerant(args, nproc)
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
     job = AgentJob(
         torchrun_argv=agent_argv(args, nproc),

@@ -1,0 +1,59 @@
+"""What a fault-tolerant run tells: one log line per membership change, and `metrics.jsonl`.
+
+Records follow the trainer's format: one JSON object per line, a step record per committed step
+(with the `world_size` that step really had) and `{"event": "rank_lost" | "rank_joined", "step",
+"world_size", "replicas"}` when the group changes, written before the step it changes. One process
+writes each record (the lowest group rank that knows the previous group), appending one line per
+write, so records of different processes never interleave within a line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def membership_events(before: Sequence[int], after: Sequence[int], step: int) -> list[dict[str, Any]]:
+    """The records that turn group `before` into group `after` (replica ids) at `step`: losses
+    first, then joins, each with the world size it leaves behind."""
+    lost = [r for r in before if r not in after]
+    joined = [r for r in after if r not in before]
+    events = []
+    if lost:
+        size = len(before) - len(lost)
+        events.append({"event": "rank_lost", "step": step, "world_size": size, "replicas": lost})
+    if joined:
+        events.append({"event": "rank_joined", "step": step, "world_size": len(after), "replicas": joined})
+    return events
+
+
+def describe(event: dict[str, Any]) -> str:
+    """The log line of one event: `rank_lost at step 5: replica 1; world size 2`."""
+    replicas = ", ".join(map(str, event["replicas"]))
+    word = "replica" if len(event["replicas"]) == 1 else "replicas"
+    return f"{event['event']} at step {event['step']}: {word} {replicas}; world size {event['world_size']}"
+
+
+class MetricsFile:
+    """Appends records to `out/metrics.jsonl` (nothing when `out` is None)."""
+
+    def __init__(self, out: str | None) -> None:
+        self.path = None if out is None else Path(out) / "metrics.jsonl"
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        # One write of a whole line, O_APPEND: concurrent writers' lines stay whole; never through a link.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)

@@ -1,0 +1,250 @@
+"""`FaultTolerant`: the step loop that survives a lost rank, for a user's own training loop.
+
+The life of one step, in the order a loop calls it:
+
+1. `steps(n)` asks the quorum service who is present (torchft's Lighthouse, through its
+   Manager). If that changed, the group was rebuilt among the present replicas (`RebuiltWorld`),
+   one log line and one metrics record say so, and a joiner has received its state from a peer
+   (`LiveState`). It then yields the step number; a redone step is yielded again.
+2. `batch_for(step)` gives this rank's piece of the step's global batch: the same samples for a
+   given step whatever the world size (`GlobalBatches`), split over the ranks present.
+3. The loop runs forward and backward on that piece (mean loss over the piece).
+4. `average_gradients(loss)` weights each rank's gradient by its share and sums them in rank
+   order on every rank (`sum_weighted_pieces`). A peer lost meanwhile (dead: its socket closes;
+   hung: the collective times out) makes it return None and marks the step failed.
+5. `commit()` steps the optimizer only if the Manager says the step may commit; otherwise the
+   gradients are dropped and `steps` redoes the step in the next quorum. No update is ever
+   half-applied: a replica either applies the whole step or, if its peers moved on without it,
+   receives their state at the next quorum.
+
+    ft = FaultTolerant(model, optimizer, dataset_len=len(data), batch_size=48)
+    for step in ft.steps(1000):
+        x, y = data[ft.batch_for(step)]
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        ft.average_gradients(loss)
+        ft.commit()
+    ft.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanoddp.comm.transport import sent_bytes
+from nanoddp.ft.batches import GlobalBatches, piece_weight, share
+from nanoddp.ft.events import MetricsFile, describe, membership_events
+from nanoddp.ft.gradients import sum_weighted_pieces
+from nanoddp.ft.live_state import LiveState
+from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.world import RebuiltWorld
+
+logger = logging.getLogger(__name__)
+
+STARTUP_WAIT_S = 120.0  # the first step waits this long for every replica of the run to start
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+        import torchft.checkpointing.pg_transport
+    except ImportError as exc:
+        raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
+    logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)
+    # torchft's PGTransport reads a pickle through a read-only buffer and uses a deprecated pytree
+    # check: two warnings per transfer that say nothing about this run.
+    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.pg_transport")
+    return torchft
+
+
+def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
+    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo."""
+    return "flight recorder" not in record.getMessage()
+
+
+class FaultTolerant:
+    """A fault-tolerant data-parallel step loop over `model` and `optimizer` (see the module
+    docstring). `extra_state` is an optional (take, put) pair of the loop's own state that a
+    joiner must receive too (a scheduler's, say)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dataset_len: int,
+        batch_size: int,
+        seed: int = 0,
+        env: ReplicaEnv | None = None,
+        extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ) -> None:
+        torchft = _torchft()
+        self.env = env or ReplicaEnv.from_environ()
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.batches = GlobalBatches(dataset_len, batch_size, seed)
+        self.history: list[int] = []  # world size of each committed step: the run's schedule
+        self.world = RebuiltWorld(self.env.timeout_s)
+        self.metrics = MetricsFile(self.env.out)
+        timeout = timedelta(seconds=self.env.timeout_s)
+        # torchft keeps a replica group's own address book in a store; ours is a group of one.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        state = LiveState(model, optimizer, self.history, extra_state)
+        # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`).
+        transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
+        self.manager = torchft.Manager(
+            pg=self.world,
+            load_state_dict=state.put,
+            state_dict=state.take,
+            min_replica_size=1,
+            use_async_quorum=False,  # heal before the step, and rebuild while no collective runs
+            timeout=timeout,
+            quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            lighthouse_addr=self.env.lighthouse,
+            replica_id=f"replica_{self.env.replica}",  # torchft numbers members by the trailing digits
+            init_sync=True,  # at step 0, every replica takes replica rank 0's weights
+            checkpoint_transport=transport,
+        )
+        self._members: tuple[int, ...] = ()  # the group this process last stepped in
+        self._started = self.env.joiner  # a joiner never waits for the run's first full group
+        self._step_started = 0.0
+        self._bytes_at_start = 0
+        self._loss: float | None = None
+        self._committed: bool | None = None
+
+    # -- 1. the quorum ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the current group."""
+        rank = self.manager.participating_rank()
+        assert rank is not None  # a group of one replica per process: every member participates
+        return rank
+
+    @property
+    def world_size(self) -> int:
+        """Replicas in the current group."""
+        return self.manager.num_participants()
+
+    @property
+    def is_master(self) -> bool:
+        """Rank 0 of the current group: the one that writes step records."""
+        return self.rank == 0
+
+    def steps(self, total_steps: int) -> Iterator[int]:
+        """Yield step numbers until `total_steps` are committed; a failed step comes again."""
+        while self.manager.current_step() < total_steps:
+            self._quorum()
+            step = self.manager.current_step()
+            if step >= total_steps:  # a joiner healed to the end
+                return
+            self._committed = None
+            yield step
+            if self._committed is None:
+                raise RuntimeError("call ft.commit() once in every iteration of ft.steps(), after average_gradients")
+
+    def _quorum(self) -> None:
+        generation = self.world.generation
+        self._step_started = time.monotonic()
+        self.manager.start_quorum()
+        if not self._started:
+            self._wait_for_everyone()
+        elif not self._members and self.world_size == 1 and self.env.replicas > 1:
+            raise RuntimeError(
+                f"replacement {self.env.attempt} of replica {self.env.replica} found no running replica "
+                "to join (the others have finished or are gone): nothing to take its state from"
+            )
+        elif self.world.generation != generation:
+            self._note_membership()
+        self._members = self.world.members
+        self._bytes_at_start = sent_bytes()
+
+    def _wait_for_everyone(self) -> None:
+        """The run's first step waits for all its replicas (they start one by one): re-ask for a
+        quorum until it holds them all, or until STARTUP_WAIT_S, then go on with who is there."""
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while self.world_size < self.env.replicas and time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.manager.start_quorum()
+        self._started = True
+        logger.info("group of %d replicas formed", self.world_size)
+
+    def _note_membership(self) -> None:
+        """One log line and one record per change, from the first survivor (a joiner knows no
+        previous group, so it never writes)."""
+        now = self.world.members
+        survivors = [r for r in now if r in self._members]
+        if not survivors or survivors[0] != self.env.replica:
+            return
+        for event in membership_events(self._members, now, self.manager.current_step()):
+            logger.warning("nanoddp.ft: %s", describe(event))
+            self.metrics.write(event)
+
+    # -- 2. the data --------------------------------------------------------------------------
+    def batch_for(self, step: int) -> torch.Tensor:
+        """The dataset indices of this rank's piece of step `step`'s global batch."""
+        return self.batches.indices(step)[share(self.batches.batch_size, self.rank, self.world_size)]
+
+    # -- 4. the average -----------------------------------------------------------------------
+    def average_gradients(self, loss: torch.Tensor) -> float | None:
+        """Make every rank's gradients the global batch's (see the module docstring); return the
+        global batch's mean loss, or None when a peer was lost and the step will be redone.
+        `loss` is the mean loss over this rank's piece."""
+        if self.manager.errored():
+            return None
+        weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
+        try:
+            self._loss = sum_weighted_pieces(self.params, weight, loss, self.world_size)
+        except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
+            logger.info("step %d failed: %s", self.manager.current_step(), str(exc).splitlines()[0][:200])
+            self.manager.report_error(exc)
+            self.world.close()  # tell the others now (see `RebuiltWorld.close`); the next quorum rebuilds
+            return None
+        return self._loss
+
+    # -- 5. the commit ------------------------------------------------------------------------
+    def commit(self) -> bool:
+        """Step the optimizer if every replica's step may commit; drop the gradients either way.
+        Returns whether the step was committed (False: `steps` will yield it again)."""
+        step, world_size = self.manager.current_step(), self.world_size
+        committed = self.manager.should_commit()
+        if committed:
+            self.optimizer.step()
+            self.history.append(world_size)
+            if self.is_master:
+                self._write_step(step, world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._committed = committed
+        return committed
+
+    def _write_step(self, step: int, world_size: int) -> None:
+        elapsed = time.monotonic() - self._step_started
+        self.metrics.write(
+            {
+                "step": step,
+                "loss": self._loss,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "step_time_s": elapsed,
+                "samples_per_s": self.batches.batch_size / elapsed if elapsed > 0 else None,
+                "comm_bytes": sent_bytes() - self._bytes_at_start,
+                "world_size": world_size,
+                "time": time.time(),
+            }
+        )
+
+    def close(self) -> None:
+        """Leave the run: stop the Manager's servers and destroy the group."""
+        self.manager.shutdown(wait=False)
+        self.world.close()

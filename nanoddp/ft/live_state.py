@@ -1,0 +1,60 @@
+"""Live state transfer: what a joiner receives from a peer, and how it is taken and put back.
+
+A joiner (a replacement, or a replica that fell behind) gets everything that makes the next step
+equal on every replica: the weights, the optimizer's state, the step (which is also the data
+position: `GlobalBatches` is a function of the step), the world size each committed step had,
+and every RNG the step may draw from. torchft's Manager asks a replica that is up to date for
+this dictionary and serves it to the joiner over HTTP from memory (its `HTTPTransport`): no file
+is written or read. The source's tensors are served as they are at the step boundary; the Manager
+holds the optimizer back (`should_commit`) until the transfer is over.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class LiveState:
+    """The state dict functions torchft's Manager calls: `take` on a source, `put` on a joiner."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        history: list[int],
+        extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.history = history  # world size of each committed step, shared with the step loop
+        self.extra = extra
+
+    def take(self) -> dict[str, Any]:
+        """This replica's state at the step boundary (tensors by reference: served, not copied)."""
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "history": list(self.history),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        if torch.cuda.is_available():
+            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        if self.extra is not None:
+            state["extra"] = self.extra[0]()
+        return state
+
+    def put(self, state: dict[str, Any]) -> None:
+        """Become the source replica: load what `take` gave there."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.history[:] = state["history"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if self.extra is not None:
+            self.extra[1](state["extra"])

@@ -1,0 +1,80 @@
+"""Where this replica sits in a fault-tolerant run: `ReplicaEnv`, the one reader of its variables.
+
+`nanoddp run --on-failure continue` starts one process per replica and tells each, through the
+environment, where the quorum service listens, which replica it is and how many replicas the run
+starts with. A replica is not a torchrun worker: it has no fixed rank (its rank in the group is
+whatever the quorum of the moment gives it), so `nanoddp.env.DistEnv` does not describe it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+LIGHTHOUSE_VAR = "NANODDP_FT_LIGHTHOUSE"  # host:port of the quorum service (torchft's Lighthouse)
+REPLICA_VAR = "NANODDP_FT_REPLICA"  # this replica's id, 0 .. replicas-1, kept by its replacements
+REPLICAS_VAR = "NANODDP_FT_REPLICAS"  # replicas the run starts with: the first step waits for them
+ATTEMPT_VAR = "NANODDP_FT_ATTEMPT"  # 0 for the first process of a replica, k for its k-th replacement
+TIMEOUT_VAR = "NANODDP_FT_TIMEOUT"  # seconds a collective may wait: past it, a silent peer is lost
+OUT_VAR = "NANODDP_FT_OUT"  # directory of metrics.jsonl (not set: no metrics file)
+
+
+@dataclass(frozen=True)
+class ReplicaEnv:
+    """This replica's place in a fault-tolerant run. Immutable: pass it down."""
+
+    lighthouse: str
+    """`http://host:port` of the quorum service."""
+    replica: int
+    """This replica's id; a replacement keeps the id of the process it replaces."""
+    replicas: int
+    """How many replicas the run starts with."""
+    attempt: int = 0
+    """0 for a replica's first process, k for its k-th replacement (a joiner)."""
+    timeout_s: float = 30.0
+    """Seconds a collective may wait for a peer before that peer counts as lost."""
+    out: str | None = None
+    """Where `metrics.jsonl` goes, or None."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replica < self.replicas:
+            raise ValueError(f"replica id must be in [0, {self.replicas}), got {self.replica}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"the collective timeout must be > 0 seconds, got {self.timeout_s}")
+
+    @property
+    def joiner(self) -> bool:
+        """A replacement: it takes its state from a peer, never from its own start."""
+        return self.attempt > 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaEnv:
+        """Read the variables `nanoddp run --on-failure continue` sets; a clear error without them."""
+        environ = os.environ if environ is None else environ
+        if LIGHTHOUSE_VAR not in environ:
+            raise RuntimeError(
+                f"{LIGHTHOUSE_VAR} is not set: a fault-tolerant loop runs under "
+                "`nanoddp run --on-failure continue SCRIPT`, which starts the quorum service and the replicas"
+            )
+        return cls(
+            lighthouse=environ[LIGHTHOUSE_VAR],
+            replica=int(environ[REPLICA_VAR]),
+            replicas=int(environ[REPLICAS_VAR]),
+            attempt=int(environ.get(ATTEMPT_VAR, "0")),
+            timeout_s=float(environ.get(TIMEOUT_VAR, "30")),
+            out=environ.get(OUT_VAR) or None,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables that describe this replica to its process (the launcher's side)."""
+        env = {
+            LIGHTHOUSE_VAR: self.lighthouse,
+            REPLICA_VAR: str(self.replica),
+            REPLICAS_VAR: str(self.replicas),
+            ATTEMPT_VAR: str(self.attempt),
+            TIMEOUT_VAR: repr(self.timeout_s),
+        }
+        if self.out is not None:
+            env[OUT_VAR] = self.out
+        return env

@@ -1,0 +1,233 @@
+"""`nanoddp run --on-failure continue`: a run that loses ranks ends bitwise equal to a replay.
+
+One launch of 3 replicas lives through, in order (the script below plants each failure itself):
+- step 3: replica 1 is SIGKILLed; the survivors redo step 3 at world size 2;
+- its replacement receives its state from a peer, joins, and is SIGKILLed in the step it joins
+  (a failure during the join; two failures of replica 1 in a row);
+- the second replacement joins and the group is back to 3;
+- two steps later replica 2 hangs (SIGSTOP); the others redo that step at world size 2 once the
+  collective timeout has passed, and the launcher kills the hung process at the end.
+
+Every test below reads that one run. The reference is a single-process replay written here, not
+with nanoddp.ft: the same model and data, each step's global batch split over the world size that
+step really had (the schedule the run reports), each piece's gradient weighted by its share and
+the pieces added in rank order.
+[Note: why bitwise] Each piece's forward and backward run on the same samples with the same
+shapes in the run and in the replay (one thread each), so every piece's gradient is the same
+bits; the run adds the weighted pieces in rank order on every rank (an all-gather, then a sum in
+order), as the replay does, so the sum is the same bits too, and so is SGD's update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 4.0, 10, 60, 0  # 10: uneven pieces at world size 3
+KILL_STEP = 3
+
+SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from nanoddp.ft import FaultTolerant, ReplicaEnv
+
+env = ReplicaEnv.from_environ()
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: state a joiner must get
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(60, 4, generator=g), torch.randn(60, 2, generator=g)
+ft = FaultTolerant(model, opt, dataset_len=len(X), batch_size=10, seed=0, env=env)
+
+def planted(name):
+    (out / f"{name}-{env.replica}-{env.attempt}").write_text(f"{time.time()!r} {os.getpid()}")
+
+for step in ft.steps(10_000):
+    grown_back = [s for s in range(1, len(ft.history)) if ft.history[s] == 3 and ft.history[s - 1] == 2]
+    if grown_back and step >= grown_back[0] + 5:
+        break  # every replica holds the same history, so all stop at the same step
+    if (env.replica, env.attempt) == (1, 0) and step == 3:
+        planted("killed"); os.kill(os.getpid(), signal.SIGKILL)
+    if (env.replica, env.attempt) == (1, 1):  # the first step it runs is the one it joins in
+        planted("killed"); os.kill(os.getpid(), signal.SIGKILL)
+    if (env.replica, env.attempt) == (2, 0) and grown_back and step == grown_back[0] + 2:
+        planted("stopped"); os.kill(os.getpid(), signal.SIGSTOP)
+    idx = ft.batch_for(step)
+    loss = torch.nn.functional.mse_loss(model(X[idx]), Y[idx])
+    loss.backward()
+    ft.average_gradients(loss)
+    ft.commit()
+    time.sleep(0.05)
+torch.save({"params": [p.detach() for p in model.parameters()], "history": ft.history},
+           out / f"final-{env.replica}-{env.attempt}.pt")
+ft.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The one launch every test reads: its output, metrics, final states and planted events."""
+    tmp = tmp_path_factory.mktemp("ft")
+    script = tmp / "loop.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", str(REPLICAS)]
+    command += ["--max-restarts", "2", "--collective-timeout", str(TIMEOUT_S), "--out", str(tmp), str(script), str(tmp)]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp)
+    finals = {p.name: torch.load(p) for p in sorted(tmp.glob("final-*.pt"))}
+    records = (
+        [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()] if done.returncode == 0 else []
+    )
+    planted = {p.name: p.read_text().split() for p in tmp.glob("*-*-*") if p.suffix != ".pt"}
+    return {
+        "done": done,
+        "finals": finals,
+        "records": records,
+        "planted": planted,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def _check_ran(run) -> None:
+    done = run["done"]
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+# ---- the reference: a single-process replay of the schedule ------------------------------------
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    per_epoch = DATASET // BATCH
+    epoch, at = divmod(step, per_epoch)
+    order = torch.randperm(DATASET, generator=torch.Generator().manual_seed(SEED + epoch))
+    return order[at * BATCH : (at + 1) * BATCH]
+
+
+def _pieces(world_size: int) -> list[tuple[int, int]]:
+    base, extra = divmod(BATCH, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        size = base + (1 if rank < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _replay(history: list[int]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(60, 4, generator=g), torch.randn(60, 2, generator=g)
+    params = list(model.parameters())
+    for step, world_size in enumerate(history):
+        idx = _global_batch(step)
+        total = None
+        for lo, hi in _pieces(world_size):  # rank order
+            model.zero_grad(set_to_none=True)
+            piece = idx[lo:hi]
+            torch.nn.functional.mse_loss(model(X[piece]), Y[piece]).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params]) * ((hi - lo) / BATCH)
+            total = flat if total is None else total + flat
+        at = 0
+        for p in params:
+            p.grad = total[at : at + p.numel()].view_as(p).clone()
+            at += p.numel()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+
+def test_survivors_and_joiners_equal_a_replay_bitwise(run):
+    _check_ran(run)
+    finals = run["finals"]
+    # replica 0, the second replacement of replica 1; replica 2 hung and was killed
+    assert set(finals) == {"final-0-0.pt", "final-1-2.pt"}, sorted(finals)
+    histories = {name: final["history"] for name, final in finals.items()}
+    history = histories["final-0-0.pt"]
+    assert all(h == history for h in histories.values()), histories
+    reference = _replay(history)
+    for name, final in finals.items():
+        for got, want in zip(final["params"], reference, strict=True):
+            assert torch.equal(got, want), f"{name} differs from the replay: {(got - want).abs().max()}"
+
+
+def test_schedule_loses_and_regains_ranks(run):
+    _check_ran(run)
+    history = run["finals"]["final-0-0.pt"]["history"]
+    assert history[:KILL_STEP] == [3] * KILL_STEP, history
+    assert history[KILL_STEP] == 2, "step 3 was redone at world size 2"
+    back = history.index(3, KILL_STEP)
+    assert history[back : back + 2] == [3, 3] and history[back + 2] == 2, history  # the hang at back + 2
+    assert history[back + 2 :] == [2] * (len(history) - back - 2), history
+
+
+def test_metrics_records_events_and_world_size(run):
+    _check_ran(run)
+    records, history = run["records"], run["finals"]["final-0-0.pt"]["history"]
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(len(history)))
+    assert [r["world_size"] for r in steps] == history
+    events = [(r["event"], r["world_size"], r["replicas"]) for r in records if "event" in r]
+    assert events == [
+        ("rank_lost", 2, [1]),  # killed at step 3
+        ("rank_joined", 3, [1]),  # the first replacement joins...
+        ("rank_lost", 2, [1]),  # ...and dies in that step
+        ("rank_joined", 3, [1]),  # the second replacement
+        ("rank_lost", 2, [2]),  # the hang
+    ], events
+    assert [r["step"] for r in records if "event" in r][0] == KILL_STEP
+    done = run["done"]
+    lines = [line for line in done.stderr.splitlines() if "nanoddp.ft: rank_" in line]
+    assert len(lines) == len(events), lines  # one log line per change
+
+
+def _first_commit_after(records, when: float) -> float:
+    return min(r["time"] for r in records if "time" in r and r["time"] > when)
+
+
+def test_a_lost_rank_costs_the_survivors_seconds(run):
+    """SIGKILL: the others notice at once (the socket closes; a rank whose collective failed closes
+    its own, so no survivor waits for the timeout) and wait for the quorum; SIGSTOP: the collective
+    times out first. Bounds: the timeout and quorum clocks (1 s), plus a loaded machine."""
+    _check_ran(run)
+    planted, records = run["planted"], run["records"]
+    killed_at = float(planted["killed-1-0"][0])
+    stopped_at = float(planted["stopped-2-0"][0])
+    kill_cost = _first_commit_after(records, killed_at) - killed_at
+    hang_cost = _first_commit_after(records, stopped_at) - stopped_at
+    print(f"kill -> next commit {kill_cost:.2f}s, hang -> next commit {hang_cost:.2f}s, run {run['wall_s']:.1f}s")
+    assert kill_cost < TIMEOUT_S, "a SIGKILLed peer must not cost the collective timeout"
+    assert TIMEOUT_S <= hang_cost < TIMEOUT_S + 10.0
+
+
+def test_nothing_outlives_the_run(run):
+    _check_ran(run)
+    for name, (_, pid) in run["planted"].items():
+        if psutil.pid_exists(int(pid)):
+            status = psutil.Process(int(pid)).status()
+            assert status == psutil.STATUS_ZOMBIE, f"{name}: pid {pid} still {status}"
+    assert "replica 2 did not finish with the others: stopped" in run["done"].stderr
+
+
+def test_continue_refuses_a_multi_node_launch():
+    from nanoddp.run.ft_launch import run_fault_tolerant
+
+    args = argparse.Namespace(nnodes="2", rdzv_endpoint="")
+    with pytest.raises(ValueError, match="--on-failure continue runs on one node"):
+        run_fault_tolerant(args, 2)
