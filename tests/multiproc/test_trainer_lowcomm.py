@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -50,6 +51,9 @@ def _worker(env: DistEnv, tmp: str) -> dict:
         for key, value in trainer_params(whole).items():
             assert torch.equal(value, resumed.module.state_dict()[key]), (engine, key)
         out[engine] = trainer_params(whole)
+    accum = train_tiny(_config("localsgd", grad_accum=2, out=f"{tmp}/accum-localsgd"), env)
+    out["localsgd-accum2"] = trainer_params(accum)
+    train_tiny(_config("diloco", amp="bf16", out=f"{tmp}/bf16-diloco"), env)
     for engine in ("nanoddp", "torch"):
         train_tiny(replace(TINY, engine=engine, steps=2, out=f"{tmp}/{engine}"), env)
     return out
@@ -192,3 +196,16 @@ def test_comm_bytes_count_the_syncs_and_every_step_says_its_world_size(ws2):
 def test_engine_options_are_checked_in_the_launcher(argv, message, capsys):
     assert cli.main(["train", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_accumulation_and_bf16_keep_the_schedule(ws2):
+    results, tmp = ws2
+    # two micro-batches of 2 instead of one of 4: the same gradient up to float rounding (the
+    # halves are summed, not the whole batch), so close, not bitwise; AdamW normalises each
+    # update, so a rounding difference stays of its own size (test_trainer.py's tolerance)
+    for rank in range(WORLD_SIZE):
+        torch.testing.assert_close(results[rank]["localsgd-accum2"], results[rank]["localsgd"], rtol=1e-4, atol=1e-5)
+    # bf16 autocast computes in half precision but keeps fp32 weights: the syncs send what fp32 ones do
+    sent = [r["comm_bytes"] for r in _records(tmp / "bf16-diloco" / "metrics.jsonl")]
+    assert sent == [r["comm_bytes"] for r in _records(tmp / "whole-diloco" / "metrics.jsonl")]
+    assert all(math.isfinite(r["loss"]) for r in _records(tmp / "bf16-diloco" / "metrics.jsonl"))
