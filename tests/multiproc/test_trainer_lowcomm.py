@@ -14,12 +14,13 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import TINY, run_on_ranks, train_tiny, trainer_params
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from nanoddp import cli
 from nanoddp.comm import plan, wire
 from nanoddp.env import DistEnv
 from nanoddp.parallel.clip import clip_grad_norm_
+from nanoddp.parallel.lowcomm import LocalSGD
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import build_model
 from nanoddp.train.data.batches import batch_loss_for
@@ -56,7 +57,27 @@ def _worker(env: DistEnv, tmp: str) -> dict:
     train_tiny(_config("diloco", amp="bf16", out=f"{tmp}/bf16-diloco"), env)
     for engine in ("nanoddp", "torch"):
         train_tiny(replace(TINY, engine=engine, steps=2, out=f"{tmp}/{engine}"), env)
+    out["user"] = _users_own_wrapper(env, tmp)
     return out
+
+
+def _users_own_wrapper(env: DistEnv, tmp: str) -> dict[str, torch.Tensor]:
+    """nanoddp.Trainer given a LocalSGD the user built: refused while the options say another
+    sync_every (the run's config would lie), used as is once they agree."""
+    torch.manual_seed(env.rank)  # different weights per rank: the wrapper broadcasts rank 0's
+    model = torch.nn.Linear(4, 1)
+    data = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(32, 1))
+    wrapper = LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    options = {"loss_fn": torch.nn.functional.mse_loss, "engine": "localsgd", "steps": 3, "batch_size": 8}
+    options |= {"progress": False, "log_every": 1}
+    with pytest.raises(
+        ValueError, match=r"engine 'localsgd' steps a LocalSGD with the run's options \{'sync_every': 50\}"
+    ):
+        Trainer(model, wrapper, data, out=f"{tmp}/user-refused", **options)
+    trainer = Trainer(model, wrapper, data, out=f"{tmp}/user", sync_every=2, **options)
+    trainer.fit()
+    assert trainer.optimizer is wrapper and wrapper.local_step == 3
+    return trainer_params(trainer)
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +230,13 @@ def test_accumulation_and_bf16_keep_the_schedule(ws2):
     sent = [r["comm_bytes"] for r in _records(tmp / "bf16-diloco" / "metrics.jsonl")]
     assert sent == [r["comm_bytes"] for r in _records(tmp / "whole-diloco" / "metrics.jsonl")]
     assert all(math.isfinite(r["loss"]) for r in _records(tmp / "bf16-diloco" / "metrics.jsonl"))
+
+
+def test_a_users_own_wrapper_is_used_as_is_when_the_options_agree(ws2):
+    results, tmp = ws2
+    first, second = (results[rank]["user"] for rank in range(WORLD_SIZE))
+    records = _records(tmp / "user" / "metrics.jsonl")
+    assert [r["comm_bytes"] > 0 for r in records] == [False, True, False]  # its sync_every=2, not 50
+    # step 3 is past the sync: the replicas (started from rank 0's weights) differ again
+    assert not all(torch.equal(first[k], second[k]) for k in first)
+    assert not (tmp / "user-refused").exists()  # the refused Trainer left no run directory

@@ -32,6 +32,7 @@ class PeriodicSyncEngine(Engine):
     """The bare model; the optimizer the trainer steps is a `PeriodicSync` around its own."""
 
     local_gradients = True
+    wrapper_class: type[PeriodicSync] = PeriodicSync  # the wrapper this engine builds
 
     def __init__(self, name: str, model: nn.Module, module: nn.Module):
         super().__init__(name, model, module)
@@ -44,13 +45,30 @@ class PeriodicSyncEngine(Engine):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.Optimizer:
         """`optimizer` inside this engine's wrapper (collective: the wrapper broadcasts rank 0's
-        weights). A wrapper the user built already is used as is."""
-        if not isinstance(optimizer, PeriodicSync):
-            optimizer = self._wrap(optimizer, config)
-        self.wrapper = optimizer
-        return optimizer
+        weights). A wrapper the user built is used as is when it is the one the run's options
+        describe (config.json and every snapshot's fingerprint record those), else refused."""
+        if isinstance(optimizer, PeriodicSync):
+            self._check_given(optimizer, config)
+            self.wrapper = optimizer
+        else:
+            self.wrapper = self._wrap(optimizer, config)
+        return self.wrapper
+
+    def _check_given(self, wrapper: PeriodicSync, config: Any) -> None:
+        wanted = {name: getattr(config, name) for name in self.option_defaults}
+        kind = self.wrapper_class.__name__
+        given = self._settings(wrapper) if isinstance(wrapper, self.wrapper_class) else None
+        if given != wanted:
+            raise ValueError(
+                f"engine {self.name!r} steps a {kind} with the run's options {wanted}, got {wrapper!r}: "
+                f"pass a {kind} built with those, or set the options to the wrapper's"
+            )
 
     def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
+        raise NotImplementedError
+
+    def _settings(self, wrapper: Any) -> dict[str, Any]:
+        """The options `wrapper` was built with, by their TrainConfig names."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -72,17 +90,26 @@ class LocalSGDEngine(PeriodicSyncEngine):
     name = "localsgd"
     help = "LocalSGD: weights averaged every --sync-every steps"
     option_defaults = {"sync_every": SYNC_EVERY}
+    wrapper_class = LocalSGD
 
     def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
         return LocalSGD(optimizer, sync_every=config.sync_every)
+
+    def _settings(self, wrapper: Any) -> dict[str, Any]:
+        return {"sync_every": wrapper.sync_every}
 
 
 class DiLoCoEngine(PeriodicSyncEngine):
     name = "diloco"
     help = "DiLoCo: outer Nesterov step every --sync-every steps"
     option_defaults = {"sync_every": SYNC_EVERY, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+    wrapper_class = DiLoCo
 
     def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
         return DiLoCo(
             optimizer, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
         )
+
+    def _settings(self, wrapper: Any) -> dict[str, Any]:
+        outer = wrapper.outer.defaults
+        return {"sync_every": wrapper.sync_every, "outer_lr": outer["lr"], "outer_momentum": outer["momentum"]}
