@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanoddp.bench.collectives import format_markdown as format_collectives
 from nanoddp.bench.report import format_markdown, format_summary
+from nanoddp.bench.wan import format_markdown as format_wan
 from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 
 BLOCK = re.compile(
@@ -37,10 +38,12 @@ def render_text(text: str, root: Path) -> str:
             raise ValueError(f"bench block names {match['file']}, which cannot be read as JSON ({e})") from None
         if not isinstance(data, dict) or "meta" not in data or "results" not in data:
             raise ValueError(
-                f"{match['file']} is not a `nanoddp bench train|collectives --json` file (no meta/results)"
+                f"{match['file']} is not a `nanoddp bench train|collectives|wan --json` file (no meta/results)"
             )
         if _is_collectives(data):
             body = format_collectives(data)  # one table: the summary is the table
+        elif "summary" in data and data["results"] and "curve" in data["results"][0]:  # `bench wan`
+            body = format_wan(data)
         elif match["kind"] == "table":
             body = format_markdown(data)
         else:

@@ -1,0 +1,240 @@
+"""`nanoddp bench wan`: DDP and DiLoCo over a simulated slow link, side by side.
+
+`nanoddp train` runs the built-in GPT on 2 ranks twice with the same steps, batch and seed: engine
+`nanoddp` (DDP: every step all-reduces every gradient) and engine `diloco --sync-every H` (each
+rank takes H AdamW steps alone, then one all-reduce of the pseudo-gradient), with every gloo send
+of nanoddp's collectives shaped as a link of `--bandwidth` and `--latency` would carry it
+(`nanoddp.comm.link`, a simulation: no loss, no jitter, no shared bottleneck). Then the same pair
+unshaped (loopback), unless `--no-unshaped`. Each run's metrics.jsonl gives its validation curve
+and the bytes rank 0 sent (`comm_bytes`); the report puts side by side the training time, the
+bytes, the final validation loss and the training time at which each run first reached DDP's final
+validation loss on the same link.
+
+Time is training time: the sum of the step times the trainer records (evaluation, snapshots and
+start-up excluded, the same for both engines); each run's whole wall time is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from nanoddp.bench.common import add_output_args, save_figure, write_json
+from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("nanoddp", "diloco")  # DDP first: its final validation loss is the target
+RUN_TIMEOUT_S = 4 * 3600
+# The built-in GPT (tiny preset, the stdlib's text), 2 ranks; nothing written that is not needed.
+BASE_ARGS = ["--nproc", "2", "--snapshot-every", "0", "--no-progress", "--overwrite"]
+
+
+def train_argv(engine: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The `nanoddp train` command of one run."""
+    argv = [sys.executable, "-m", "nanoddp", "train", "--engine", engine, *BASE_ARGS, "--out", str(out)]
+    argv += ["--steps", str(args.steps), "--seed", str(args.seed), "--eval-every", str(args.eval_every)]
+    argv += ["--log-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
+    if engine == "diloco":
+        argv += ["--sync-every", str(args.sync_every)]
+    return argv + shlex.split(args.train_args)
+
+
+def _run_env(link: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a child run, shaped by `link` (empty: at full speed)."""
+    env = {k: v for k, v in os.environ.items() if k not in (BANDWIDTH_VAR, LATENCY_VAR)}
+    return {**env, **link}
+
+
+def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Run `nanoddp train` once; return its summary (`summarize`) with its wall time."""
+    argv = train_argv(engine, args, out)
+    logger.info("running %s", shlex.join(argv))
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, env=_run_env(link), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        output = proc.communicate()[0] + f"\n(killed after {RUN_TIMEOUT_S}s)"
+    wall_s = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"engine": engine, "shaped": bool(link), **summarize(records), "wall_s": wall_s}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """From one run's metrics.jsonl records: its validation curve as [step, training seconds, val
+    loss] (training seconds: the step times summed up to that step), total training time, the
+    bytes rank 0 sent (sum of `comm_bytes`) and the final validation loss."""
+    train_s, last_step, curve, comm_bytes = 0.0, 0, [], 0
+    for record in records:
+        if "step" not in record or "event" in record:
+            continue
+        train_s += record["step_time_s"] * (record["step"] - last_step)  # the mean over its window
+        last_step = record["step"]
+        comm_bytes += record.get("comm_bytes") or 0
+        if record.get("val_loss") is not None:
+            curve.append([record["step"], train_s, record["val_loss"]])
+    if not curve:
+        raise ValueError("metrics.jsonl holds no val_loss: the run must evaluate (--eval-every)")
+    return {"steps": last_step, "train_s": train_s, "comm_bytes": comm_bytes, "final_val_loss": curve[-1][2],
+            "curve": curve}  # fmt: skip
+
+
+def time_to_reach(curve: list[list[float]], target: float) -> float | None:
+    """Training seconds at the first evaluation whose loss is <= `target` (None: never reached)."""
+    return next((train_s for _, train_s, loss in curve if loss <= target), None)
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per link: each run's time to DDP's final validation loss, and DiLoCo against DDP (the goals)."""
+    summary: dict[str, Any] = {}
+    for shaped in (True, False):
+        ddp, diloco = (next((r for r in runs if r["engine"] == e and r["shaped"] == shaped), None) for e in ENGINES)
+        if ddp is None or diloco is None:
+            continue
+        target = ddp["final_val_loss"]
+        for run in (ddp, diloco):
+            run["time_to_ddp_final_s"] = time_to_reach(run["curve"], target)
+        reached = diloco["time_to_ddp_final_s"]
+        summary["shaped" if shaped else "unshaped"] = {
+            "val_loss_gap": diloco["final_val_loss"] / target - 1,  # at the same steps, hence samples
+            "bytes_ratio": ddp["comm_bytes"] / diloco["comm_bytes"] if diloco["comm_bytes"] else None,
+            "time_to_ddp_final_speedup": ddp["time_to_ddp_final_s"] / reached if reached else None,
+            "train_time_speedup": ddp["train_s"] / diloco["train_s"],
+        }
+    return summary
+
+
+def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Every run (shaped, then unshaped), compared; the report `--json` writes."""
+    shaped = link_environ(args.bandwidth, args.latency)
+    load_before = os.getloadavg()[0]  # other work on the host slows compute, the same for every run
+    links = [shaped] + ([] if args.no_unshaped else [{}])
+    runs = [run_one(engine, link, args, root / f"{engine}-{'shaped' if link else 'unshaped'}")
+            for link in links for engine in ENGINES]  # fmt: skip
+    meta = {
+        "bandwidth": args.bandwidth, "latency": args.latency, "steps": args.steps, "sync_every": args.sync_every,
+        "eval_every": args.eval_every, "eval_samples": args.eval_samples, "seed": args.seed,
+        "train_args": args.train_args, "nproc": 2, "date": time.strftime("%Y-%m-%d"),
+        "host_cpus": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]], "command": _command(args),
+    }  # fmt: skip
+    return {"meta": meta, "results": runs, "summary": compare(runs)}
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run."""
+    words = ["nanoddp", "bench", "wan", "--bandwidth", args.bandwidth, "--latency", args.latency]
+    words += ["--steps", str(args.steps), "--sync-every", str(args.sync_every), "--eval-every", str(args.eval_every)]
+    words += ["--eval-samples", str(args.eval_samples), "--seed", str(args.seed)]
+    words += (["--no-unshaped"] if args.no_unshaped else []) + (
+        ["--train-args", args.train_args] if args.train_args else []
+    )
+    return shlex.join(words)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def _seconds(s: float | None) -> str:
+    return "not reached" if s is None else f"{s:,.0f} s"
+
+
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:,.1f}×"
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The table (one row per run) and one line per link on the goals, from `report` alone."""
+    meta = report["meta"]
+    rows = ["| link | engine | steps | training time | wall time | bytes sent (rank 0) | final val loss "
+            "| training time to DDP's final val loss |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    shaped_name = f"{meta['bandwidth']}, {meta['latency']}"
+    for r in report["results"]:
+        engine = "DDP (`nanoddp`)" if r["engine"] == "nanoddp" else f"DiLoCo H={meta['sync_every']}"
+        rows.append(f"| {shaped_name if r['shaped'] else 'loopback'} | {engine} | {r['steps']:,} | "
+                    f"{_seconds(r['train_s'])} | {_seconds(r['wall_s'])} | {_mb(r['comm_bytes'])} | "
+                    f"{r['final_val_loss']:.4f} | {_seconds(r.get('time_to_ddp_final_s'))} |")  # fmt: skip
+    lines = ["\n".join(rows), ""]
+    for name, s in report["summary"].items():
+        link = shaped_name if name == "shaped" else "loopback"
+        lines.append(f"- {link}: DiLoCo's final val loss is {s['val_loss_gap']:+.1%} from DDP's at the same "
+                     f"samples, with {_ratio(s['bytes_ratio'])} fewer bytes; it reaches DDP's final val loss "
+                     f"{_ratio(s['time_to_ddp_final_speedup'])} sooner (training time "
+                     f"{_ratio(s['train_time_speedup'])} shorter).")  # fmt: skip
+    return "\n".join(lines).rstrip()
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Validation loss against training time (left) and against steps (right), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = report["meta"]
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in report["results"]:
+        name = "DDP" if r["engine"] == "nanoddp" else f"DiLoCo H={meta['sync_every']}"
+        link = f"{meta['bandwidth']}, {meta['latency']}" if r["shaped"] else "loopback"
+        steps, seconds, losses = zip(*r["curve"], strict=True)
+        style = {"linestyle": "-" if r["shaped"] else "--", "color": "C0" if r["engine"] == "nanoddp" else "C1"}
+        by_time.plot(seconds, losses, label=f"{name}, {link}", **style)
+        by_step.plot(steps, losses, label=f"{name}, {link}", **style)
+    by_time.set(xlabel="training time (s)", ylabel="validation loss", xscale="log")
+    by_step.set(xlabel="step (same samples per step)", ylabel="validation loss")
+    by_time.legend(fontsize=8)
+    fig.suptitle(f"nanoddp bench wan: GPT, 2 ranks, {meta['steps']} steps ({meta['date']})")
+    fig.tight_layout()
+    save_figure(path, fig)
+
+
+def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "wan", help="DDP vs DiLoCo on a simulated slow link: time, bytes, loss", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("--bandwidth", default="100mbit", help="link rate, e.g. 100mbit, 1gbit, 12.5MB/s")
+    parser.add_argument("--latency", default="20ms", help="one-way latency, e.g. 20ms")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps of every run (default: 1000)")
+    parser.add_argument("--sync-every", type=int, default=50, help="DiLoCo's H (default: 50)")
+    parser.add_argument("--eval-every", type=int, default=50, help="validation loss every this many steps")
+    parser.add_argument("--eval-samples", type=int, default=512, help="validation samples per evaluation")
+    parser.add_argument("--seed", type=int, default=1337, help="the same seed for every run")
+    parser.add_argument("--no-unshaped", action="store_true", help="skip the pair on loopback at full speed")
+    parser.add_argument("--train-args", default="", help="more `nanoddp train` flags for every run, e.g. a model")
+    add_output_args(parser, plot_help="validation loss vs training time, per engine and link (PNG)")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    for name in ("steps", "sync_every", "eval_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    link_environ(args.bandwidth, args.latency)  # a bad value: refused before anything runs
+    with tempfile.TemporaryDirectory(prefix="nanoddp-wan-") as root:
+        report = run_bench(args, Path(root))
+    print(format_markdown(report))
+    if args.json:
+        write_json(args.json, report)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
