@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.replicas import broadcast_rank0_weights
@@ -43,7 +44,9 @@ class PeriodicSync(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        broadcast_rank0_weights(self._params(), self.collectives, group)
+        # No process group at all (a notebook, a unit test): one rank, nothing to sync, as our DDP.
+        if group is not None or dist.is_initialized():
+            broadcast_rank0_weights(self._params(), self.collectives, group)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
