@@ -34,6 +34,7 @@ import math
 import os
 import time
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -95,6 +96,10 @@ class _Runner:
             self.optimizer: torch.optim.Optimizer = nanoddp.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-4)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=3e-4)
+        # localsgd/diloco step their periodic sync around it, at their default --sync-every
+        if isinstance(self.engine, Engine):
+            defaults = SimpleNamespace(**self.engine.option_defaults)
+            self.optimizer = self.engine.wrap_optimizer(self.optimizer, defaults)
         batch = spec["global_batch"] // (1 if name == "dp" else env.world_size)
         g = torch.Generator().manual_seed(env.rank)
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g).to(env.device)
