@@ -191,4 +191,18 @@ FAULTS = (
         "        pass\n",
         ("tests/multiproc/test_fsdp2_options.py", "-k", "load_while_gathered"),
     ),
+    Mutation(
+        "localsgd: the replicas summed, not averaged",
+        "nanoddp/parallel/lowcomm/average.py",
+        "        flat.div_(world_size)\n",
+        "        pass\n",
+        ("tests/multiproc/test_lowcomm.py", "-k", "gloo-localsgd_matches_torch"),
+    ),
+    Mutation(
+        "diloco: the pseudo-gradient points the wrong way",
+        "nanoddp/parallel/lowcomm/diloco.py",
+        "pseudo_grads = [synced - p for p, synced",
+        "pseudo_grads = [p - synced for p, synced",
+        ("tests/unit/test_lowcomm_alone.py", "-k", "diloco"),
+    ),
 )
