@@ -2,7 +2,8 @@
 
 Records follow the trainer's format: one JSON object per line, a step record per committed step
 (with the `world_size` that step really had) and `{"event": "rank_lost" | "rank_joined", "step",
-"world_size", "replicas"}` when the group changes, written before the step it changes. One process
+"world_size", "replicas"}` when the group changes, written before the step it changes (steps
+count from 1 here, as in the trainer's records: the loop's index + 1). One process
 writes each record (the lowest group rank that knows the previous group), appending one line per
 write, so records of different processes never interleave within a line.
 """

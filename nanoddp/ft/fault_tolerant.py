@@ -124,6 +124,7 @@ class FaultTolerant:
         self._bytes_at_start = 0
         self._loss: float | None = None
         self._committed: bool | None = None
+        self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property
@@ -188,7 +189,8 @@ class FaultTolerant:
         survivors = [r for r in now if r in self._members]
         if not survivors or survivors[0] != self.env.replica:
             return
-        for event in membership_events(self._members, now, self.manager.current_step()):
+        # Numbered as the trainer numbers steps in metrics.jsonl: from 1 (the loop's index + 1).
+        for event in membership_events(self._members, now, self.manager.current_step() + 1):
             logger.warning("nanoddp.ft: %s", describe(event))
             self.metrics.write(event)
 
@@ -223,26 +225,27 @@ class FaultTolerant:
         if committed:
             self.optimizer.step()
             self.history.append(world_size)
+            self.last_record = self._step_record(step, world_size)
             if self.is_master:
-                self._write_step(step, world_size)
+                self.metrics.write(self.last_record)
         self.optimizer.zero_grad(set_to_none=True)
         self._committed = committed
         return committed
 
-    def _write_step(self, step: int, world_size: int) -> None:
+    def _step_record(self, step: int, world_size: int) -> dict[str, Any]:
+        """The trainer's step record (`metrics.jsonl`), with the world size the step really had;
+        `step` counts from 1, as the trainer's records do (the loop's index + 1)."""
         elapsed = time.monotonic() - self._step_started
-        self.metrics.write(
-            {
-                "step": step,
-                "loss": self._loss,
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "step_time_s": elapsed,
-                "samples_per_s": self.batches.batch_size / elapsed if elapsed > 0 else None,
-                "comm_bytes": sent_bytes() - self._bytes_at_start,
-                "world_size": world_size,
-                "time": time.time(),
-            }
-        )
+        return {
+            "step": step + 1,
+            "loss": self._loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "step_time_s": elapsed,
+            "samples_per_s": self.batches.batch_size / elapsed if elapsed > 0 else None,
+            "comm_bytes": sent_bytes() - self._bytes_at_start,
+            "world_size": world_size,
+            "time": time.time(),  # wall clock: when a step committed, to measure what a failure cost
+        }
 
     def close(self) -> None:
         """Leave the run: stop the Manager's servers and destroy the group."""

@@ -18,6 +18,7 @@ REPLICAS_VAR = "NANODDP_FT_REPLICAS"  # replicas the run starts with: the first 
 ATTEMPT_VAR = "NANODDP_FT_ATTEMPT"  # 0 for the first process of a replica, k for its k-th replacement
 TIMEOUT_VAR = "NANODDP_FT_TIMEOUT"  # seconds a collective may wait: past it, a silent peer is lost
 OUT_VAR = "NANODDP_FT_OUT"  # directory of metrics.jsonl (not set: no metrics file)
+LAUNCHER_VAR = "NANODDP_FT_LAUNCHER"  # the launcher's pid: a replica dies with it
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class ReplicaEnv:
     """Seconds a collective may wait for a peer before that peer counts as lost."""
     out: str | None = None
     """Where `metrics.jsonl` goes, or None."""
+    launcher_pid: int | None = None
+    """The launcher's pid (a replica asks Linux to end it when the launcher dies)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.replica < self.replicas:
@@ -64,6 +67,7 @@ class ReplicaEnv:
             attempt=int(environ.get(ATTEMPT_VAR, "0")),
             timeout_s=float(environ.get(TIMEOUT_VAR, "30")),
             out=environ.get(OUT_VAR) or None,
+            launcher_pid=int(environ[LAUNCHER_VAR]) if environ.get(LAUNCHER_VAR) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -77,4 +81,6 @@ class ReplicaEnv:
         }
         if self.out is not None:
             env[OUT_VAR] = self.out
+        if self.launcher_pid is not None:
+            env[LAUNCHER_VAR] = str(self.launcher_pid)
         return env

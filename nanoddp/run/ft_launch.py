@@ -1,207 +1,21 @@
-"""`nanoddp run --on-failure continue`: the quorum service, and one supervised process per replica.
+"""`nanoddp run --on-failure continue`: the user's script on every replica of a fault-tolerant run.
 
-Why not torchrun's agent: it restarts every local worker when one fails, so the survivors would
-die with the lost rank, which is exactly what per-step fault tolerance avoids. Here the launcher
-is the supervisor. It starts torchft's Lighthouse (the quorum service) in its own process, then
-one process per replica (`nanoddp.run.ft_replica`, each in a session of its own), and watches
-them: a replica that dies is replaced, up to `--max-restarts` times per replica, by a process
-with the same replica id and a higher attempt number, which joins the running group at a step
-boundary and receives its state from a peer (`nanoddp.ft`). The others are never touched.
-
-The run ends when a replica finishes (exit 0) and the rest have finished too, or have not within
-`--collective-timeout` seconds more (a hung replica the others already left): those are killed.
-Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
-replica dies with the launcher even if the launcher is SIGKILLed, and each replica's own children
-go with it. Every line a replica prints is prefixed `[replica k] `.
+The supervision (quorum service, one process per replica, replacements, nothing left behind) is
+`nanoddp.ft.supervisor`'s, shared with `nanoddp train --on-failure continue`; this file only says
+what each replica runs: `nanoddp.run.ft_replica` with the script and its arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import IO
 
-from nanoddp.ft.replica_env import ReplicaEnv
-
-POLL_S = 0.05
-STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
-# The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
-# (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
-JOIN_MS, HEARTBEAT_MS, TICK_MS = 1000, 2000, 50
-
-
-@dataclass
-class Replica:
-    """One replica id and the process that currently plays it."""
-
-    replica: int
-    attempt: int = 0
-    proc: subprocess.Popen | None = None
-    exitcode: int | None = None  # of the current process, once it ended
-    copiers: list[threading.Thread] = field(default_factory=list)
-
-
-def _copy_prefixed(stream: IO[bytes], out: IO[str], prefix: str) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(prefix + line.decode(errors="replace"))
-        out.flush()
-    stream.close()
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
-
-
-class Supervisor:
-    """Starts, watches and replaces the replicas of one fault-tolerant run."""
-
-    def __init__(self, args: argparse.Namespace, nproc: int, lighthouse: str) -> None:
-        self.args, self.nproc, self.lighthouse = args, nproc, lighthouse
-        self.replicas = [Replica(i) for i in range(nproc)]
-        self.lines: list[str] = []
-
-    def start(self, replica: Replica) -> None:
-        env = ReplicaEnv(
-            lighthouse=self.lighthouse,
-            replica=replica.replica,
-            replicas=self.nproc,
-            attempt=replica.attempt,
-            timeout_s=self.args.collective_timeout,
-            out=getattr(self.args, "out", None),
-        )
-        command = [sys.executable, "-m", "nanoddp.run.ft_replica", "--parent", str(os.getpid())]
-        command += ["-m"] if self.args.as_module else []
-        command += [self.args.script, *self.args.script_args]
-        environ = {**os.environ, **env.to_environ(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        proc = subprocess.Popen(
-            command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-        replica.proc, replica.exitcode = proc, None
-        prefix = f"[replica {replica.replica}] "
-        replica.copiers = [
-            threading.Thread(target=_copy_prefixed, args=(stream, out, prefix), daemon=True)
-            for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
-        ]
-        for copier in replica.copiers:
-            copier.start()
-
-    def watch(self) -> int:
-        """Run until the end (see the module docstring); return the exit code of the run."""
-        for replica in self.replicas:
-            self.start(replica)
-        finished_at: float | None = None
-        while True:
-            for replica in self.replicas:
-                self._poll(replica)
-            if any(r.exitcode == 0 for r in self.replicas) and finished_at is None:
-                finished_at = time.monotonic()
-            running = [r for r in self.replicas if r.exitcode is None]
-            if not running:
-                break
-            if finished_at is not None and time.monotonic() - finished_at > self.args.collective_timeout:
-                for replica in running:
-                    self._say(f"replica {replica.replica} did not finish with the others: stopped")
-                self.stop(signal.SIGKILL)
-                break
-            time.sleep(POLL_S)
-        for replica in self.replicas:
-            for copier in replica.copiers:
-                copier.join(timeout=STOP_GRACE_S)
-        if any(r.exitcode == 0 for r in self.replicas):
-            return 0
-        self._say("no replica finished")
-        return 1
-
-    def _poll(self, replica: Replica) -> None:
-        if replica.exitcode is not None or replica.proc is None:
-            return
-        code = replica.proc.poll()
-        if code is None:
-            return
-        replica.exitcode = code
-        _kill_session(replica.proc, signal.SIGKILL)  # whatever it started goes with it
-        if code == 0:
-            return
-        if any(r.exitcode == 0 for r in self.replicas):
-            return  # the run is over: a replacement would have nobody to join
-        if replica.attempt >= self.args.max_restarts:
-            self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); no restarts left")
-            return
-        replica.attempt += 1
-        self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); starting replacement {replica.attempt}")
-        self.start(replica)
-
-    def stop(self, sig: signal.Signals) -> None:
-        """Signal every running replica's session; after SIGTERM, SIGKILL those still there."""
-        running = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
-        for replica in running:
-            _kill_session(replica.proc, sig)
-        if sig != signal.SIGKILL:
-            deadline = time.monotonic() + STOP_GRACE_S
-            while any(r.proc.poll() is None for r in running) and time.monotonic() < deadline:  # type: ignore[union-attr]
-                time.sleep(POLL_S)
-            for replica in running:
-                _kill_session(replica.proc, signal.SIGKILL)
-        for replica in running:
-            replica.proc.wait()  # type: ignore[union-attr]
-            replica.exitcode = replica.proc.returncode  # type: ignore[union-attr]
-
-    def _say(self, line: str) -> None:
-        print(f"nanoddp run: {line}", file=sys.stderr, flush=True)
-
-
-def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
-    if proc is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the replica leads its session's group (start_new_session)
+from nanoddp.ft.supervisor import Launch, check_single_node, supervise
 
 
 def run_fault_tolerant(args: argparse.Namespace, nproc: int) -> int:
-    """`nanoddp run --on-failure continue`: start the Lighthouse and the replicas, supervise them,
-    and take every process down on the way out (a signal included)."""
-    if str(args.nnodes) != "1" or args.rdzv_endpoint:
-        raise ValueError(
-            "--on-failure continue runs on one node (its replicas and quorum service are local); "
-            f"got --nnodes {args.nnodes} {args.rdzv_endpoint or ''}".rstrip()
-        )
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's services log every quorum at info
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=JOIN_MS,
-        quorum_tick_ms=TICK_MS,
-        heartbeat_timeout_ms=HEARTBEAT_MS,
-    )
-    supervisor = Supervisor(args, nproc, lighthouse.address())
-    stopped: list[signal.Signals] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stopped.append(signal.Signals(signum))
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return supervisor.watch()
-    except KeyboardInterrupt:
-        sig = stopped[0] if stopped else signal.SIGINT
-        supervisor.stop(signal.SIGTERM)
-        print(f"nanoddp run: stopped by {sig.name}", file=sys.stderr, flush=True)
-        return 128 + sig
-    finally:
-        supervisor.stop(signal.SIGKILL)
-        lighthouse.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    """Launch `args.script` on `nproc` supervised replicas; return the run's exit code."""
+    check_single_node(args.nnodes, args.rdzv_endpoint)
+    command = [sys.executable, "-m", "nanoddp.run.ft_replica", *(["-m"] if args.as_module else [])]
+    command += [args.script, *args.script_args]
+    return supervise(Launch(command, nproc, args.max_restarts, args.collective_timeout, out=args.out))

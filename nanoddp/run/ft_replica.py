@@ -1,10 +1,10 @@
 """What each replica of `nanoddp run --on-failure continue` executes: the user's script, tied to
 the launcher.
 
-`python -m nanoddp.run.ft_replica --parent PID [-m] SCRIPT ARGS...`: the replica dies with the
-launcher (even a SIGKILLed one, `die_with_parent`), takes what the script starts along when it
-dies itself (`take_descendants_along`), then runs the script as `__main__`. The script finds its
-place in the run through `nanoddp.ft.ReplicaEnv` (the launcher's variables).
+`python -m nanoddp.run.ft_replica [-m] SCRIPT ARGS...`: the replica dies with the launcher (even a
+SIGKILLed one, `die_with_parent`), takes what the script starts along when it dies itself
+(`take_descendants_along`), then runs the script as `__main__`. The script finds its place in the
+run through `nanoddp.ft.ReplicaEnv` (the launcher's variables).
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import argparse
 import signal
 import sys
 
+from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.run.bootstrap import run_script
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanoddp.run.ft_replica")
-    parser.add_argument("--parent", type=int, required=True, help="the launcher's pid")
     parser.add_argument("-m", dest="as_module", action="store_true")
     parser.add_argument("target")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    die_with_parent(parsed.parent)
+    die_with_parent(ReplicaEnv.from_environ().launcher_pid)
     take_descendants_along()  # the launcher starts each replica in a session of its own
     run_script(parsed.target, parsed.args, parsed.as_module)
 

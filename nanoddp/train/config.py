@@ -113,7 +113,12 @@ class TrainConfig:
     """Write a Chrome-trace/Perfetto timeline per rank (DIR/rank<r>.trace.json) of steps 3-5:
     forward, backward, each bucket's all-reduce, optimizer step. Open in ui.perfetto.dev."""
     collective_timeout: float = 300.0
-    """Seconds a collective may wait before the hang watchdog names it and exits (torchrun restarts)."""
+    """Seconds a collective may wait before the hang watchdog names it and exits (torchrun restarts);
+    with --on-failure continue, before the others go on without the rank that did not answer."""
+    on_failure: Literal["restart", "continue"] = "restart"
+    """A lost rank: torchrun restarts every worker from the newest snapshot (restart), or the
+    others redo the step in flight without it and a replacement joins live (continue: engine
+    nanoddp; see docs/ft.md)."""
     threads: int = 0
     """Intra-op CPU threads per rank (0 = the host's cores // world size). Chosen from the world size
     alone, never from how the ranks were launched, so every launch layout does the same math."""
@@ -170,6 +175,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
             f"model {config.model!r} does not fit data {config.data!r}: use --model mlp with "
             "--data digits, and --model gpt with text, synthetic, copy or a text path"
         )
+    if config.on_failure not in ("restart", "continue"):
+        raise ValueError(f"on_failure must be restart or continue, got {config.on_failure!r}")
     if config.model == "smollm2":
         _validate_smollm2(config)
     elif config.grad_checkpoint:

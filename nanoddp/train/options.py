@@ -30,6 +30,8 @@ from nanoddp.train.ranks import broadcast_from_master
 # Fields that describe nanoddp train's built-in model, data, optimizer and schedule: a user
 # brings their own, so setting one of these is a mistake worth naming.
 BUILTIN_ONLY = {
+    "on_failure": "for a loop that survives a lost rank, use nanoddp.ft.FaultTolerant under "
+    "`nanoddp run --on-failure continue` (docs/ft.md)",
     "model": "pass your model as the first argument",
     "preset": "pass your model as the first argument",
     "d_model": "pass your model as the first argument",

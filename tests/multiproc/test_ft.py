@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -181,7 +183,7 @@ def test_metrics_records_events_and_world_size(run):
     _check_ran(run)
     records, history = run["records"], run["finals"]["final-0-0.pt"]["history"]
     steps = [r for r in records if "event" not in r]
-    assert [r["step"] for r in steps] == list(range(len(history)))
+    assert [r["step"] for r in steps] == list(range(1, len(history) + 1))  # counted from 1, as the trainer's
     assert [r["world_size"] for r in steps] == history
     events = [(r["event"], r["world_size"], r["replicas"]) for r in records if "event" in r]
     assert events == [
@@ -191,7 +193,7 @@ def test_metrics_records_events_and_world_size(run):
         ("rank_joined", 3, [1]),  # the second replacement
         ("rank_lost", 2, [2]),  # the hang
     ], events
-    assert [r["step"] for r in records if "event" in r][0] == KILL_STEP
+    assert [r["step"] for r in records if "event" in r][0] == KILL_STEP + 1  # the loop's index + 1
     done = run["done"]
     lines = [line for line in done.stderr.splitlines() if "nanoddp.ft: rank_" in line]
     assert len(lines) == len(events), lines  # one log line per change
@@ -231,3 +233,116 @@ def test_continue_refuses_a_multi_node_launch():
     args = argparse.Namespace(nnodes="2", rdzv_endpoint="")
     with pytest.raises(ValueError, match="--on-failure continue runs on one node"):
         run_fault_tolerant(args, 2)
+
+
+# ---- `nanoddp train --on-failure continue` -----------------------------------------------------
+
+TINY_GPT = [
+    "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+    "--d-ff", "64", "--batch-size", "8", "--warmup-steps", "2", "--seed", "0", "--snapshot-every", "0",
+    "--eval-every", "0", "--log-every", "1", "--no-progress",
+]  # fmt: skip
+TRAIN_STEPS, TRAIN_KILL_AFTER = 60, 3
+
+
+def _replica_pid(launcher: psutil.Process, replica: int) -> int | None:
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("NANODDP_FT_REPLICA") == str(replica) and "ft_loop" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def _replay_train(history: list[int]) -> dict[str, torch.Tensor]:
+    """The built-in GPT job, one process: each step's batch split over that step's world size,
+    weighted pieces summed in rank order, clipped, AdamW and the warmup-cosine schedule."""
+    from nanoddp.train.config import TrainConfig, threads_per_rank
+    from nanoddp.train.data.datasets import build_datasets
+
+    config = TrainConfig(
+        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=8,
+        warmup_steps=2, seed=0, steps=TRAIN_STEPS,
+    )  # fmt: skip
+    train_set, _, spec = build_datasets(config.data, 16, config.val_fraction, 1900, model="gpt")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_rank(config, 2))  # what the replicas ran with: matmuls split by it
+    try:
+        return _replay_steps(config, train_set, spec, history)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_steps(config, train_set, spec, history: list[int]) -> dict[str, torch.Tensor]:
+    from nanoddp.train.config import build_model, filled
+    from nanoddp.train.recipe import WarmupCosine, make_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(config, spec)
+    opt = make_optimizer(model, config)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(2, TRAIN_STEPS, config.min_lr_ratio))
+    params = [p for p in model.parameters() if p.requires_grad]
+    order_len, batch = len(train_set), filled(config.batch_size)
+    for step, world_size in enumerate(history):
+        epoch, at = divmod(step, order_len // batch)
+        idx = torch.randperm(order_len, generator=torch.Generator().manual_seed(epoch))[at * batch : (at + 1) * batch]
+        total = None
+        for rank in range(world_size):
+            lo, hi = rank * batch // world_size, (rank + 1) * batch // world_size  # even splits here
+            model.zero_grad(set_to_none=True)
+            inputs, targets = torch.utils.data.default_collate([train_set[i] for i in idx[lo:hi].tolist()])
+            model(inputs, targets)[-1].backward()  # GPT returns (logits, loss)
+            flat = torch.cat([p.grad.reshape(-1) for p in params]) * ((hi - lo) / batch)
+            total = flat if total is None else total + flat
+        at = 0
+        for p in params:
+            p.grad = total[at : at + p.numel()].view_as(p).clone()
+            at += p.numel()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+    return model.state_dict()
+
+
+def test_train_continue_survives_a_kill_bitwise(tmp_path):
+    """2 replicas of the built-in GPT job; replica 1 is SIGKILLed from outside after step 3 (no
+    restarts): the survivor finishes alone, and its model.pt equals a replay of the schedule."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2"]
+    command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--out", str(out), *TINY_GPT]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 120
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            done_steps = metrics.read_text().count('"world_size"') if metrics.exists() else 0
+            pid = _replica_pid(launcher, 1)
+            if done_steps >= TRAIN_KILL_AFTER and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.01)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed and proc.returncode == 0, output[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    history = [r["world_size"] for r in records if "event" not in r]
+    assert len(history) == TRAIN_STEPS and history[0] == 2 and history[-1] == 1, history
+    assert [(r["event"], r["world_size"]) for r in records if "event" in r] == [("rank_lost", 1)]
+    got = torch.load(out / "model.pt")
+    want = _replay_train(history)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def test_train_continue_refuses_what_it_does_not_cover():
+    from nanoddp.train.config import TrainConfig
+    from nanoddp.train.ft_loop import check_continue
+
+    with pytest.raises(ValueError, match="supports --engine nanoddp only, got 'zero2'"):
+        check_continue(TrainConfig(engine="zero2", on_failure="continue"))
+    with pytest.raises(ValueError, match="does not support --grad-accum, --amp yet"):
+        check_continue(TrainConfig(grad_accum=2, amp="bf16", on_failure="continue"))

@@ -173,6 +173,12 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
         config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )
     check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
+    if config.on_failure == "continue":  # refused here, before any process starts
+        from nanoddp.ft.supervisor import check_single_node
+        from nanoddp.train.ft_loop import check_continue
+
+        check_continue(config)
+        check_single_node(args.nnodes, args.rdzv_endpoint)
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
     return config, nproc, spec
@@ -233,12 +239,23 @@ def run_train(args: argparse.Namespace) -> int:
         if owner:
             print(f"nanoddp: {config.out}: {preflight.prepare_run_dir(config, spec, args.overwrite)}", file=sys.stderr)
         started = True
+        if config.on_failure == "continue":
+            return _run_fault_tolerant(args, config, nproc)
         return agent.run_agent(config, torchrun_argv(args, config, nproc), verbose=getattr(args, "verbose", False))
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
         if created and not started:  # refused before any worker: leave no empty run directory
             rundir.remove_if_empty(out)
+
+
+def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
+    """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_loop`)."""
+    from nanoddp.ft.supervisor import Launch, supervise
+    from nanoddp.train.ft_loop import WORKER_MODULE as FT_WORKER
+
+    command = [sys.executable, "-m", FT_WORKER, *config_to_argv(config)]
+    return supervise(Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train"))
 
 
 # --- worker -------------------------------------------------------------------------------

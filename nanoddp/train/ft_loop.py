@@ -1,0 +1,115 @@
+"""`nanoddp train --on-failure continue`: the built-in job on `nanoddp.ft`'s step loop.
+
+The launcher (`nanoddp.train.launcher.cli`) hands the job to `nanoddp.ft.supervisor`, which runs
+`python -m nanoddp.train.ft_loop FLAGS...` once per replica. Each builds the same model, data,
+AdamW and warmup-cosine schedule as `nanoddp train` (`Trainer.from_config`), then steps through
+`FaultTolerant`: the global batch of each step is split over the replicas present at that step,
+the gradients are averaged in rank order, and a lost replica costs the others the step in flight.
+
+What differs from the restart path, and why:
+- the gradient average is `nanoddp.ft`'s (all-gather, sum in rank order), not DDP's buckets: a
+  group rebuilt mid-run needs no reducer rebuilt, and the sum is the same on every rank whatever
+  the world size (engine `nanoddp` only; the sharded engines would have to re-shard live);
+- no snapshots: a survivor needs none, and a joiner takes its state (weights, AdamW's moments,
+  the schedule's position, the step, RNG) from a peer; `model.pt` is written at the end;
+- no evaluation: the validation loss is a collective over a fixed world (`nanoddp.train.evaluation`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import default_collate
+
+from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
+from nanoddp.ft import FaultTolerant, ReplicaEnv
+from nanoddp.launch import die_with_parent, take_descendants_along
+from nanoddp.train.checkpoint import atomic
+from nanoddp.train.config import TrainConfig, build_model, filled, threads_per_rank
+from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.datasets import build_datasets
+from nanoddp.train.metrics import format_log_line
+from nanoddp.train.recipe import WarmupCosine, make_optimizer
+
+logger = logging.getLogger(__name__)
+WORKER_MODULE = "nanoddp.train.ft_loop"
+
+
+def check_continue(config: TrainConfig) -> None:
+    """What `--on-failure continue` covers today; anything else is refused with the way out."""
+    if config.engine != "nanoddp":
+        raise ValueError(
+            f"--on-failure continue supports --engine nanoddp only, got {config.engine!r} "
+            "(sharded state would have to be re-sharded live); use --on-failure restart for it"
+        )
+    unsupported = {
+        "grad_accum": config.grad_accum != 1,
+        "amp": config.amp != "off",
+        "compile": config.compile,
+        "trace": config.trace is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        flags = ", ".join("--" + name.replace("_", "-") for name in named)
+        raise ValueError(f"--on-failure continue does not support {flags} yet: drop them or use --on-failure restart")
+
+
+def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
+    """Train this replica to `config.steps` committed steps (see the module docstring)."""
+    torch.set_num_threads(threads_per_rank(config, env.replicas))
+    train_set, _, spec = build_datasets(
+        config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
+    )
+    torch.manual_seed(config.seed)  # identical weights on every replica (init_sync makes sure)
+    module = build_model(config, spec)
+    optimizer = make_optimizer(module, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
+    )
+    batch_loss = batch_loss_for(None)
+    ft = FaultTolerant(
+        module,
+        optimizer,
+        dataset_len=len(train_set),  # type: ignore[arg-type]  # map-style: torch's stub has no __len__
+        batch_size=filled(config.batch_size),
+        seed=config.seed,
+        env=env,
+        extra_state=(scheduler.state_dict, scheduler.load_state_dict),
+    )
+    module.train()
+    for step in ft.steps(config.steps):
+        batch = default_collate([train_set[i] for i in ft.batch_for(step).tolist()])
+        loss = batch_loss(module, batch)
+        loss.backward()
+        if ft.average_gradients(loss) is not None and config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)  # the same on every rank
+        if ft.commit():
+            scheduler.step()
+            if ft.is_master and (step + 1) % config.log_every == 0:
+                logger.info("%s | world %d", format_log_line(ft.last_record), ft.world_size)
+    if ft.is_master and config.out is not None:
+        atomic.atomic_torch_save(Path(config.out) / "model.pt", module.state_dict())
+        logger.info("saved %s", Path(config.out) / "model.pt")
+    ft.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One replica: `python -m nanoddp.train.ft_loop FLAGS...` (`nanoddp train`'s flags)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
+    add_dataclass_args(parser, TrainConfig)  # the launcher passes the config as flags
+    config = config_from_args(TrainConfig, parser.parse_args(argv))
+    env = ReplicaEnv.from_environ()
+    die_with_parent(env.launcher_pid)  # no replica outlives its launcher, even a SIGKILLed one
+    take_descendants_along()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("torchft").setLevel(logging.WARNING)  # it logs every quorum and commit at info
+    train_replica(config, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
