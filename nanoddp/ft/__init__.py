@@ -4,14 +4,14 @@
 `average_gradients`, `commit`); `nanoddp run --on-failure continue SCRIPT` starts the quorum
 service and one supervised process per replica, and replaces a replica that dies. The pieces:
 `RebuiltWorld` (the group rebuild), `LiveState` (what a joiner receives), `GlobalBatches` and
-`share` (the data of a step), `sum_weighted_pieces` (the average), `ReplicaEnv` (the launcher's
+`share` (the data of a step), `WeightedPieceSum` (the average), `ReplicaEnv` (the launcher's
 variables), `supervise` (the launcher of `nanoddp run|train --on-failure continue`). How it works
 and what it covers: docs/ft.md.
 """
 
 from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.fault_tolerant import FaultTolerant
-from nanoddp.ft.gradients import sum_weighted_pieces
+from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
@@ -19,5 +19,5 @@ from nanoddp.ft.world import RebuiltWorld
 
 __all__ = [
     "FaultTolerant", "GlobalBatches", "Launch", "LiveState", "RebuiltWorld", "ReplicaEnv", "piece_weight", "share",
-    "sum_weighted_pieces", "supervise",
+    "WeightedPieceSum", "supervise",
 ]  # fmt: skip

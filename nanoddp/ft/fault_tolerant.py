@@ -10,7 +10,7 @@ The life of one step, in the order a loop calls it:
    given step whatever the world size (`GlobalBatches`), split over the ranks present.
 3. The loop runs forward and backward on that piece (mean loss over the piece).
 4. `average_gradients(loss)` weights each rank's gradient by its share and sums them in rank
-   order on every rank (`sum_weighted_pieces`). A peer lost meanwhile (dead: its socket closes;
+   order on every rank (`WeightedPieceSum`). A peer lost meanwhile (dead: its socket closes;
    hung: the collective times out) makes it return None and marks the step failed.
 5. `commit()` steps the optimizer only if the Manager says the step may commit; otherwise the
    gradients are dropped and `steps` redoes the step in the next quorum. No update is ever
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from nanoddp.comm.transport import sent_bytes
 from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
-from nanoddp.ft.gradients import sum_weighted_pieces
+from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.world import RebuiltWorld
@@ -90,6 +90,7 @@ class FaultTolerant:
         self.env = env or ReplicaEnv.from_environ()
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._sum_pieces = WeightedPieceSum(self.params)
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
         self.world = RebuiltWorld(self.env.timeout_s)
@@ -208,7 +209,7 @@ class FaultTolerant:
             return None
         weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
         try:
-            self._loss = sum_weighted_pieces(self.params, weight, loss, self.world_size)
+            self._loss = self._sum_pieces(weight, loss, self.world_size)
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
             logger.info("step %d failed: %s", self.manager.current_step(), str(exc).splitlines()[0][:200])
             self.manager.report_error(exc)

@@ -42,18 +42,33 @@ def unflatten_into_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> 
         at += p.numel()
 
 
-@torch.no_grad()
-def sum_weighted_pieces(params: Sequence[torch.Tensor], weight: float, loss: torch.Tensor, world_size: int) -> float:
-    """Replace every gradient by sum over ranks of (weight_r * gradient_r), added in rank order on
-    every rank; return the same sum of the ranks' weighted losses (the global batch's mean loss).
+class WeightedPieceSum:
+    """sum over ranks of (weight_r * gradient_r), added in rank order on every rank, for `params`.
 
-    Call on every rank of the current group, after backward. A peer lost meanwhile raises here
-    (gloo's error, or its timeout for a peer that hangs); the step must then not be committed."""
-    flat = torch.cat([flatten_grads(params), loss.detach().reshape(1).to(params[0].dtype)])
-    flat.mul_(weight)
-    gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype)
-    comm.all_gather_into_tensor(gathered, flat)
-    total = torch.empty_like(flat)
-    reduce_in_rank_order("SUM", list(gathered.view(world_size, -1).unbind(0)), total)
-    unflatten_into_grads(total[:-1], params)
-    return float(total[-1])
+    The flat piece and the gathered pieces live in buffers kept from step to step: a fresh
+    buffer of world_size x the model every step is paid in page faults (on CPU, about as much
+    as the all-gather itself)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params) + 1  # + the loss
+        self.flat = torch.empty(self.numel, dtype=self.params[0].dtype)
+        self.gathered = torch.empty(0, dtype=self.flat.dtype)
+        self.total = torch.empty_like(self.flat)
+
+    @torch.no_grad()
+    def __call__(self, weight: float, loss: torch.Tensor, world_size: int) -> float:
+        """Replace every gradient by the weighted sum; return the same sum of the ranks' weighted
+        losses (the global batch's mean loss).
+
+        Call on every rank of the current group, after backward. A peer lost meanwhile raises here
+        (gloo's error, or its timeout for a peer that hangs); the step must then not be committed."""
+        torch.cat([flatten_grads(self.params), loss.detach().reshape(1).to(self.flat.dtype)], out=self.flat)
+        self.flat.mul_(weight)
+        if self.gathered.numel() < world_size * self.numel:
+            self.gathered = torch.empty(world_size * self.numel, dtype=self.flat.dtype)
+        gathered = self.gathered[: world_size * self.numel]
+        comm.all_gather_into_tensor(gathered, self.flat)
+        reduce_in_rank_order("SUM", list(gathered.view(world_size, -1).unbind(0)), self.total)
+        unflatten_into_grads(self.total[:-1], self.params)
+        return float(self.total[-1])

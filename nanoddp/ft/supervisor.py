@@ -36,7 +36,7 @@ POLL_S = 0.05
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 # The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
 # (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
-JOIN_MS, HEARTBEAT_MS, TICK_MS = 1000, 2000, 50
+JOIN_MS, HEARTBEAT_MS, TICK_MS = 1000, 2000, 10
 
 
 @dataclass
@@ -185,6 +185,17 @@ def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)  # the replica leads its session's group (start_new_session)
 
 
+def majority(nproc: int) -> int:
+    """The fewest replicas that may form a quorum: more than half of the run's.
+
+    [Note: no two groups] The Lighthouse forms a quorum of the replicas that asked, once the
+    healthy ones that did not ask have had the join timeout to do so. A survivor slow to ask (a
+    loaded machine) could otherwise be left out and form a group of its own at its next request:
+    two groups training apart from the same step. Two majorities always share a replica, so at
+    most one group goes on; a group that is not a majority waits for its replacements."""
+    return nproc // 2 + 1
+
+
 def check_single_node(nnodes: str, rdzv_endpoint: str) -> None:
     """The one refusal every fault-tolerant launch shares: replicas and quorum service are local."""
     if str(nnodes) != "1" or rdzv_endpoint:
@@ -202,7 +213,7 @@ def supervise(launch: Launch) -> int:
 
     lighthouse = LighthouseServer(
         bind="[::]:0",
-        min_replicas=1,
+        min_replicas=majority(launch.nproc),
         join_timeout_ms=JOIN_MS,
         quorum_tick_ms=TICK_MS,
         heartbeat_timeout_ms=HEARTBEAT_MS,

@@ -239,7 +239,7 @@ def test_continue_refuses_a_multi_node_launch():
 
 TINY_GPT = [
     "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
-    "--d-ff", "64", "--batch-size", "8", "--warmup-steps", "2", "--seed", "0", "--snapshot-every", "0",
+    "--d-ff", "64", "--batch-size", "12", "--warmup-steps", "2", "--seed", "0", "--snapshot-every", "0",
     "--eval-every", "0", "--log-every", "1", "--no-progress",
 ]  # fmt: skip
 TRAIN_STEPS, TRAIN_KILL_AFTER = 60, 3
@@ -262,12 +262,12 @@ def _replay_train(history: list[int]) -> dict[str, torch.Tensor]:
     from nanoddp.train.data.datasets import build_datasets
 
     config = TrainConfig(
-        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=8,
+        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,
         warmup_steps=2, seed=0, steps=TRAIN_STEPS,
     )  # fmt: skip
     train_set, _, spec = build_datasets(config.data, 16, config.val_fraction, 1900, model="gpt")
     threads = torch.get_num_threads()
-    torch.set_num_threads(threads_per_rank(config, 2))  # what the replicas ran with: matmuls split by it
+    torch.set_num_threads(threads_per_rank(config, 3))  # what the replicas ran with: matmuls split by it
     try:
         return _replay_steps(config, train_set, spec, history)
     finally:
@@ -289,7 +289,7 @@ def _replay_steps(config, train_set, spec, history: list[int]) -> dict[str, torc
         idx = torch.randperm(order_len, generator=torch.Generator().manual_seed(epoch))[at * batch : (at + 1) * batch]
         total = None
         for rank in range(world_size):
-            lo, hi = rank * batch // world_size, (rank + 1) * batch // world_size  # even splits here
+            lo, hi = rank * batch // world_size, (rank + 1) * batch // world_size  # 12: even at 3 and 2
             model.zero_grad(set_to_none=True)
             inputs, targets = torch.utils.data.default_collate([train_set[i] for i in idx[lo:hi].tolist()])
             model(inputs, targets)[-1].backward()  # GPT returns (logits, loss)
@@ -306,10 +306,11 @@ def _replay_steps(config, train_set, spec, history: list[int]) -> dict[str, torc
 
 
 def test_train_continue_survives_a_kill_bitwise(tmp_path):
-    """2 replicas of the built-in GPT job; replica 1 is SIGKILLed from outside after step 3 (no
-    restarts): the survivor finishes alone, and its model.pt equals a replay of the schedule."""
+    """3 replicas of the built-in GPT job; replica 1 is SIGKILLed from outside after step 3 (no
+    restarts): the other two finish at world size 2 (a majority), and model.pt equals a replay
+    of the schedule."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2"]
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3"]
     command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--out", str(out), *TINY_GPT]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -329,8 +330,8 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     assert killed and proc.returncode == 0, output[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     history = [r["world_size"] for r in records if "event" not in r]
-    assert len(history) == TRAIN_STEPS and history[0] == 2 and history[-1] == 1, history
-    assert [(r["event"], r["world_size"]) for r in records if "event" in r] == [("rank_lost", 1)]
+    assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 2, history
+    assert [(r["event"], r["world_size"], r["replicas"]) for r in records if "event" in r] == [("rank_lost", 2, [1])]
     got = torch.load(out / "model.pt")
     want = _replay_train(history)
     assert got.keys() == want.keys()
