@@ -30,6 +30,7 @@ The life of one step, in the order a loop calls it:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -126,6 +127,7 @@ class FaultTolerant:
         self._loss: float | None = None
         self._committed: bool | None = None
         self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
+        self._beat_path = self.env.beat_path()
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property
@@ -172,6 +174,14 @@ class FaultTolerant:
             self._note_membership()
         self._members = self.world.members
         self._bytes_at_start = sent_bytes()
+        self._beat()
+
+    def _beat(self) -> None:
+        """Mark this step boundary for the launcher, which ends a replica that stops marking while
+        the others go on (a hang: `nanoddp.ft.supervisor`)."""
+        if self._beat_path is not None:
+            with open(self._beat_path, "a"):
+                os.utime(self._beat_path)
 
     def _wait_for_everyone(self) -> None:
         """The run's first step waits for all its replicas (they start one by one): re-ask for a

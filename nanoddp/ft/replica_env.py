@@ -19,6 +19,7 @@ ATTEMPT_VAR = "NANODDP_FT_ATTEMPT"  # 0 for the first process of a replica, k fo
 TIMEOUT_VAR = "NANODDP_FT_TIMEOUT"  # seconds a collective may wait: past it, a silent peer is lost
 OUT_VAR = "NANODDP_FT_OUT"  # directory of metrics.jsonl (not set: no metrics file)
 LAUNCHER_VAR = "NANODDP_FT_LAUNCHER"  # the launcher's pid: a replica dies with it
+BEATS_VAR = "NANODDP_FT_BEATS"  # directory where each replica marks every step boundary it reaches
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class ReplicaEnv:
     """Where `metrics.jsonl` goes, or None."""
     launcher_pid: int | None = None
     """The launcher's pid (a replica asks Linux to end it when the launcher dies)."""
+    beats: str | None = None
+    """The launcher's directory of step marks (`beat_path`): how it tells a hung replica."""
+
+    def beat_path(self) -> str | None:
+        """The file this replica touches at every step boundary, or None."""
+        return None if self.beats is None else os.path.join(self.beats, f"replica-{self.replica}")
 
     def __post_init__(self) -> None:
         if not 0 <= self.replica < self.replicas:
@@ -68,6 +75,7 @@ class ReplicaEnv:
             timeout_s=float(environ.get(TIMEOUT_VAR, "30")),
             out=environ.get(OUT_VAR) or None,
             launcher_pid=int(environ[LAUNCHER_VAR]) if environ.get(LAUNCHER_VAR) else None,
+            beats=environ.get(BEATS_VAR) or None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -83,4 +91,6 @@ class ReplicaEnv:
             env[OUT_VAR] = self.out
         if self.launcher_pid is not None:
             env[LAUNCHER_VAR] = str(self.launcher_pid)
+        if self.beats is not None:
+            env[BEATS_VAR] = self.beats
         return env

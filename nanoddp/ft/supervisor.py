@@ -9,8 +9,12 @@ is replaced, up to `max_restarts` times per replica, by a process with the same 
 higher attempt number, which joins the running group at a step boundary and receives its state
 from a peer (`FaultTolerant`). The others are never touched.
 
+A hung replica is ended too: every replica marks each step boundary it reaches (a file in the
+launcher's private directory); one that has marked nothing for the collective timeout and more
+while another has (the others went on without it) is SIGKILLed, and so replaced like a dead one.
 The run ends when a replica finishes (exit 0) and the rest have finished too, or have not within
-the collective timeout more (a hung replica the others already left): those are killed.
+the collective timeout more: those are killed, and a replacement that never reached a step (it
+has nobody left to join) at once.
 Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
 replica dies with the launcher even if the launcher is SIGKILLed (it asks Linux for that with
 the launcher's pid, `ReplicaEnv.launcher_pid`), and each replica's own children go with it.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,12 +36,16 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.tempdirs import make_private_dir
 
 POLL_S = 0.05
+BEATS_PREFIX = "nanoddp-ft-beats-"  # the launcher's private dir of step marks, named by its pid
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+STARTUP_GRACE_S = 120.0  # a replica's first step mark may take this long (imports, data, joining)
+SILENT_MARGIN_S = 2.0  # past the collective timeout: the others' quorum (join timeout) comes first
 # The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
 # (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
-JOIN_MS, HEARTBEAT_MS, TICK_MS = 1000, 2000, 10
+JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 2000, 10
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Replica:
     attempt: int = 0
     proc: subprocess.Popen | None = None
     exitcode: int | None = None  # of the current process, once it ended
+    started: float = 0.0  # time.time() when the current process started
     copiers: list[threading.Thread] = field(default_factory=list)
 
 
@@ -82,8 +92,8 @@ class Launch:
 class Supervisor:
     """Starts, watches and replaces the replicas of one fault-tolerant run."""
 
-    def __init__(self, launch: Launch, lighthouse: str) -> None:
-        self.launch, self.lighthouse = launch, lighthouse
+    def __init__(self, launch: Launch, lighthouse: str, beats: str) -> None:
+        self.launch, self.lighthouse, self.beats = launch, lighthouse, beats
         self.replicas = [Replica(i) for i in range(launch.nproc)]
 
     def start(self, replica: Replica) -> None:
@@ -95,6 +105,7 @@ class Supervisor:
             timeout_s=self.launch.timeout_s,
             out=self.launch.out,
             launcher_pid=os.getpid(),
+            beats=self.beats,
         )
         environ = {**os.environ, **env.to_environ(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         proc = subprocess.Popen(
@@ -104,7 +115,7 @@ class Supervisor:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        replica.proc, replica.exitcode = proc, None
+        replica.proc, replica.exitcode, replica.started = proc, None, time.time()
         prefix = f"[replica {replica.replica}] "
         replica.copiers = [
             threading.Thread(target=_copy_prefixed, args=(stream, out, prefix), daemon=True)
@@ -126,6 +137,13 @@ class Supervisor:
             running = [r for r in self.replicas if r.exitcode is None]
             if not running:
                 break
+            if finished_at is None:
+                self._end_silent(running)
+            else:
+                self._end_unjoined(running)
+                running = [r for r in running if r.exitcode is None]
+                if not running:
+                    break
             if finished_at is not None and time.monotonic() - finished_at > self.launch.timeout_s:
                 for replica in running:
                     self._say(f"replica {replica.replica} did not finish with the others: stopped")
@@ -158,6 +176,38 @@ class Supervisor:
         replica.attempt += 1
         self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); starting replacement {replica.attempt}")
         self.start(replica)
+
+    def _last_mark(self, replica: Replica) -> float:
+        """When `replica`'s current process last marked a step boundary (its start, before the first)."""
+        try:
+            mark = os.stat(os.path.join(self.beats, f"replica-{replica.replica}")).st_mtime
+        except FileNotFoundError:
+            return replica.started
+        return mark if mark >= replica.started else replica.started  # an older process's mark
+
+    def _end_silent(self, running: list[Replica]) -> None:
+        """SIGKILL a replica that has marked no step boundary for the collective timeout and more
+        while another has (the others left it out: a hang), so that it is replaced like a dead one.
+        A group that is stalled as a whole is left alone: nobody is silent *alone* then."""
+        now = time.time()
+        marks = {r.replica: self._last_mark(r) for r in running}
+        newest = max(marks.values())
+        for replica in running:
+            grace = STARTUP_GRACE_S if marks[replica.replica] == replica.started else 0.0
+            silent_s = now - marks[replica.replica]
+            if silent_s > self.launch.timeout_s + SILENT_MARGIN_S + grace and now - newest < self.launch.timeout_s:
+                self._say(f"replica {replica.replica} marked no step for {silent_s:.0f} s while the others did: killed")
+                _kill_session(replica.proc, signal.SIGKILL)
+
+    def _end_unjoined(self, running: list[Replica]) -> None:
+        """Once the run has finished, a replacement that never reached a step has nobody left to
+        join: stop it now rather than after the timeout."""
+        for replica in running:
+            if self._last_mark(replica) == replica.started:
+                self._say(f"replacement {replica.attempt} of replica {replica.replica} had not joined: stopped")
+                _kill_session(replica.proc, signal.SIGKILL)
+                replica.proc.wait()  # type: ignore[union-attr]
+                replica.exitcode = replica.proc.returncode  # type: ignore[union-attr]
 
     def stop(self, sig: signal.Signals) -> None:
         """Signal every running replica's session; after SIGTERM, SIGKILL those still there."""
@@ -218,7 +268,8 @@ def supervise(launch: Launch) -> int:
         quorum_tick_ms=TICK_MS,
         heartbeat_timeout_ms=HEARTBEAT_MS,
     )
-    supervisor = Supervisor(launch, lighthouse.address())
+    beats = make_private_dir(BEATS_PREFIX)
+    supervisor = Supervisor(launch, lighthouse.address(), beats)
     stopped: list[signal.Signals] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -236,5 +287,6 @@ def supervise(launch: Launch) -> int:
     finally:
         supervisor.stop(signal.SIGKILL)
         lighthouse.shutdown()
+        shutil.rmtree(beats, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
