@@ -221,7 +221,8 @@ FAULTS = (
         "nanoddp/train/checkpoint/user_state.py",
         "sharded.kind_of(obj, modules.get(name), registry) or _kind(obj)",
         "_kind(obj)",
-        ("tests/multiproc/test_sharded_state.py", "-k", "two_ranks"),
+        # zero2's state_dict() is whole, so zero2 alone survives this; fsdp's DTensor pieces do not
+        ("tests/multiproc/test_sharded_state.py", "-k", "round_trip"),
     ),
     Mutation(
         "sharded checkpoint: the manifest's checksum ignored",
