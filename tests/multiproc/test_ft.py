@@ -245,7 +245,7 @@ TINY_GPT = [
     "--d-ff", "64", "--batch-size", "12", "--warmup-steps", "2", "--seed", "0", "--snapshot-every", "0",
     "--eval-every", "0", "--log-every", "1", "--no-progress",
 ]  # fmt: skip
-TRAIN_STEPS, TRAIN_KILL_AFTER = 60, 3
+TRAIN_STEPS, TRAIN_KILL_AFTER = 40, 3
 
 
 def _replica_pid(launcher: psutil.Process, replica: int) -> int | None:
@@ -350,3 +350,23 @@ def test_train_continue_refuses_what_it_does_not_cover():
         check_continue(TrainConfig(engine="zero2", on_failure="continue"))
     with pytest.raises(ValueError, match="does not support --grad-accum, --amp yet"):
         check_continue(TrainConfig(grad_accum=2, amp="bf16", on_failure="continue"))
+
+
+# ---- the data rule, against torch's own split -------------------------------------------------
+
+
+def test_a_step_batch_splits_like_tensor_split_and_weights_sum_to_one():
+    """`share` is torch.tensor_split's rule (the first n % ws pieces one longer), so every sample
+    of a step is seen exactly once at any world size; the weights are the pieces' shares."""
+    from nanoddp.ft import GlobalBatches, piece_weight, share
+
+    batches = GlobalBatches(dataset_len=DATASET, batch_size=BATCH, seed=SEED)
+    for step in (0, 5, 6, 13):  # 6 steps per epoch: 6 and 13 are in later epochs
+        assert torch.equal(batches.indices(step), _global_batch(step))
+        for world_size in range(1, BATCH + 1):
+            want = torch.tensor_split(batches.indices(step), world_size)
+            got = [batches.indices(step)[share(BATCH, rank, world_size)] for rank in range(world_size)]
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (step, world_size)
+            assert sum(piece_weight(BATCH, rank, world_size) for rank in range(world_size)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="cannot be split over 11 ranks"):
+        share(BATCH, 0, BATCH + 1)
