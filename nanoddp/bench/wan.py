@@ -103,23 +103,32 @@ def time_to_reach(curve: list[list[float]], target: float) -> float | None:
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per link: each run's time to DDP's final validation loss, and DiLoCo against DDP (the goals)."""
+    """Per link, DiLoCo against DDP: the loss gap at the same samples, the bytes ratio, and the
+    training time each engine takes to DDP's final validation loss and to the loss both reach (the
+    worse of the two finals), with their ratios (None: DiLoCo never reached it)."""
     summary: dict[str, Any] = {}
     for shaped in (True, False):
         ddp, diloco = (next((r for r in runs if r["engine"] == e and r["shaped"] == shaped), None) for e in ENGINES)
         if ddp is None or diloco is None:
             continue
-        target = ddp["final_val_loss"]
-        for run in (ddp, diloco):
-            run["time_to_ddp_final_s"] = time_to_reach(run["curve"], target)
-        reached = diloco["time_to_ddp_final_s"]
+        target, common = ddp["final_val_loss"], max(ddp["final_val_loss"], diloco["final_val_loss"])
+        to_target = {r["engine"]: time_to_reach(r["curve"], target) for r in (ddp, diloco)}
+        to_common = {r["engine"]: time_to_reach(r["curve"], common) for r in (ddp, diloco)}
         summary["shaped" if shaped else "unshaped"] = {
             "val_loss_gap": diloco["final_val_loss"] / target - 1,  # at the same steps, hence samples
             "bytes_ratio": ddp["comm_bytes"] / diloco["comm_bytes"] if diloco["comm_bytes"] else None,
-            "time_to_ddp_final_speedup": ddp["time_to_ddp_final_s"] / reached if reached else None,
+            "time_to_ddp_final_s": to_target,
+            "time_to_ddp_final_speedup": _quotient(to_target["nanoddp"], to_target["diloco"]),
+            "common_val_loss": common,
+            "time_to_common_s": to_common,
+            "time_to_common_speedup": _quotient(to_common["nanoddp"], to_common["diloco"]),
             "train_time_speedup": ddp["train_s"] / diloco["train_s"],
         }
     return summary
+
+
+def _quotient(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -135,7 +144,7 @@ def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "train_args": args.train_args, "nproc": 2, "date": time.strftime("%Y-%m-%d"),
         "host_cpus": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]], "command": _command(args),
     }  # fmt: skip
-    return {"meta": meta, "results": runs, "summary": compare(runs)}
+    return {"meta": meta, "results": runs, "summary": compare(runs)}  # the table re-derives it from the runs
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -162,23 +171,30 @@ def _ratio(x: float | None) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The table (one row per run) and one line per link on the goals, from `report` alone."""
-    meta = report["meta"]
+    """The table (one row per run) and one line per link on the goals, derived from the runs' own
+    figures (`compare`), so the text cannot drift from the data."""
+    meta, summary = report["meta"], compare(report["results"])
     rows = ["| link | engine | steps | training time | wall time | bytes sent (rank 0) | final val loss "
             "| training time to DDP's final val loss |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     shaped_name = f"{meta['bandwidth']}, {meta['latency']}"
     for r in report["results"]:
         engine = "DDP (`nanoddp`)" if r["engine"] == "nanoddp" else f"DiLoCo H={meta['sync_every']}"
+        reached = summary["shaped" if r["shaped"] else "unshaped"]["time_to_ddp_final_s"][r["engine"]]
         rows.append(f"| {shaped_name if r['shaped'] else 'loopback'} | {engine} | {r['steps']:,} | "
                     f"{_seconds(r['train_s'])} | {_seconds(r['wall_s'])} | {_mb(r['comm_bytes'])} | "
-                    f"{r['final_val_loss']:.4f} | {_seconds(r.get('time_to_ddp_final_s'))} |")  # fmt: skip
+                    f"{r['final_val_loss']:.4f} | {_seconds(reached)} |")  # fmt: skip
     lines = ["\n".join(rows), ""]
-    for name, s in report["summary"].items():
+    for name, s in summary.items():
         link = shaped_name if name == "shaped" else "loopback"
+        speedup = s["time_to_ddp_final_speedup"]
+        reach = (f"reaches DDP's final val loss {_ratio(speedup)} sooner" if speedup is not None
+                 else f"does not reach DDP's final val loss in {meta['steps']:,} steps")  # fmt: skip
+        common = s["time_to_common_s"]
+        both = (f"to {s['common_val_loss']:.4f}, the val loss both reach, DDP takes {_seconds(common['nanoddp'])} "
+                f"and DiLoCo {_seconds(common['diloco'])} ({_ratio(s['time_to_common_speedup'])})")  # fmt: skip
         lines.append(f"- {link}: DiLoCo's final val loss is {s['val_loss_gap']:+.1%} from DDP's at the same "
-                     f"samples, with {_ratio(s['bytes_ratio'])} fewer bytes; it reaches DDP's final val loss "
-                     f"{_ratio(s['time_to_ddp_final_speedup'])} sooner (training time "
-                     f"{_ratio(s['train_time_speedup'])} shorter).")  # fmt: skip
+                     f"samples, with {_ratio(s['bytes_ratio'])} fewer bytes; it {reach}; {both}; training time "
+                     f"{_ratio(s['train_time_speedup'])} shorter.")  # fmt: skip
     return "\n".join(lines).rstrip()
 
 

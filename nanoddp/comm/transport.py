@@ -184,9 +184,20 @@ def send_on(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int)
         return group.send([tensor], peer, tag)
     handle = BackgroundSend()
     nbytes = tensor.numel() * tensor.element_size()
-    link = dist.get_global_rank(group, peer)  # a link joins two processes, whichever group they share
-    _SHAPER.submit(link, nbytes, functools.partial(_post, (handle, group, tensor, peer, tag), _send_now))
+    _SHAPER.submit(
+        _link_to(group, peer), nbytes, functools.partial(_post, (handle, group, tensor, peer, tag), _send_now)
+    )
     return handle
+
+
+def _link_to(group: dist.ProcessGroup, peer: int) -> object:
+    """The directed link a send to `peer` travels: the peer's process (global rank), whichever group
+    they share; a group torch's registry does not know (made by hand, e.g. by a fault-tolerance
+    manager) is its own set of links."""
+    try:
+        return dist.get_global_rank(group, peer)
+    except (ValueError, RuntimeError):
+        return (id(group), peer)
 
 
 def _send_now(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:

@@ -40,9 +40,11 @@ def test_json_keys_and_each_runs_figures_agree(report):
         assert r["final_val_loss"] == r["curve"][-1][2]
         assert 0 < r["curve"][0][1] < r["curve"][1][1] < r["wall_s"]
         assert r["curve"][1][1] == pytest.approx(r["train_s"])  # the last evaluation is at the last step
-    ddp = data["results"][0]
-    assert ddp["time_to_ddp_final_s"] is not None  # DDP reaches its own final loss, by definition
     assert set(data["summary"]) == {"shaped"}
+    summary = data["summary"]["shaped"]
+    assert summary["time_to_ddp_final_s"]["nanoddp"] is not None  # DDP reaches its own final loss, by definition
+    assert summary["common_val_loss"] == max(r["final_val_loss"] for r in data["results"])
+    assert None not in summary["time_to_common_s"].values()  # each reaches the worse of the two finals
 
 
 def test_the_link_reaches_the_runs(report):
