@@ -29,6 +29,7 @@ The life of one step, in the order a loop calls it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -38,9 +39,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nanoddp.comm.transport import sent_bytes
+from nanoddp.env import loopback_store
 from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
 from nanoddp.ft.gradients import WeightedPieceSum
@@ -57,6 +58,7 @@ def _torchft() -> Any:
     try:
         import torchft
         import torchft.checkpointing.pg_transport
+        import torchft.manager
     except ImportError as exc:
         raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
     logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)
@@ -64,6 +66,27 @@ def _torchft() -> Any:
     # check: two warnings per transfer that say nothing about this run.
     warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.pg_transport")
     return torchft
+
+
+@contextlib.contextmanager
+def _manager_server_on_loopback(torchft: Any) -> Iterator[None]:
+    """While the Manager is made, its server binds 127.0.0.1 instead of every interface.
+
+    [Note: private to this machine] torchft's Manager starts its server on `[::]` with no way
+    to ask otherwise; a single-node run must accept no connection from the network (as
+    `nanoddp run` and `nanoddp train` do not), so the constructor it calls gets the loopback
+    address instead, only while this replica's Manager is built."""
+    original = torchft.manager.ManagerServer
+
+    def on_loopback(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"127.0.0.1:{port}"})
+
+    torchft.manager.ManagerServer = on_loopback
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
 
 
 def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
@@ -98,11 +121,24 @@ class FaultTolerant:
         self.metrics = MetricsFile(self.env.out)
         timeout = timedelta(seconds=self.env.timeout_s)
         # torchft keeps a replica group's own address book in a store; ours is a group of one.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._store = loopback_store(0, rank=0, world_size=1)
         state = LiveState(model, optimizer, self.history, extra_state)
         # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`).
         transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
-        self.manager = torchft.Manager(
+        with _manager_server_on_loopback(torchft):
+            self.manager = self._make_manager(torchft, state, transport, timeout)
+        self._members: tuple[int, ...] = ()  # the group this process last stepped in
+        self._started = self.env.joiner  # a joiner never waits for the run's first full group
+        self._step_started = 0.0
+        self._bytes_at_start = 0
+        self._loss: float | None = None
+        self._committed: bool | None = None
+        self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
+        self._beat_path = self.env.beat_path()
+
+    def _make_manager(self, torchft: Any, state: LiveState, transport: Any, timeout: timedelta) -> Any:
+        """torchft's Manager for this replica: a replica group of one process, our group, our state."""
+        return torchft.Manager(
             pg=self.world,
             load_state_dict=state.put,
             state_dict=state.take,
@@ -114,20 +150,13 @@ class FaultTolerant:
             rank=0,
             world_size=1,
             store_addr="127.0.0.1",
+            hostname="127.0.0.1",  # the address its server gives the others: loopback, as it listens
             store_port=self._store.port,
             lighthouse_addr=self.env.lighthouse,
             replica_id=f"replica_{self.env.replica}",  # torchft numbers members by the trailing digits
             init_sync=True,  # at step 0, every replica takes replica rank 0's weights
             checkpoint_transport=transport,
         )
-        self._members: tuple[int, ...] = ()  # the group this process last stepped in
-        self._started = self.env.joiner  # a joiner never waits for the run's first full group
-        self._step_started = 0.0
-        self._bytes_at_start = 0
-        self._loss: float | None = None
-        self._committed: bool | None = None
-        self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
-        self._beat_path = self.env.beat_path()
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property

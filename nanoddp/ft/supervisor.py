@@ -262,14 +262,15 @@ def supervise(launch: Launch) -> int:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="[::]:0",
+        bind="127.0.0.1:0",  # private to this machine, like the replicas' own servers
         min_replicas=majority(launch.nproc),
         join_timeout_ms=JOIN_MS,
         quorum_tick_ms=TICK_MS,
         heartbeat_timeout_ms=HEARTBEAT_MS,
     )
     beats = make_private_dir(BEATS_PREFIX)
-    supervisor = Supervisor(launch, lighthouse.address(), beats)
+    port = lighthouse.address().rsplit(":", 1)[1]  # it names the host by its hostname: use loopback
+    supervisor = Supervisor(launch, f"http://127.0.0.1:{port}", beats)
     stopped: list[signal.Signals] = []
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from nanoddp.comm.runner import forget_groups
 from nanoddp.comm.transport import Waitable, send_on
+from nanoddp.env import pin_gloo_to_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class RebuiltWorld:
             dist.destroy_process_group()
             forget_groups()  # their threads end; the next collective makes a runner on the new group
         store = create_store_client(store_addr, timeout=self.timeout)
+        pin_gloo_to_loopback()  # the replicas are all here: gloo listens on loopback (unless set)
         excepthook = sys.excepthook
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         sys.excepthook = excepthook  # torch's prefixes tracebacks with a rank that the next quorum may change

@@ -258,6 +258,17 @@ def _replica_pid(launcher: psutil.Process, replica: int) -> int | None:
     return None
 
 
+def _listening(launcher: psutil.Process) -> list[str]:
+    """The addresses the launcher and every process under it listen on."""
+    found = []
+    for proc in [launcher, *launcher.children(recursive=True)]:
+        try:
+            found += [c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return found
+
+
 def _replay_train(history: list[int]) -> dict[str, torch.Tensor]:
     """The built-in GPT job, one process: each step's batch split over that step's world size,
     weighted pieces summed in rank order, clipped, AdamW and the warmup-cosine schedule."""
@@ -323,6 +334,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
             done_steps = metrics.read_text().count('"world_size"') if metrics.exists() else 0
             pid = _replica_pid(launcher, 1)
             if done_steps >= TRAIN_KILL_AFTER and pid is not None:
+                listening = _listening(launcher)  # the quorum service, the replicas' servers, gloo
                 os.kill(pid, signal.SIGKILL)
                 killed = True
             time.sleep(0.01)
@@ -331,6 +343,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert killed and proc.returncode == 0, output[-5000:]
+    assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     history = [r["world_size"] for r in records if "event" not in r]
     assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 2, history
