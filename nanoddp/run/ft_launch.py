@@ -16,6 +16,13 @@ from nanoddp.ft.supervisor import Launch, check_single_node, supervise
 def run_fault_tolerant(args: argparse.Namespace, nproc: int) -> int:
     """Launch `args.script` on `nproc` supervised replicas; return the run's exit code."""
     check_single_node(args.nnodes, args.rdzv_endpoint)
+    unsupported = [
+        flag
+        for flag, given in (("--log-dir", args.log_dir), ("--fail-on-early-exit", args.fail_on_early_exit))
+        if given
+    ]
+    if unsupported:  # torchrun-agent options: refused rather than silently ignored
+        raise ValueError(f"{', '.join(unsupported)} applies to --on-failure restart (torchrun's agent); drop it")
     command = [sys.executable, "-m", "nanoddp.run.ft_replica", *(["-m"] if args.as_module else [])]
     command += [args.script, *args.script_args]
     return supervise(Launch(command, nproc, args.max_restarts, args.collective_timeout, out=args.out))

@@ -236,6 +236,9 @@ def test_continue_refuses_a_multi_node_launch():
     args = argparse.Namespace(nnodes="2", rdzv_endpoint="")
     with pytest.raises(ValueError, match="--on-failure continue runs on one node"):
         run_fault_tolerant(args, 2)
+    args = argparse.Namespace(nnodes="1", rdzv_endpoint="", log_dir="logs", fail_on_early_exit=False)
+    with pytest.raises(ValueError, match="--log-dir applies to --on-failure restart"):
+        run_fault_tolerant(args, 2)
 
 
 # ---- `nanoddp train --on-failure continue` -----------------------------------------------------
