@@ -97,7 +97,8 @@ def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
 class FaultTolerant:
     """A fault-tolerant data-parallel step loop over `model` and `optimizer` (see the module
     docstring). `extra_state` is an optional (take, put) pair of the loop's own state that a
-    joiner must receive too (a scheduler's, say)."""
+    joiner must receive too (a scheduler's, say); `tokens_per_sample`, if the data has tokens,
+    gives the step records their `tokens_per_s`."""
 
     def __init__(
         self,
@@ -109,8 +110,10 @@ class FaultTolerant:
         seed: int = 0,
         env: ReplicaEnv | None = None,
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        tokens_per_sample: int | None = None,
     ) -> None:
         torchft = _torchft()
+        self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
         self.env = env or ReplicaEnv.from_environ()
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -132,6 +135,7 @@ class FaultTolerant:
         self._step_started = 0.0
         self._bytes_at_start = 0
         self._loss: float | None = None
+        self._comm_s: float | None = None  # the last average's wall time
         self._committed: bool | None = None
         self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
         self._beat_path = self.env.beat_path()
@@ -248,7 +252,9 @@ class FaultTolerant:
             return None
         weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
         try:
+            started = time.monotonic()
             self._loss = self._sum_pieces(weight, loss, self.world_size)
+            self._comm_s = time.monotonic() - started
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
             logger.info("step %d failed: %s", self.manager.current_step(), str(exc).splitlines()[0][:200])
             self.manager.report_error(exc)
@@ -276,12 +282,16 @@ class FaultTolerant:
         """The trainer's step record (`metrics.jsonl`), with the world size the step really had;
         `step` counts from 1, as the trainer's records do (the loop's index + 1)."""
         elapsed = time.monotonic() - self._step_started
+        samples_per_s = self.batches.batch_size / elapsed if elapsed > 0 else None
+        tokens = self.tokens_per_sample
         return {
             "step": step + 1,
             "loss": self._loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": elapsed,
-            "samples_per_s": self.batches.batch_size / elapsed if elapsed > 0 else None,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": None if samples_per_s is None or tokens is None else samples_per_s * tokens,
+            "comm_time_s": self._comm_s,  # the gradient average: not overlapped with backward
             "comm_bytes": sent_bytes() - self._bytes_at_start,
             "world_size": world_size,
             "time": time.time(),  # wall clock: when a step committed, to measure what a failure cost

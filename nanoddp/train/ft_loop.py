@@ -79,6 +79,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         seed=config.seed,
         env=env,
         extra_state=(scheduler.state_dict, scheduler.load_state_dict),
+        tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
     )
     module.train()
     for step in ft.steps(config.steps):

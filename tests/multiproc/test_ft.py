@@ -349,6 +349,8 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     history = [r["world_size"] for r in records if "event" not in r]
+    design_keys = {"step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "comm_bytes"}
+    assert all(design_keys <= r.keys() and r["tokens_per_s"] > 0 for r in records if "event" not in r)
     assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 2, history
     assert [(r["event"], r["world_size"], r["replicas"]) for r in records if "event" in r] == [("rank_lost", 2, [1])]
     got = torch.load(out / "model.pt")
