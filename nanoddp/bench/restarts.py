@@ -6,6 +6,9 @@ moment after the first snapshot. torchrun's agent restarts the group, the traine
 the newest valid snapshot, and the trial counts as passed only when the final parameters are
 bitwise equal to the reference's. Snapshots are written to a temp file and renamed, so a kill
 during a write must never be read back half-written; random kill times hit writes too.
+
+It also measures what one failure costs in wall time under `--on-failure restart` and
+`--on-failure continue`, side by side (`nanoddp.bench.failure_cost`, `--cost-trials`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from nanoddp.bench import failure_cost
 from nanoddp.bench.common import add_output_args, write_json
 
 logger = logging.getLogger(__name__)
@@ -108,7 +112,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         "restarts", help="SIGKILL a worker mid-run; the restarted run must end bitwise equal",
         description=__doc__.split("\n\n")[1],
     )  # fmt: skip
-    parser.add_argument("--trials", type=int, default=10, help="kill trials (default: 10)")
+    parser.add_argument("--trials", type=int, default=10, help="bitwise kill trials (default: 10; 0: none)")
+    parser.add_argument(
+        "--cost-trials", type=int, default=3,
+        help="(clean, killed) run pairs per failure mode for the cost of a failure (default: 3; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
     parser.add_argument("--max-delay", type=float, default=2.5, help="latest kill, seconds after the first snapshot")
     add_output_args(parser)
@@ -116,13 +124,22 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.trials < 1:
-        raise ValueError(f"--trials must be >= 1, got {args.trials}")
+    if args.trials < 0 or args.cost_trials < 0 or args.trials + args.cost_trials == 0:
+        raise ValueError(
+            f"--trials and --cost-trials must be >= 0 and not both 0, got {args.trials} and {args.cost_trials}"
+        )
     if args.max_delay < 0:
         raise ValueError(f"--max-delay must be >= 0 seconds, got {args.max_delay}")
-    report = run_trials(args.trials, args.seed, args.max_delay)
-    print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
+    report: dict = {}
+    passed = True
+    if args.trials:
+        report = run_trials(args.trials, args.seed, args.max_delay)
+        print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
+        passed = report["passed"] == report["trials"]
+    if args.cost_trials:
+        report["failure_cost"] = failure_cost.measure(args.cost_trials)
+        print(failure_cost.describe(report["failure_cost"]))
     if args.json:
         write_json(args.json, report)
         print(f"wrote {args.json}")
-    return 0 if report["passed"] == report["trials"] else 1
+    return 0 if passed else 1

@@ -27,7 +27,7 @@ def test_bench_restarts_leaves_an_empty_temp_dir(tmp_path):
     tmp.mkdir()
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--max-delay", "0.5",
+        [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--cost-trials", "0", "--max-delay", "0.5",
          "--json", str(report)],
         capture_output=True, text=True, timeout=850, env={**os.environ, "TMPDIR": str(tmp)},
     )  # fmt: skip

@@ -14,12 +14,24 @@ from .verdicts import pytest_row
 
 @probe(
     "6.1",
-    "`nanoddp bench restarts --trials 1` with a fresh TMPDIR",
+    "`nanoddp bench restarts --trials 1 --cost-trials 0` with a fresh TMPDIR",
     "trial passes; TMPDIR empty afterwards (no nanoddp-kill-*, nothing else but torch's torchinductor_ cache)",
 )
 def bench_restarts_leaves_nothing(ctx: Ctx) -> tuple[bool, str]:
     report = ctx.dir / "restarts.json"
-    run = ctx.nanoddp("bench", "restarts", "--trials", 1, "--max-delay", 0.5, "--json", report, timeout=SUITE_TIMEOUT_S)
+    run = ctx.nanoddp(
+        "bench",
+        "restarts",
+        "--trials",
+        1,
+        "--cost-trials",
+        0,
+        "--max-delay",
+        0.5,
+        "--json",
+        report,
+        timeout=SUITE_TIMEOUT_S,
+    )
     passed = json.loads(report.read_text()).get("passed") if report.is_file() else None
     left = leftovers(ctx.tmp)
     ok = run.rc == 0 and passed == 1 and not left
