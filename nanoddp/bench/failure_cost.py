@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -94,7 +95,7 @@ def measure(trials: int) -> dict:
                     "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                     "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
                 })  # fmt: skip
-    summary = {}
+    summary: dict[str, Any] = {}
     for mode in MODES:
         costs = [r["cost_s"] for r in results if r["mode"] == mode]
         summary[mode] = {"median_cost_s": statistics.median(costs), "min_cost_s": min(costs), "max_cost_s": max(costs)}

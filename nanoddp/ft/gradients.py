@@ -20,6 +20,7 @@ import torch
 
 import nanoddp.comm as comm
 from nanoddp.comm.reduce import reduce_in_rank_order
+from nanoddp.parallel.tensors import write_grads
 
 
 def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -28,18 +29,6 @@ def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
     if len(dtypes) != 1:
         raise ValueError(f"the fault-tolerant average needs parameters of one dtype, got {sorted(map(str, dtypes))}")
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def unflatten_into_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Write `flat` back as every parameter's gradient."""
-    at = 0
-    for p in params:
-        piece = flat[at : at + p.numel()].view_as(p)
-        if p.grad is None:
-            p.grad = piece.clone()
-        else:
-            p.grad.copy_(piece)
-        at += p.numel()
 
 
 class WeightedPieceSum:
@@ -70,5 +59,5 @@ class WeightedPieceSum:
         gathered = self.gathered[: world_size * self.numel]
         comm.all_gather_into_tensor(gathered, self.flat)
         reduce_in_rank_order("SUM", list(gathered.view(world_size, -1).unbind(0)), self.total)
-        unflatten_into_grads(self.total[:-1], self.params)
+        write_grads(self.total[:-1], self.params)
         return float(self.total[-1])

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.replicas import check_same_structure, group_size_rank_src
+from nanoddp.parallel.tensors import write_grads
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +83,7 @@ def reduce_scatter_all_gather_gradients(
         collectives.reduce_scatter_tensor(shard, flat, group=group)  # shard = sum over ranks
         _sum_to_mean(shard, world_size)
         collectives.all_gather_into_tensor(flat, shard, group=group)  # every shard, everywhere
-        offset = 0
-        for param in params:
-            averaged = flat[offset : offset + param.numel()].view_as(param)
-            if param.grad is None:
-                param.grad = averaged.clone()
-            else:
-                param.grad.copy_(averaged)
-            offset += param.numel()
+        write_grads(flat, params)
 
 
 class SimpleDDP:

@@ -115,3 +115,17 @@ def through_flat(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], N
         for t in same_kind:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def write_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Lay `flat` (the parameters' gradients end to end, in `params` order) back as each
+    parameter's `.grad`: copied into a gradient that exists, a copy of its piece where none does
+    (never a view of `flat`, which the caller may reuse)."""
+    offset = 0
+    for param in params:
+        piece = flat[offset : offset + param.numel()].view_as(param)
+        if param.grad is None:
+            param.grad = piece.clone()
+        else:
+            param.grad.copy_(piece)
+        offset += param.numel()

@@ -129,6 +129,22 @@ def _pieces(world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _weighted_grads(model, params, losses, sizes, batch) -> None:
+    """The reference for one step's average, in one process: each rank's piece's gradient
+    (`losses[r]()`, the mean over its `sizes[r]` samples) weighted by its share of the `batch`,
+    summed in rank order, set as every parameter's gradient."""
+    total = None
+    for loss_of, size in zip(losses, sizes, strict=True):
+        model.zero_grad(set_to_none=True)
+        loss_of().backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params]) * (size / batch)
+        total = flat if total is None else total + flat
+    at = 0
+    for p in params:
+        p.grad = total[at : at + p.numel()].view_as(p).clone()
+        at += p.numel()
+
+
 def _replay(history: list[int]) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -138,17 +154,9 @@ def _replay(history: list[int]) -> list[torch.Tensor]:
     params = list(model.parameters())
     for step, world_size in enumerate(history):
         idx = _global_batch(step)
-        total = None
-        for lo, hi in _pieces(world_size):  # rank order
-            model.zero_grad(set_to_none=True)
-            piece = idx[lo:hi]
-            torch.nn.functional.mse_loss(model(X[piece]), Y[piece]).backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params]) * ((hi - lo) / BATCH)
-            total = flat if total is None else total + flat
-        at = 0
-        for p in params:
-            p.grad = total[at : at + p.numel()].view_as(p).clone()
-            at += p.numel()
+        losses = [lambda piece=idx[lo:hi]: torch.nn.functional.mse_loss(model(X[piece]), Y[piece])
+                  for lo, hi in _pieces(world_size)]  # fmt: skip
+        _weighted_grads(model, params, losses, [hi - lo for lo, hi in _pieces(world_size)], BATCH)
         opt.step()
     return [p.detach() for p in params]
 
@@ -304,18 +312,10 @@ def _replay_steps(config, train_set, spec, history: list[int]) -> dict[str, torc
     for step, world_size in enumerate(history):
         epoch, at = divmod(step, order_len // batch)
         idx = torch.randperm(order_len, generator=torch.Generator().manual_seed(epoch))[at * batch : (at + 1) * batch]
-        total = None
-        for rank in range(world_size):
-            lo, hi = rank * batch // world_size, (rank + 1) * batch // world_size  # 12: even at 3 and 2
-            model.zero_grad(set_to_none=True)
-            inputs, targets = torch.utils.data.default_collate([train_set[i] for i in idx[lo:hi].tolist()])
-            model(inputs, targets)[-1].backward()  # GPT returns (logits, loss)
-            flat = torch.cat([p.grad.reshape(-1) for p in params]) * ((hi - lo) / batch)
-            total = flat if total is None else total + flat
-        at = 0
-        for p in params:
-            p.grad = total[at : at + p.numel()].view_as(p).clone()
-            at += p.numel()
+        bounds = [(r * batch // world_size, (r + 1) * batch // world_size) for r in range(world_size)]  # 12: even
+        batches = [torch.utils.data.default_collate([train_set[i] for i in idx[lo:hi].tolist()]) for lo, hi in bounds]
+        losses = [lambda b=b: model(*b)[-1] for b in batches]  # GPT returns (logits, loss)
+        _weighted_grads(model, params, losses, [hi - lo for lo, hi in bounds], batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
