@@ -27,8 +27,8 @@ def test_bench_restarts_leaves_an_empty_temp_dir(tmp_path):
     tmp.mkdir()
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--cost-trials", "0", "--max-delay", "0.5",
-         "--json", str(report)],
+        [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--cost-trials", "0",
+         "--max-delay", "0.5", "--json", str(report)],
         capture_output=True, text=True, timeout=850, env={**os.environ, "TMPDIR": str(tmp)},
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
