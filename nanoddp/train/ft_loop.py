@@ -28,12 +28,11 @@ from torch.utils.data import default_collate
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 from nanoddp.launch import die_with_parent, take_descendants_along
+from nanoddp.train.build import build_job
 from nanoddp.train.checkpoint import atomic
-from nanoddp.train.config import TrainConfig, build_model, filled, threads_per_rank
+from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batches import batch_loss_for
-from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.metrics import format_log_line
-from nanoddp.train.recipe import WarmupCosine, make_optimizer
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_loop"
@@ -61,15 +60,8 @@ def check_continue(config: TrainConfig) -> None:
 def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     """Train this replica to `config.steps` committed steps (see the module docstring)."""
     torch.set_num_threads(threads_per_rank(config, env.replicas))
-    train_set, _, spec = build_datasets(
-        config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
-    )
-    torch.manual_seed(config.seed)  # identical weights on every replica (init_sync makes sure)
-    module = build_model(config, spec)
-    optimizer = make_optimizer(module, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
-    )
+    job = build_job(config)  # identical weights on every replica (init_sync makes sure)
+    train_set, module, optimizer, scheduler = job.train_set, job.module, job.optimizer, job.scheduler
     batch_loss = batch_loss_for(None)
     ft = FaultTolerant(
         module,
@@ -79,7 +71,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         seed=config.seed,
         env=env,
         extra_state=(scheduler.state_dict, scheduler.load_state_dict),
-        tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
+        tokens_per_sample=job.tokens_per_sample,
     )
     module.train()
     for step in ft.steps(config.steps):
