@@ -171,7 +171,7 @@ def _launch(world_size: int) -> list[tuple[tuple[int, list[str]], int | None]]:
     return run_on_ranks(_both, world_size, timeout=900)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])  # 7 adds no path 5 and 8 miss
 def test_new_paths_match_torch_on_every_rank(world_size):
     per_rank = [every for every, _ in _launch(world_size)]
     assert all(checked > 100 for checked, _ in per_rank)

@@ -150,24 +150,30 @@ def test_join(suite, case):
 # ---- without join(): an error on every rank within the collective timeout ---------------------
 
 
-def uneven_without_join(env, backend: str) -> str:
-    """Train 4 / 5 / 3 batches without join() over a group with a 5 s timeout, then (as the
-    end of an epoch does) all-reduce a metric. Returns the error each rank saw."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(Net(), comm_backend=backend, process_group=group)
-    try:
-        for step in range(BATCHES[env.rank]):
-            x = torch.randn(B, D, generator=torch.Generator().manual_seed(step))
-            ddp(x).backward()
-        dist.all_reduce(torch.ones(1), group=group)
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+def uneven_without_join(env) -> dict[str, str]:
+    """For each comm backend: train 4 / 5 / 3 batches without join() over a fresh group with a 5 s
+    timeout, then (as the end of an epoch does) all-reduce a metric. Returns the error each rank
+    saw, per backend. One launch for both: each backend's failure stays in its own group."""
+    errors = {}
+    for backend in BACKENDS:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net(), comm_backend=backend, process_group=group)
+        errors[backend] = "no error"
+        try:
+            for step in range(BATCHES[env.rank]):
+                x = torch.randn(B, D, generator=torch.Generator().manual_seed(step))
+                ddp(x).backward()
+            dist.all_reduce(torch.ones(1), group=group)
+        except RuntimeError as exc:
+            errors[backend] = str(exc)
+        dist.barrier()  # on the default group: every rank is past this backend's failure
+    return errors
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_uneven_inputs_without_join_fail_on_every_rank(backend):
-    errors = run_on_ranks(uneven_without_join, 3, backend, timeout=90)
-    assert "no error" not in errors, errors
+@pytest.mark.timeout(150)
+def test_uneven_inputs_without_join_fail_on_every_rank():
+    per_rank = run_on_ranks(uneven_without_join, 3, timeout=120)
+    for backend in BACKENDS:
+        errors = [rank_errors[backend] for rank_errors in per_rank]
+        assert "no error" not in errors, (backend, errors)
