@@ -17,6 +17,13 @@ The life of one step, in the order a loop calls it:
    half-applied: a replica either applies the whole step or, if its peers moved on without it,
    receives their state at the next quorum.
 
+`boundary(step)`, if given, is work the whole group does together at a step boundary (a
+snapshot, an evaluation): it runs on every member right after each quorum, with `step` the
+number of steps committed so far, and once more after the last step. The group is then the
+one that will run the next step, every member at the same step (a joiner has received its
+state), so a collective over it is safe; a failure inside is handled like a failed step (the
+group is rebuilt and the boundary runs again), so it must be work that may be redone.
+
     ft = FaultTolerant(model, optimizer, dataset_len=len(data), batch_size=48)
     for step in ft.steps(1000):
         x, y = data[ft.batch_for(step)]
@@ -52,6 +59,7 @@ from nanoddp.ft.world import RebuiltWorld
 logger = logging.getLogger(__name__)
 
 STARTUP_WAIT_S = 120.0  # the first step waits this long for every replica of the run to start
+BOUNDARY_TRIES = 3  # boundary work that fails this many times in a row is an error, not a lost peer
 
 
 def _torchft() -> Any:
@@ -111,6 +119,7 @@ class FaultTolerant:
         env: ReplicaEnv | None = None,
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         tokens_per_sample: int | None = None,
+        boundary: Callable[[int], None] | None = None,
     ) -> None:
         torchft = _torchft()
         self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
@@ -139,6 +148,8 @@ class FaultTolerant:
         self._committed: bool | None = None
         self.last_record: dict[str, Any] = {}  # the last committed step's metrics record
         self._beat_path = self.env.beat_path()
+        self._boundary = boundary
+        self._boundary_failures = 0  # in a row
 
     def _make_manager(self, torchft: Any, state: LiveState, transport: Any, timeout: timedelta) -> Any:
         """torchft's Manager for this replica: a replica group of one process, our group, our state."""
@@ -180,12 +191,22 @@ class FaultTolerant:
         """Rank 0 of the current group: the one that writes step records."""
         return self.rank == 0
 
+    def resume_at(self, step: int, history: list[int]) -> None:
+        """Start at `step` (a snapshot's): `history` is the world size of each step before it.
+        Call before `steps`, on every replica the run starts with (a joiner heals instead)."""
+        if len(history) != step:
+            raise ValueError(f"history must hold the world size of each of the {step} steps, got {len(history)}")
+        self.manager.load_state_dict({"step": step, "batches_committed": sum(history)})
+        self.history[:] = history
+
     def steps(self, total_steps: int) -> Iterator[int]:
         """Yield step numbers until `total_steps` are committed; a failed step comes again."""
-        while self.manager.current_step() < total_steps:
+        while self._boundary is not None or self.manager.current_step() < total_steps:
             self._quorum()
             step = self.manager.current_step()
-            if step >= total_steps:  # a joiner healed to the end
+            if not self._run_boundary(step):
+                continue  # handled like a failed step: the next quorum rebuilds, the boundary runs again
+            if step >= total_steps:  # the last boundary is done, or a joiner healed to the end
                 return
             self._committed = None
             yield step
@@ -208,6 +229,30 @@ class FaultTolerant:
         self._members = self.world.members
         self._bytes_at_start = sent_bytes()
         self._beat()
+
+    def _run_boundary(self, step: int) -> bool:
+        """The boundary work at `step` on every member (see the module docstring); False if it
+        failed and must run again after the next quorum."""
+        if self._boundary is None:
+            return True
+        try:
+            self._boundary(step)
+        except Exception as exc:  # a lost peer in its collectives, or an error of its own
+            self._boundary_failures += 1
+            if self._boundary_failures >= BOUNDARY_TRIES:
+                raise
+            self._fail(exc, f"the boundary after step {step}")
+            self.manager.should_commit()  # False: a failed commit, so the next quorum makes a new group
+            return False
+        self._boundary_failures = 0
+        return True
+
+    def _fail(self, exc: Exception, what: str) -> None:
+        """A collective of this step failed: tell the Manager (the step will not commit) and
+        close the group (see `RebuiltWorld.close`); the next quorum rebuilds it."""
+        logger.info("%s failed: %s", what, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        self.manager.report_error(exc)
+        self.world.close()
 
     def _beat(self) -> None:
         """Mark this step boundary for the launcher, which ends a replica that stops marking while
@@ -256,9 +301,7 @@ class FaultTolerant:
             self._loss = self._sum_pieces(weight, loss, self.world_size)
             self._comm_s = time.monotonic() - started
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
-            logger.info("step %d failed: %s", self.manager.current_step(), str(exc).splitlines()[0][:200])
-            self.manager.report_error(exc)
-            self.world.close()  # tell the others now (see `RebuiltWorld.close`); the next quorum rebuilds
+            self._fail(exc, f"step {self.manager.current_step()}")
             return None
         return self._loss
 

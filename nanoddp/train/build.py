@@ -26,6 +26,8 @@ class Job:
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    val_set: Dataset | None = None
+    """The validation data (for a loop that evaluates)."""
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -36,7 +38,7 @@ class Job:
 def build_job(config: TrainConfig) -> Job:
     """The data, model (seeded with `config.seed`: every process builds the same weights),
     AdamW and warmup-cosine schedule that `nanoddp train` would build from `config`."""
-    train_set, _, spec = build_datasets(
+    train_set, val_set, spec = build_datasets(
         config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )
     torch.manual_seed(config.seed)
@@ -45,4 +47,4 @@ def build_job(config: TrainConfig) -> Job:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
     )
-    return Job(train_set, module, optimizer, scheduler)
+    return Job(train_set, module, optimizer, scheduler, val_set)

@@ -2,17 +2,18 @@
 
 The launcher (`nanoddp.train.launcher.cli`) hands the job to `nanoddp.ft.supervisor`, which runs
 `python -m nanoddp.train.ft_loop FLAGS...` once per replica. Each builds the same model, data,
-AdamW and warmup-cosine schedule as `nanoddp train` (`Trainer.from_config`), then steps through
+AdamW and warmup-cosine schedule as `nanoddp train` (`nanoddp.train.build`), then steps through
 `FaultTolerant`: the global batch of each step is split over the replicas present at that step,
 the gradients are averaged in rank order, and a lost replica costs the others the step in flight.
 
 What differs from the restart path, and why:
 - the gradient average is `nanoddp.ft`'s (all-gather, sum in rank order), not DDP's buckets: a
   group rebuilt mid-run needs no reducer rebuilt, and the sum is the same on every rank whatever
-  the world size (engine `nanoddp` only; the sharded engines would have to re-shard live);
-- no snapshots: a survivor needs none, and a joiner takes its state (weights, AdamW's moments,
-  the schedule's position, the step, RNG) from a peer; `model.pt` is written at the end;
-- no evaluation: the validation loss is a collective over a fixed world (`nanoddp.train.evaluation`).
+  the world size;
+- a joiner takes its state (weights, AdamW's moments, the schedule's position, the step, RNG)
+  from a peer, not from a snapshot; snapshots (`--snapshot-every`, the restart path's files) and
+  the validation loss (`--eval-every`) are taken at step boundaries by the whole group
+  (`nanoddp.train.ft_boundary`), and `--resume` reads either path's snapshots.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import default_collate
@@ -28,6 +30,7 @@ from torch.utils.data import default_collate
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 from nanoddp.launch import die_with_parent, take_descendants_along
+from nanoddp.train import ft_boundary
 from nanoddp.train.build import build_job
 from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
@@ -63,6 +66,11 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     job = build_job(config)  # identical weights on every replica (init_sync makes sure)
     train_set, module, optimizer, scheduler = job.train_set, job.module, job.optimizer, job.scheduler
     batch_loss = batch_loss_for(None)
+    resumed = None if env.joiner else ft_boundary.resume(config, job, env)  # a joiner heals from a peer
+    facts = ft_boundary.RunFacts(ft_boundary.first_run_id(env, config.out), 0)
+    if resumed is not None:
+        facts = ft_boundary.RunFacts(resumed[2], resumed[0])
+    boundary = ft_boundary.Boundary(config, job, facts)
     ft = FaultTolerant(
         module,
         optimizer,
@@ -70,9 +78,13 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         batch_size=filled(config.batch_size),
         seed=config.seed,
         env=env,
-        extra_state=(scheduler.state_dict, scheduler.load_state_dict),
+        extra_state=_extra_state(scheduler, facts),
         tokens_per_sample=job.tokens_per_sample,
+        boundary=boundary,
     )
+    boundary.ft = ft
+    if resumed is not None:
+        ft.resume_at(resumed[0], resumed[1])
     module.train()
     for step in ft.steps(config.steps):
         batch = default_collate([train_set[i] for i in ft.batch_for(step).tolist()])
@@ -88,6 +100,20 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         atomic.atomic_torch_save(Path(config.out) / "model.pt", module.state_dict())
         logger.info("saved %s", Path(config.out) / "model.pt")
     ft.close()
+
+
+def _extra_state(scheduler: torch.optim.lr_scheduler.LRScheduler, facts: ft_boundary.RunFacts):
+    """What a joiner receives besides weights, optimizer, step and RNG: the schedule's position
+    and the run's facts (its id, and the step it started at)."""
+
+    def take() -> dict[str, Any]:
+        return {"scheduler": scheduler.state_dict(), "run_id": facts.run_id, "start_step": facts.start_step}
+
+    def put(state: dict[str, Any]) -> None:
+        scheduler.load_state_dict(state["scheduler"])
+        facts.run_id, facts.start_step = state["run_id"], state["start_step"]
+
+    return take, put
 
 
 def main(argv: list[str] | None = None) -> int:

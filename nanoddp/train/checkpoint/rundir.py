@@ -36,7 +36,8 @@ LOCK_NAME = ".lock"
 # Outputs of a run, moved aside together by --overwrite.
 RUN_OUTPUTS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "tensorboard", "logs")
 # Config fields that may differ between a snapshot and the run resuming it: run length, logging,
-# output and launch details, and engines, which compute the same math (tested bitwise).
+# output and launch details, and engines, which compute the same math (tested bitwise); what a
+# lost rank costs (a continue run's snapshot resumes under restart, and the other way round).
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "steps",
@@ -56,6 +57,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "compile",
         "grad_accum",
         "on_nan",
+        "on_failure",
     }
 )
 
