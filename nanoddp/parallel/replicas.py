@@ -27,7 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 def group_size_rank_src(group) -> tuple[int, int, int]:
-    """(world size, this rank within `group`, global rank of the group's rank 0)."""
+    """(world size, this rank within `group`, global rank of the group's rank 0).
+
+    No process group at all (a notebook, a unit test, a script run without a launcher) is one rank
+    alone, (1, 0, 0): DDP and the low-communication optimizers then wrap without syncing, the one
+    rule for all of them."""
+    if group is None and not dist.is_initialized():
+        return 1, 0, 0
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     src = 0 if group is None else dist.get_global_rank(group, 0)

@@ -172,10 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         args, module, process_group = self._args, self.module, self.process_group
         self._delayed: DelayedAllReduce | None = None
         self._finalize_queued = False
-        if not dist.is_initialized():
-            self._world_size, _rank, src = 1, 0, 0
-        else:
-            self._world_size, _rank, src = group_size_rank_src(process_group)
+        self._world_size, _rank, src = group_size_rank_src(process_group)
         skipped = self._ignored | {name for name, _ in args.delayed}  # delayed: reduced apart (delayed_params.py)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in skipped]
         self.reducer = Reducer(

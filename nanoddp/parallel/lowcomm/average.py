@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from nanoddp.comm.backend import Collectives
+from nanoddp.parallel.replicas import group_size_rank_src
 from nanoddp.parallel.tensors import through_flat
 
 
@@ -25,7 +25,7 @@ from nanoddp.parallel.tensors import through_flat
 def average_(tensors: Sequence[torch.Tensor], collectives: Collectives, group=None) -> int:
     """Replace every tensor by its mean over the ranks of `group`, in place; returns the payload
     bytes this rank handed to the all-reduce (0 when there is nothing to average or one rank)."""
-    world_size = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1  # no group: alone
+    world_size = group_size_rank_src(group)[0]
     if world_size == 1 or not tensors:
         return 0
 

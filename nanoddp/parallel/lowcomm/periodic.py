@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
-from nanoddp.parallel.replicas import broadcast_rank0_weights
+from nanoddp.parallel.replicas import broadcast_rank0_weights, group_size_rank_src
 
 
 class PeriodicSync(torch.optim.Optimizer):
@@ -44,8 +43,7 @@ class PeriodicSync(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        # No process group at all (a notebook, a unit test): one rank, nothing to sync, as our DDP.
-        if group is not None or dist.is_initialized():
+        if group_size_rank_src(group)[0] > 1:  # one rank alone has nothing to sync
             broadcast_rank0_weights(self._params(), self.collectives, group)
 
     def _params(self) -> list[torch.Tensor]:
