@@ -7,8 +7,9 @@ the newest valid snapshot, and the trial counts as passed only when the final pa
 bitwise equal to the reference's. Snapshots are written to a temp file and renamed, so a kill
 during a write must never be read back half-written; random kill times hit writes too.
 
-It also measures what one failure costs in wall time under `--on-failure restart` and
-`--on-failure continue`, side by side (`nanoddp.bench.failure_cost`, `--cost-trials`).
+It also measures what one failure costs in wall time under `--on-failure restart`,
+`--on-failure continue` and torchft's own fault-tolerant DDP on the same job, side by side
+(`nanoddp.bench.failure_cost`, `--cost-trials`).
 """
 
 from __future__ import annotations
