@@ -20,11 +20,18 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def membership_events(before: Sequence[int], after: Sequence[int], step: int) -> list[dict[str, Any]]:
-    """The records that turn group `before` into group `after` (replica ids) at `step`: losses
-    first, then joins, each with the world size it leaves behind."""
-    lost = [r for r in before if r not in after]
-    joined = [r for r in after if r not in before]
+def replica_of(process: str) -> int:
+    """The replica a process plays, from its torchft replica id (`replica_<k>:<uuid>`)."""
+    return int(process.split(":")[0].rsplit("_", 1)[1])
+
+
+def membership_events(before: Sequence[str], after: Sequence[str], step: int) -> list[dict[str, Any]]:
+    """The records that turn group `before` into group `after` (the processes in each, as
+    `RebuiltWorld.processes` names them) at `step`: losses first, then joins, each with the
+    world size it leaves behind. A replica whose process was replaced between two groups is
+    both lost and joined, even when the group's size did not change."""
+    lost = [replica_of(p) for p in before if p not in after]
+    joined = [replica_of(p) for p in after if p not in before]
     events = []
     if lost:
         size = len(before) - len(lost)

@@ -139,7 +139,7 @@ class FaultTolerant:
         transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
         with _manager_server_on_loopback(torchft):
             self.manager = self._make_manager(torchft, state, transport, timeout)
-        self._members: tuple[int, ...] = ()  # the group this process last stepped in
+        self._members: tuple[str, ...] = ()  # the group this process last stepped in (its processes)
         self._started = self.env.joiner  # a joiner never waits for the run's first full group
         self._step_started = 0.0
         self._bytes_at_start = 0
@@ -226,7 +226,7 @@ class FaultTolerant:
             )
         elif self.world.generation != generation:
             self._note_membership()
-        self._members = self.world.members
+        self._members = self.world.processes
         self._bytes_at_start = sent_bytes()
         self._beat()
 
@@ -274,9 +274,9 @@ class FaultTolerant:
     def _note_membership(self) -> None:
         """One log line and one record per change, from the first survivor (a joiner knows no
         previous group, so it never writes)."""
-        now = self.world.members
-        survivors = [r for r in now if r in self._members]
-        if not survivors or survivors[0] != self.env.replica:
+        now = self.world.processes
+        survivors = [p for p in now if p in self._members]
+        if not survivors or survivors[0] != self.world.process:
             return
         # Numbered as the trainer numbers steps in metrics.jsonl: from 1 (the loop's index + 1).
         for event in membership_events(self._members, now, self.manager.current_step() + 1):

@@ -7,7 +7,9 @@ is the supervisor. It runs torchft's Lighthouse (the quorum service) in its own 
 one process per replica (each in a session of its own) and watches them: a replica that dies
 is replaced, up to `max_restarts` times per replica, by a process with the same replica id and a
 higher attempt number, which joins the running group at a step boundary and receives its state
-from a peer (`FaultTolerant`). The others are never touched.
+from a peer (`FaultTolerant`). The others are never touched. The first replacement is a warm
+spare (`nanoddp.ft.spare`), started with the run and waiting with its imports done, so that a
+failure does not cost the survivors' cores a cold start.
 
 A hung replica is ended too: every replica marks each step boundary it reaches (a file in the
 launcher's private directory); one that has marked nothing for the collective timeout and more
@@ -24,6 +26,7 @@ Every line a replica prints is prefixed `[replica k] `.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -56,13 +59,14 @@ class Replica:
     attempt: int = 0
     proc: subprocess.Popen | None = None
     exitcode: int | None = None  # of the current process, once it ended
-    started: float = 0.0  # time.time() when the current process started
+    started: float = 0.0  # time.time() when the current process started (or took this replica)
     copiers: list[threading.Thread] = field(default_factory=list)
+    prefix: list[str] = field(default_factory=lambda: [""])  # read by the copiers: a spare changes it
 
 
-def _copy_prefixed(stream: IO[bytes], out: IO[str], prefix: str) -> None:
+def _copy_prefixed(stream: IO[bytes], out: IO[str], prefix: list[str]) -> None:
     for line in iter(stream.readline, b""):
-        out.write(prefix + line.decode(errors="replace"))
+        out.write(prefix[0] + line.decode(errors="replace"))
         out.flush()
     stream.close()
 
@@ -87,6 +91,9 @@ class Launch:
     """Where the replicas write `metrics.jsonl`."""
     name: str = "nanoddp run"
     """How the launcher's own lines begin."""
+    warm_spare: bool = True
+    """Start a spare with the run (`nanoddp.ft.spare`) to be the first replacement, when there
+    may be one (`max_restarts` > 0) and the replicas run `python -m MODULE`."""
 
 
 class Supervisor:
@@ -95,9 +102,11 @@ class Supervisor:
     def __init__(self, launch: Launch, lighthouse: str, beats: str) -> None:
         self.launch, self.lighthouse, self.beats = launch, lighthouse, beats
         self.replicas = [Replica(i) for i in range(launch.nproc)]
+        self.spare: Replica | None = None  # the warm spare while it waits (its `replica` is unused)
 
-    def start(self, replica: Replica) -> None:
-        env = ReplicaEnv(
+    def _environ(self, replica: Replica) -> dict[str, str]:
+        """The variables that make a process `replica` (`ReplicaEnv`)."""
+        return ReplicaEnv(
             lighthouse=self.lighthouse,
             replica=replica.replica,
             replicas=self.launch.nproc,
@@ -106,28 +115,57 @@ class Supervisor:
             out=self.launch.out,
             launcher_pid=os.getpid(),
             beats=self.beats,
-        )
-        environ = {**os.environ, **env.to_environ(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        ).to_environ()
+
+    def _popen(self, holder: Replica, command: Sequence[str], environ: dict[str, str], spare: bool) -> None:
+        """Start `command` as `holder`'s process, its output copied with `holder`'s prefix."""
+        environ = {**os.environ, **environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        stdin = subprocess.PIPE if spare else None  # a replica reads what the launcher reads
         proc = subprocess.Popen(
-            list(self.launch.command),
-            env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            list(command), env=environ, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
-        )
-        replica.proc, replica.exitcode, replica.started = proc, None, time.time()
-        prefix = f"[replica {replica.replica}] "
-        replica.copiers = [
-            threading.Thread(target=_copy_prefixed, args=(stream, out, prefix), daemon=True)
+        )  # fmt: skip
+        holder.proc, holder.exitcode, holder.started = proc, None, time.time()
+        holder.copiers = [
+            threading.Thread(target=_copy_prefixed, args=(stream, out, holder.prefix), daemon=True)
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
         ]
-        for copier in replica.copiers:
+        for copier in holder.copiers:
             copier.start()
+
+    def start(self, replica: Replica) -> None:
+        """Start a process for `replica`: its first, or a cold replacement."""
+        replica.prefix[0] = f"[replica {replica.replica}] "
+        self._popen(replica, self.launch.command, self._environ(replica), spare=False)
+
+    def start_spare(self) -> None:
+        """Start the warm spare, if this launch has one (see `Launch.warm_spare`)."""
+        command = _spare_command(list(self.launch.command))
+        if not self.launch.warm_spare or self.launch.max_restarts < 1 or command is None:
+            return
+        self.spare = Replica(-1, prefix=["[spare] "])
+        self._popen(self.spare, command, {}, spare=True)
+
+    def _take_spare(self, replica: Replica) -> bool:
+        """Make the waiting spare `replica`'s process; False if there is none (or it died)."""
+        waiting, self.spare = self.spare, None
+        if waiting is None or waiting.proc is None or waiting.proc.poll() is not None:
+            return False
+        try:
+            waiting.proc.stdin.write((json.dumps(self._environ(replica)) + "\n").encode())  # type: ignore[union-attr]
+            waiting.proc.stdin.close()  # type: ignore[union-attr]
+        except BrokenPipeError:  # it died just now
+            return False
+        replica.proc, replica.exitcode, replica.started = waiting.proc, None, time.time()
+        replica.copiers, replica.prefix = waiting.copiers, waiting.prefix
+        replica.prefix[0] = f"[replica {replica.replica}] "
+        return True
 
     def watch(self) -> int:
         """Run until the end (see the module docstring); return the exit code of the run."""
         for replica in self.replicas:
             self.start(replica)
+        self.start_spare()
         finished_at: float | None = None
         while True:
             for replica in self.replicas:
@@ -150,6 +188,7 @@ class Supervisor:
                 self.stop(signal.SIGKILL)
                 break
             time.sleep(POLL_S)
+        self._dismiss_spare()
         for replica in self.replicas:
             for copier in replica.copiers:
                 copier.join(timeout=STOP_GRACE_S)
@@ -157,6 +196,21 @@ class Supervisor:
             return 0
         self._say("no replica finished")
         return 1
+
+    def _dismiss_spare(self) -> None:
+        """The run is over: end the spare's input, which ends it (SIGKILL if it lingers)."""
+        waiting, self.spare = self.spare, None
+        if waiting is None or waiting.proc is None:
+            return
+        with contextlib.suppress(BrokenPipeError):
+            waiting.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            waiting.proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_session(waiting.proc, signal.SIGKILL)
+            waiting.proc.wait()
+        for copier in waiting.copiers:
+            copier.join(timeout=STOP_GRACE_S)
 
     def _poll(self, replica: Replica) -> None:
         if replica.exitcode is not None or replica.proc is None:
@@ -174,7 +228,11 @@ class Supervisor:
             self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); no restarts left")
             return
         replica.attempt += 1
-        self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); starting replacement {replica.attempt}")
+        failed = f"replica {replica.replica} failed ({_describe_exit(code)})"
+        if self._take_spare(replica):
+            self._say(f"{failed}; the warm spare is replacement {replica.attempt}")
+            return
+        self._say(f"{failed}; starting replacement {replica.attempt}")
         self.start(replica)
 
     def _last_mark(self, replica: Replica) -> float:
@@ -210,8 +268,10 @@ class Supervisor:
                 replica.exitcode = replica.proc.returncode  # type: ignore[union-attr]
 
     def stop(self, sig: signal.Signals) -> None:
-        """Signal every running replica's session; after SIGTERM, SIGKILL those still there."""
-        running = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+        """Signal every running replica's session (and the spare's); after SIGTERM, SIGKILL those
+        still there."""
+        holders = [*self.replicas, *([self.spare] if self.spare is not None else [])]
+        running = [r for r in holders if r.proc is not None and r.proc.poll() is None]
         for replica in running:
             _kill_session(replica.proc, sig)
         if sig != signal.SIGKILL:
@@ -226,6 +286,14 @@ class Supervisor:
 
     def _say(self, line: str) -> None:
         print(f"{self.launch.name}: {line}", file=sys.stderr, flush=True)
+
+
+def _spare_command(replica_command: list[str]) -> list[str] | None:
+    """`nanoddp.ft.spare`'s command for replicas started as `python -m MODULE ARGS...`, else None.
+    (Named, not imported: `python -m nanoddp.ft.spare` must find the module not yet loaded.)"""
+    if len(replica_command) < 3 or replica_command[1] != "-m":
+        return None
+    return [replica_command[0], "-m", "nanoddp.ft.spare", *replica_command[2:]]
 
 
 def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:

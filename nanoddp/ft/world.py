@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 from datetime import timedelta
 
 import torch
@@ -34,11 +35,15 @@ class RebuiltWorld:
     """What torchft's Manager sees as its process group (`configure`, `errored`).
 
     Each `configure` makes a new default group; `members` are the replica ids in it, in group-rank
-    order, and `generation` counts the groups made (the step loop notices a rebuild by it)."""
+    order, `processes` the processes that play them (`replica_<k>:<uuid>`, unique per process),
+    and `generation` counts the groups made (the step loop notices a rebuild by it)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout = timedelta(seconds=timeout_s)
         self.members: tuple[int, ...] = ()
+        self.processes: tuple[str, ...] = ()
+        self.process = ""  # this process's own name among `processes`
+        self._uuid = uuid.uuid4().hex  # what tells this process from the others that play its replica
         self.generation = 0
         self.rebuild_s = 0.0  # how long the last rebuild took
 
@@ -68,6 +73,13 @@ class RebuiltWorld:
         sys.excepthook = excepthook  # torch's prefixes tracebacks with a rank that the next quorum may change
         # One replica per group of one process: torchft numbers a quorum's members by replica id.
         self.members = tuple(global_ranks) if global_ranks else (rank,)
+        # [Note: who is who] A replacement keeps the id of the replica it replaces, and one that is
+        # quick (a warm spare) is in the very quorum that leaves its predecessor out: the ids alone
+        # would not change. Each member leaves its process's own name in the group's store, whose
+        # rendezvous everyone has just passed, and reads the others'.
+        self.process = f"{replica_id}:{self._uuid}"
+        store.set(f"nanoddp/process/{rank}", self.process)
+        self.processes = tuple(store.get(f"nanoddp/process/{r}").decode() for r in range(world_size))
         self.generation += 1
         self.rebuild_s = time.monotonic() - start
         logger.debug("group %d: rank %d of %d, members %s", quorum_id, rank, world_size, self.members)

@@ -78,6 +78,13 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         "without it and a replacement joins live (the script uses nanoddp.ft; see docs/ft.md)",
     )
     parser.add_argument("--out", default=None, help="with --on-failure continue: write metrics.jsonl here")
+    parser.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --on-failure continue and --max-restarts > 0: start one spare with the run, its imports "
+        "done, to be the first replacement (default: on)",
+    )
     parser.add_argument("-m", dest="as_module", action="store_true", help="SCRIPT is a module, as in python -m")
     parser.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the script")

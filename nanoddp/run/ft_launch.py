@@ -25,4 +25,6 @@ def run_fault_tolerant(args: argparse.Namespace, nproc: int) -> int:
         raise ValueError(f"{', '.join(unsupported)} applies to --on-failure restart (torchrun's agent); drop it")
     command = [sys.executable, "-m", "nanoddp.run.ft_replica", *(["-m"] if args.as_module else [])]
     command += [args.script, *args.script_args]
-    return supervise(Launch(command, nproc, args.max_restarts, args.collective_timeout, out=args.out))
+    timeout, spare = args.collective_timeout, args.warm_spare
+    launch = Launch(command, nproc, args.max_restarts, timeout, out=args.out, warm_spare=spare)
+    return supervise(launch)

@@ -119,6 +119,10 @@ class TrainConfig:
     """A lost rank: torchrun restarts every worker from the newest snapshot (restart), or the
     others redo the step in flight without it and a replacement joins live (continue: engine
     nanoddp; see docs/ft.md)."""
+    warm_spare: bool = True
+    """With --on-failure continue and --max-restarts > 0: start one spare process with the run,
+    its imports done, to be the first replacement (a failure then costs the survivors no cold
+    start; docs/ft.md)."""
     threads: int = 0
     """Intra-op CPU threads per rank (0 = the host's cores // world size). Chosen from the world size
     alone, never from how the ranks were launched, so every launch layout does the same math."""

@@ -58,6 +58,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "grad_accum",
         "on_nan",
         "on_failure",
+        "warm_spare",
     }
 )
 

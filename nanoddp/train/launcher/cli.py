@@ -255,7 +255,9 @@ def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: in
     from nanoddp.train.ft_loop import WORKER_MODULE as FT_WORKER
 
     command = [sys.executable, "-m", FT_WORKER, *config_to_argv(config)]
-    return supervise(Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train"))
+    launch = Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train",
+                    warm_spare=config.warm_spare)  # fmt: skip
+    return supervise(launch)
 
 
 # --- worker -------------------------------------------------------------------------------
