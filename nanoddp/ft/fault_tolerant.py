@@ -24,6 +24,11 @@ one that will run the next step, every member at the same step (a joiner has rec
 state), so a collective over it is safe; a failure inside is handled like a failed step (the
 group is rebuilt and the boundary runs again), so it must be work that may be redone.
 
+`shards` (an `OptimizerShards`) shards the optimizer as ZeRO-1/2 do: each rank steps the
+parameters it owns and shares them before the step may commit; when the group changes, the state
+is re-partitioned among its members at the boundary, and what was lost with a rank is read from
+the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
+
     ft = FaultTolerant(model, optimizer, dataset_len=len(data), batch_size=48)
     for step in ft.steps(1000):
         x, y = data[ft.batch_for(step)]
@@ -53,6 +58,7 @@ from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
+from nanoddp.ft.optimizer_shards import OptimizerShards
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.world import RebuiltWorld
 
@@ -120,6 +126,7 @@ class FaultTolerant:
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         tokens_per_sample: int | None = None,
         boundary: Callable[[int], None] | None = None,
+        shards: OptimizerShards | None = None,
     ) -> None:
         torchft = _torchft()
         self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
@@ -134,7 +141,9 @@ class FaultTolerant:
         timeout = timedelta(seconds=self.env.timeout_s)
         # torchft keeps a replica group's own address book in a store; ours is a group of one.
         self._store = loopback_store(0, rank=0, world_size=1)
-        state = LiveState(model, optimizer, self.history, extra_state)
+        self.shards = shards
+        shard_state = None if shards is None else (shards.live_take, shards.live_put)
+        state = LiveState(model, optimizer, self.history, extra_state, shard_state)
         # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`).
         transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
         with _manager_server_on_loopback(torchft):
@@ -150,6 +159,8 @@ class FaultTolerant:
         self._beat_path = self.env.beat_path()
         self._boundary = boundary
         self._boundary_failures = 0  # in a row
+        self._partitioned = 0  # the group generation the shards were last partitioned for
+        self._averaged = False  # this step's average succeeded
 
     def _make_manager(self, torchft: Any, state: LiveState, transport: Any, timeout: timedelta) -> Any:
         """torchft's Manager for this replica: a replica group of one process, our group, our state."""
@@ -198,6 +209,8 @@ class FaultTolerant:
             raise ValueError(f"history must hold the world size of each of the {step} steps, got {len(history)}")
         self.manager.load_state_dict({"step": step, "batches_committed": sum(history)})
         self.history[:] = history
+        if self.shards is not None:
+            self.shards.current_at = step  # the whole state was loaded: every replica holds it
 
     def steps(self, total_steps: int) -> Iterator[int]:
         """Yield step numbers until `total_steps` are committed; a failed step comes again."""
@@ -208,7 +221,7 @@ class FaultTolerant:
                 continue  # handled like a failed step: the next quorum rebuilds, the boundary runs again
             if step >= total_steps:  # the last boundary is done, or a joiner healed to the end
                 return
-            self._committed = None
+            self._committed, self._averaged = None, False
             yield step
             if self._committed is None:
                 raise RuntimeError("call ft.commit() once in every iteration of ft.steps(), after average_gradients")
@@ -233,10 +246,13 @@ class FaultTolerant:
     def _run_boundary(self, step: int) -> bool:
         """The boundary work at `step` on every member (see the module docstring); False if it
         failed and must run again after the next quorum."""
-        if self._boundary is None:
+        if self._boundary is None and self.shards is None:
             return True
         try:
-            self._boundary(step)
+            if self.shards is not None and self._partitioned != self.world.generation:
+                self._repartition(step)
+            if self._boundary is not None:
+                self._boundary(step)
         except Exception as exc:  # a lost peer in its collectives, or an error of its own
             self._boundary_failures += 1
             if self._boundary_failures >= BOUNDARY_TRIES:
@@ -246,6 +262,24 @@ class FaultTolerant:
             return False
         self._boundary_failures = 0
         return True
+
+    def _repartition(self, step: int) -> None:
+        """The optimizer's shards over the new group (`OptimizerShards.repartition`); what came
+        from a snapshot is one WARNING line and one record, written by rank 0."""
+        assert self.shards is not None
+        refill = self.shards.repartition(self.rank, self.world_size, step)
+        self._partitioned = self.world.generation
+        if refill is None or not self.is_master:
+            return
+        source = "no snapshot yet: it restarts from zero" if refill.snapshot_step is None else (
+            f"read from the snapshot of step {refill.snapshot_step}")  # fmt: skip
+        logger.warning(
+            "nanoddp.ft: the optimizer state of %d parameters was lost with its owner before step %d: %s "
+            "(the rest is live); %s",
+            len(refill.names), step + 1, source, ", ".join(refill.names),
+        )  # fmt: skip
+        self.metrics.write({"event": "state_from_snapshot", "step": step + 1, "snapshot_step": refill.snapshot_step,
+                            "params": refill.names, "world_size": self.world_size})  # fmt: skip
 
     def _fail(self, exc: Exception, what: str) -> None:
         """A collective of this step failed: tell the Manager (the step will not commit) and
@@ -300,6 +334,7 @@ class FaultTolerant:
             started = time.monotonic()
             self._loss = self._sum_pieces(weight, loss, self.world_size)
             self._comm_s = time.monotonic() - started
+            self._averaged = True
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
             self._fail(exc, f"step {self.manager.current_step()}")
             return None
@@ -310,9 +345,19 @@ class FaultTolerant:
         """Step the optimizer if every replica's step may commit; drop the gradients either way.
         Returns whether the step was committed (False: `steps` will yield it again)."""
         step, world_size = self.manager.current_step(), self.world_size
+        if self.shards is not None and self._averaged:
+            try:  # the owners' update travels before the step may commit: a lost peer fails it here
+                self.shards.step_owned()
+            except Exception as exc:
+                self._fail(exc, f"step {step}'s parameter exchange")
         committed = self.manager.should_commit()
-        if committed:
+        if committed and self.shards is not None:
+            self.shards.keep(step + 1)
+        elif committed:
             self.optimizer.step()
+        elif self.shards is not None:
+            self.shards.roll_back()
+        if committed:
             self.history.append(world_size)
             self.last_record = self._step_record(step, world_size)
             if self.is_master:

@@ -85,6 +85,35 @@ def resume(config: TrainConfig, job: Job, env: ReplicaEnv) -> tuple[int, list[in
     return step, history, str(train.get("run_id") or first_run_id(env, out))
 
 
+def newest_optimizer_state(config: TrainConfig) -> tuple[int, dict[str, Any]] | None:
+    """(step, the optimizer's whole state_dict) of the newest valid snapshot of the run, or None:
+    where a sharded optimizer's state lost with its owner comes from (`OptimizerShards`)."""
+    if config.out is None:
+        return None
+    found = snapshot.find_latest_valid(Path(config.out) / "snapshots")
+    if found is None:
+        return None
+    path, state = found
+    entry = state["objects"].get("optimizer", {})
+    if entry.get("kind") != "stateful":  # e.g. a restart run's zero2 snapshot: in per-rank shard files
+        logger.warning("%s holds no whole optimizer state to take lost state from", path)
+        return None
+    return int(snapshot.train_state(state, path)["step"]), entry["state"]
+
+
+class WholeOptimizer:
+    """A sharded optimizer's state as a snapshot keeps it: its whole state_dict (gathered first)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("a snapshot's view of a sharded optimizer is written, never loaded into")
+
+
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
 

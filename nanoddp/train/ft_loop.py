@@ -19,6 +19,7 @@ What differs from the restart path, and why:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -28,10 +29,10 @@ import torch
 from torch.utils.data import default_collate
 
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
-from nanoddp.ft import FaultTolerant, ReplicaEnv
+from nanoddp.ft import FaultTolerant, OptimizerShards, ReplicaEnv
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import ft_boundary
-from nanoddp.train.build import build_job
+from nanoddp.train.build import Job, build_job
 from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batches import batch_loss_for
@@ -39,14 +40,21 @@ from nanoddp.train.metrics import format_log_line
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_loop"
+CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2")  # zero1/zero2: the optimizer sharded (`OptimizerShards`)
 
 
 def check_continue(config: TrainConfig) -> None:
     """What `--on-failure continue` covers today; anything else is refused with the way out."""
-    if config.engine != "nanoddp":
+    if config.engine == "fsdp":
         raise ValueError(
-            f"--on-failure continue supports --engine nanoddp only, got {config.engine!r} "
-            "(sharded state would have to be re-sharded live); use --on-failure restart for it"
+            "--on-failure continue does not support --engine fsdp: its parameters are sharded too, so a lost "
+            "rank takes part of the weights with it; use --engine zero2 (gradients and optimizer state "
+            "sharded) under --on-failure continue, or fsdp under --on-failure restart"
+        )
+    if config.engine not in CONTINUE_ENGINES:
+        raise ValueError(
+            f"--on-failure continue supports --engine {', '.join(CONTINUE_ENGINES)}, got {config.engine!r}; "
+            "use one of those, or --on-failure restart"
         )
     unsupported = {
         "grad_accum": config.grad_accum != 1,
@@ -63,14 +71,18 @@ def check_continue(config: TrainConfig) -> None:
 def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     """Train this replica to `config.steps` committed steps (see the module docstring)."""
     torch.set_num_threads(threads_per_rank(config, env.replicas))
-    job = build_job(config)  # identical weights on every replica (init_sync makes sure)
+    # The plain AdamW over every parameter: zero1's ZeroRedundancyOptimizer is made for one fixed
+    # group; here `OptimizerShards` decides which parameters it steps, group after group.
+    job = build_job(dataclasses.replace(config, engine="nanoddp"))  # identical weights (init_sync makes sure)
     train_set, module, optimizer, scheduler = job.train_set, job.module, job.optimizer, job.scheduler
     batch_loss = batch_loss_for(None)
     resumed = None if env.joiner else ft_boundary.resume(config, job, env)  # a joiner heals from a peer
     facts = ft_boundary.RunFacts(ft_boundary.first_run_id(env, config.out), 0)
     if resumed is not None:
         facts = ft_boundary.RunFacts(resumed[2], resumed[0])
-    boundary = ft_boundary.Boundary(config, job, facts)
+    shards = _shards(config, job)
+    whole = None if shards is None else (lambda: ft_boundary.WholeOptimizer(shards.whole_state_dict()))
+    boundary = ft_boundary.Boundary(config, job, facts, whole)
     ft = FaultTolerant(
         module,
         optimizer,
@@ -81,6 +93,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         extra_state=_extra_state(scheduler, facts),
         tokens_per_sample=job.tokens_per_sample,
         boundary=boundary,
+        shards=shards,
     )
     boundary.ft = ft
     if resumed is not None:
@@ -100,6 +113,16 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         atomic.atomic_torch_save(Path(config.out) / "model.pt", module.state_dict())
         logger.info("saved %s", Path(config.out) / "model.pt")
     ft.close()
+
+
+def _shards(config: TrainConfig, job: Job) -> OptimizerShards | None:
+    """zero1/zero2: the optimizer sharded over the group, a lost shard read from the newest snapshot."""
+    if config.engine not in ("zero1", "zero2"):
+        return None
+    name_of = {p: name for name, p in job.module.named_parameters()}
+    names = [name_of[p] for group in job.optimizer.param_groups for p in group["params"]]
+    stage = 1 if config.engine == "zero1" else 2
+    return OptimizerShards(job.optimizer, names, stage, lambda: ft_boundary.newest_optimizer_state(config))
 
 
 def _extra_state(scheduler: torch.optim.lr_scheduler.LRScheduler, facts: ft_boundary.RunFacts):

@@ -5,6 +5,9 @@ service and three processes that import torch). The references are real runs and
 - a continue run resumed from its own snapshot ends bitwise equal to the same run uninterrupted
   (both sum the same pieces in the same order from the same state);
 - the restart path (`nanoddp train`, the Trainer) resumes from a continue run's snapshot;
+- zero1 and zero2 end bitwise equal to a single-process replay of the schedule (the reference
+  engine nanoddp under continue equals in tests/multiproc/test_ft.py); with a shard lost, to a
+  replay that puts back the same snapshot state at the same step.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ def _assert_same_model(got: Path, want: Path) -> None:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
-    """The uninterrupted continue run of engine nanoddp: snapshots at 3 and 6, evaluations there."""
+    """The uninterrupted continue run of engine zero1: snapshots at 3 and 6, evaluations there."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    _train(out)
+    _train(out, "--engine", "zero1")
     return out
 
 
@@ -107,3 +110,125 @@ def test_restart_resumes_from_a_continue_snapshot(plain, tmp_path):
     assert [r["step"] for r in got] == [4, 5, 6]
     for record in got:
         assert record["loss"] == pytest.approx(want[record["step"]]["loss"], rel=1e-4)
+
+
+# ---- the sharded engines ------------------------------------------------------------------------
+
+
+def _replay(history: list[int], refills: dict[int, tuple[int, list[str]]] | None = None) -> dict[str, torch.Tensor]:
+    """The built-in job in this process: each step's global batch split over the world size the
+    step really had, the weighted pieces summed in rank order, clipped, AdamW, the schedule.
+    `refills`: {step index: (snapshot step, parameter names)}: before that step, those
+    parameters' AdamW state is put back to what it was after the snapshot's step."""
+    import copy
+
+    from nanoddp.ft import GlobalBatches, piece_weight, share
+    from nanoddp.train.build import build_job
+    from nanoddp.train.config import TrainConfig, threads_per_rank
+
+    config = TrainConfig(
+        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,
+        warmup_steps=2, seed=0, steps=len(history),
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_rank(config, 3))  # what the replicas ran with: matmuls split by it
+    job = build_job(config)
+    model, opt, params = job.module, job.optimizer, [p for p in job.module.parameters() if p.requires_grad]
+    named = dict(model.named_parameters())
+    batches, saved, refills = GlobalBatches(len(job.train_set), 12, 0), {}, refills or {}
+    wanted = {snap for snap, _ in refills.values()}
+    try:
+        for step, world_size in enumerate(history):
+            if step in wanted:
+                saved[step] = {name: copy.deepcopy(opt.state[p]) for name, p in named.items() if p in opt.state}
+            if step in refills:
+                snap, names = refills[step]
+                for name in names:
+                    opt.state[named[name]] = copy.deepcopy(saved[snap][name])
+            total = None
+            for rank in range(world_size):
+                piece = batches.indices(step)[share(12, rank, world_size)]
+                model.zero_grad(set_to_none=True)
+                model(*torch.utils.data.default_collate([job.train_set[i] for i in piece.tolist()]))[-1].backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in params]) * piece_weight(12, rank, world_size)
+                total = flat if total is None else total + flat
+            at = 0
+            for p in params:
+                p.grad = total[at : at + p.numel()].view_as(p).clone()
+                at += p.numel()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            job.scheduler.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+def test_zero1_without_a_failure_equals_the_replay_bitwise(plain):
+    """zero1 under continue: each rank steps the whole parameters it owns (AdamW per tensor: the
+    same bits as one process stepping all of them), so the model equals the replay, which
+    engine nanoddp under continue equals too (tests/multiproc/test_ft.py)."""
+    got, want = torch.load(plain / "model.pt"), _replay([3] * STEPS)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def _replica_pid(launcher, replica: int) -> int | None:
+    import psutil
+
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("NANODDP_FT_REPLICA") == str(replica) and "ft_loop" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+# A replacement starts in seconds (it imports torch while the survivors train on the same 2 cores):
+# the run must outlast that. It joined after 70 steps under a heavy load: twice that, and a bit.
+LONG_STEPS = 150
+
+
+def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
+    """zero2, replica 1 SIGKILLed once the step-5 snapshot exists; its replacement joins later.
+    The state of the parameters it owned comes from that snapshot (one WARNING line, one
+    record naming them); the run ends equal, bitwise, to a replay that puts the same state back
+    at the same step."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
+               "zero2", "--steps", str(LONG_STEPS), "--snapshot-every", "5", "--eval-every", "0", "--keep-snapshots",
+               "1", "--max-restarts", "1", "--out", str(out), *TINY_GPT]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 60
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            pid = _replica_pid(launcher, 1)
+            if (out / "snapshots" / "step-00000005.pt").exists() and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.005)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed and proc.returncode == 0, output[-5000:]
+    records = _records(out)
+    history = [r["world_size"] for r in records if "event" not in r]
+    events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
+    kinds = [r["event"] for r in events]
+    assert kinds[:2] == ["rank_lost", "state_from_snapshot"] and "rank_joined" in kinds, kinds
+    refill = events[1]
+    assert refill["snapshot_step"] >= 5 and refill["params"], refill
+    assert sum("was lost with its owner" in line for line in output.splitlines()) == 1, output[-3000:]
+    assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
+    got = torch.load(out / "model.pt")
+    want = _replay(history, {refill["step"] - 1: (refill["snapshot_step"], refill["params"])})
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"

@@ -259,4 +259,25 @@ FAULTS = (
         "    except SnapshotError as exc:\n",
         ("tests/unit/test_snapshot.py", "-k", "unloadable"),
     ),
+    Mutation(
+        "ft continue: --resume loads no optimizer state",
+        "nanoddp/train/ft_boundary.py",
+        'parts = {"model": job.module, "optimizer": job.optimizer, "scheduler": job.scheduler}',
+        'parts = {"model": job.module, "scheduler": job.scheduler}',
+        ("tests/multiproc/test_ft_sharded.py", "-k", "resumed_from_its_snapshot"),
+    ),
+    Mutation(
+        "ft continue zero1: the owners' parameters never reach the others",
+        "nanoddp/ft/optimizer_shards.py",
+        "                p.copy_(piece.view_as(p))\n",
+        "                pass\n",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "zero1_without"),
+    ),
+    Mutation(
+        "ft continue zero2: a lost shard's state not read from the snapshot",
+        "nanoddp/ft/optimizer_shards.py",
+        '                whole.update((i, found[1]["state"][i]) for i in missing)\n',
+        "                pass\n",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "loses_a_shard"),
+    ),
 )
