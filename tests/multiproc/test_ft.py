@@ -87,7 +87,8 @@ def run(tmp_path_factory):
     script = tmp / "loop.py"
     script.write_text(textwrap.dedent(SCRIPT))
     command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", str(REPLICAS)]
-    command += ["--max-restarts", "2", "--collective-timeout", str(TIMEOUT_S), "--out", str(tmp), str(script), str(tmp)]
+    command += ["--max-restarts", "2", "--no-warm-spare"]  # cold replacements: the schedule the tests expect
+    command += ["--collective-timeout", str(TIMEOUT_S), "--out", str(tmp), str(script), str(tmp)]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp)
     finals = {p.name: torch.load(p) for p in sorted(tmp.glob("final-*.pt"))}
@@ -323,12 +324,13 @@ def _replay_steps(config, train_set, spec, history: list[int]) -> dict[str, torc
 
 
 def test_train_continue_survives_a_kill_bitwise(tmp_path):
-    """3 replicas of the built-in GPT job; replica 1 is SIGKILLed from outside after step 3 (no
-    restarts): the other two finish at world size 2 (a majority), and model.pt equals a replay
-    of the schedule."""
+    """3 replicas of the built-in GPT job; replica 1 is SIGKILLed from outside after step 3: the
+    other two redo the step, the warm spare (started with the run) takes replica 1's place and
+    its state from a peer, and model.pt equals a replay of the schedule."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3"]
-    command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--out", str(out), *TINY_GPT]
+    command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--max-restarts", "1", "--out", str(out)]
+    command += TINY_GPT
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 120
@@ -351,9 +353,11 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     history = [r["world_size"] for r in records if "event" not in r]
     design_keys = {"step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "comm_bytes"}
     assert all(design_keys <= r.keys() and r["tokens_per_s"] > 0 for r in records if "event" not in r)
-    assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 2, history
+    assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 3, history
     changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
-    assert changes == [("rank_lost", 2, [1])]
+    assert changes == [("rank_lost", 2, [1]), ("rank_joined", 3, [1])], changes
+    spare_line = "nanoddp train: replica 1 failed (killed by SIGKILL); the warm spare is replacement 1"
+    assert spare_line in output, output[-3000:]
     got = torch.load(out / "model.pt")
     want = _replay_train(history)
     assert got.keys() == want.keys()

@@ -204,7 +204,7 @@ def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
                "zero2", "--steps", str(LONG_STEPS), "--snapshot-every", "5", "--eval-every", "0", "--keep-snapshots",
-               "1", "--max-restarts", "1", "--out", str(out), *TINY_GPT]  # fmt: skip
+               "1", "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 60
@@ -223,8 +223,10 @@ def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
     history = [r["world_size"] for r in records if "event" not in r]
     events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
     kinds = [r["event"] for r in events]
-    assert kinds[:2] == ["rank_lost", "state_from_snapshot"] and "rank_joined" in kinds, kinds
-    refill = events[1]
+    # A survivor slow to see the loss may be left out of the first new group and join the next:
+    # events name processes, so the order of joins around the refill depends on the machine's load.
+    assert kinds[0] == "rank_lost" and "state_from_snapshot" in kinds and "rank_joined" in kinds, kinds
+    refill = events[kinds.index("state_from_snapshot")]
     assert refill["snapshot_step"] >= 5 and refill["params"], refill
     assert sum("was lost with its owner" in line for line in output.splitlines()) == 1, output[-3000:]
     assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
