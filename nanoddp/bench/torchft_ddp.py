@@ -28,6 +28,9 @@ wrapper (`PureDistributedDataParallel`) never waits for its allreduces, and torc
 the number of participants only on the wait. So the gradients go through `Manager.allreduce`
 here, which is what both wrappers call.
 
+It trains whole replicas (`--engine nanoddp`) without evaluation and writes no snapshots (a
+replacement heals from a peer): `nanoddp bench restarts` needs no more.
+
 Like `nanoddp train` it is two programs in one. Inside a supervised replica (the launcher set
 `NANODDP_FT_LIGHTHOUSE`) it trains; outside, `python -m nanoddp.bench.torchft_ddp --nproc 3
 FLAGS` (`nanoddp train`'s flags) checks the config and launches the replicas. Replica rank 0
@@ -231,6 +234,14 @@ def _step_record(
     }
 
 
+def check_torchft(config: TrainConfig) -> None:
+    """What this worker trains: whole replicas of the model, no evaluation; the rest is refused."""
+    if config.engine != "nanoddp":
+        raise ValueError(f"torchft's FT-DDP replicates the whole model: use --engine nanoddp, got {config.engine!r}")
+    if config.eval_every:
+        raise ValueError(f"torchft's FT-DDP worker does not evaluate: pass --eval-every 0, got {config.eval_every}")
+
+
 def launch(argv: list[str]) -> int:
     """The launcher: `nanoddp train`'s checks and flags, torchft's step loop on each replica."""
     from nanoddp.train.launcher.cli import add_launch_args, add_train_args, config_to_argv, prepare_launch
@@ -239,8 +250,14 @@ def launch(argv: list[str]) -> int:
     add_train_args(parser)
     add_launch_args(parser)
     args = parser.parse_args(argv)
-    config, nproc, _ = prepare_launch(args)
-    per_replica_batch(filled(config.batch_size), nproc)
+    try:
+        config, nproc, _ = prepare_launch(args)
+        check_torchft(config)
+        per_replica_batch(filled(config.batch_size), nproc)
+    except ValueError as exc:  # one line, as `nanoddp train` refuses a config
+        parser.error(str(exc))
+    if config.snapshot_every:  # torchft heals a replica from a peer; a restart is not its path
+        print(f"torchft ddp: no snapshots are written (--snapshot-every {config.snapshot_every})", file=sys.stderr)
     Path(filled(config.out)).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", WORKER_MODULE, *config_to_argv(config)]
     return supervise(Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "torchft ddp"))

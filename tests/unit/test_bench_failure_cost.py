@@ -85,3 +85,15 @@ def test_torchft_shards_make_the_global_batch_of_every_step():
 def test_torchft_needs_a_batch_that_splits_evenly():
     with pytest.raises(ValueError, match="--batch-size 10 must be a multiple of the 3 replicas; pick 9"):
         per_replica_batch(10, 3)
+
+
+@pytest.mark.parametrize(
+    "fields, message", [({"engine": "zero1"}, "use --engine nanoddp"), ({"eval_every": 10}, "pass --eval-every 0")]
+)
+def test_torchft_refuses_what_its_worker_does_not_do(fields, message):
+    from nanoddp.bench.torchft_ddp import check_torchft
+    from nanoddp.train.config import TrainConfig
+
+    check_torchft(TrainConfig(eval_every=0))
+    with pytest.raises(ValueError, match=message):
+        check_torchft(TrainConfig(**{"eval_every": 0, **fields}))
