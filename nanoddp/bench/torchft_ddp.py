@@ -22,11 +22,12 @@ path rather than `nanoddp.ft`'s:
 
 [Note: not torchft.DistributedDataParallel] torchft 0.2.0's DDP wrapper averages each bucket in
 a communication hook that asserts on the future of a failed allreduce (`assert fut._fut` in
-`torchft/ddp.py`): the first lost peer raises AssertionError inside backward on every survivor,
-so all of them die and are replaced, which measures a crash, not fault tolerance. Its other
-wrapper (`PureDistributedDataParallel`) never waits for its allreduces, and torchft divides by
-the number of participants only on the wait. So the gradients go through `Manager.allreduce`
-here, which is what both wrappers call.
+`torchft/ddp.py`): seen here, the first lost peer raises AssertionError inside backward on every
+survivor, so all of them die and are replaced, which measures a crash, not fault tolerance. Its
+other wrapper (`PureDistributedDataParallel`) starts one allreduce per gradient and waits for
+none, while the division by the number of participants is a callback that runs on the wait
+(read in its source). So the gradients go through `Manager.allreduce` here, which is what both
+wrappers call, and are waited for before the step.
 
 It trains whole replicas (`--engine nanoddp`) without evaluation and writes no snapshots (a
 replacement heals from a peer): `nanoddp bench restarts` needs no more.
