@@ -14,6 +14,9 @@ first snapshot); the cost is the difference of the two wall times. The modes:
 Trials interleave the modes (restart clean, restart killed, continue clean, continue killed,
 torchft clean, torchft killed, then again), so a change in the host's load between trials shifts
 every mode alike; the report gives each mode's median and range, and the ratios of the medians.
+Where the survivors record every step (`continue`, `torchft`) it also reads, within the killed
+run, how long they waited to commit without the lost rank (`stall_s`) and, later, with its
+replacement (`join_s`): figures that the host's load moves far less.
 
 The victim is rank 1 (replica 1): never the rank that logs, so the kill moment is read from
 `metrics.jsonl` the same way in every mode.
@@ -87,11 +90,11 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
     proc = subprocess.Popen(
         _command(mode, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-    launcher, killed_after = psutil.Process(proc.pid), None
+    launcher, killed_after, killed_at = psutil.Process(proc.pid), None, None
     while kill and killed_after is None and proc.poll() is None:
         if _logged_step(out) >= KILL_AT_STEP and (pid := _victim(launcher, mode)) is not None:
             os.kill(pid, signal.SIGKILL)
-            killed_after = time.monotonic() - start
+            killed_after, killed_at = time.monotonic() - start, time.time()
         time.sleep(0.02)
     try:
         output = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
@@ -102,7 +105,37 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
         raise RuntimeError(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
     if kill and killed_after is None:
         raise RuntimeError(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
-    return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after}
+    seen = _seen_by_survivors(out, killed_at) if killed_at is not None else {}
+    return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after, **seen}
+
+
+def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
+    """What the kill cost the survivors, read from their per-step records (`continue` and
+    `torchft` record every step with its wall-clock `time`; `restart` only every `--log-every`,
+    so None there): `stall_s`, the wait before their first commit at the smaller world size (the
+    loss noticed, the quorum, the rebuild, the step redone); `join_s`, the wait before the first
+    commit at full size again (the replacement's join; None if it never joined); `steps_short`,
+    the steps committed at the smaller size.
+
+    [Note: figures the host's load does not drown] The cost (killed run - clean run) compares
+    two runs half a minute long each; on a shared 2-core host their wall times drift by seconds.
+    These are read within the killed run, over the step or two around each event."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    if not steps or any("time" not in r for r in steps):
+        return {"stall_s": None, "join_s": None, "steps_short": None}
+    full = max(r["world_size"] for r in steps)
+    first_after = next((i for i, r in enumerate(steps) if r["time"] > killed_at), len(steps))
+    short = [i for i in range(first_after, len(steps)) if steps[i]["world_size"] < full]
+    if not short:  # the run ended before the survivors committed a step without the lost rank
+        return {"stall_s": None, "join_s": None, "steps_short": 0}
+    back = next((i for i in range(short[0], len(steps)) if steps[i]["world_size"] == full), None)
+
+    def wait_before(i: int) -> float:
+        return round(steps[i]["time"] - steps[i - 1]["time"], 3)
+
+    return {"stall_s": wait_before(short[0]), "join_s": None if back is None else wait_before(back),
+            "steps_short": len(short)}  # fmt: skip
 
 
 def measure(trials: int) -> dict:
@@ -117,6 +150,7 @@ def measure(trials: int) -> dict:
                 results.append({
                     "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                     "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
+                    "stall_s": killed["stall_s"], "join_s": killed["join_s"], "steps_short": killed["steps_short"],
                 })  # fmt: skip
     return {
         "meta": {
@@ -130,11 +164,15 @@ def measure(trials: int) -> dict:
 
 
 def summarize(results: list[dict]) -> dict[str, Any]:
-    """Each mode's median cost and range over its trials, and `A_over_B` for each of RATIOS."""
+    """Each mode's median cost and range over its trials (and median stall and join wait, where
+    its records tell them), and `A_over_B` for each of RATIOS."""
     summary: dict[str, Any] = {}
     for mode in MODES:
         costs = [r["cost_s"] for r in results if r["mode"] == mode]
         summary[mode] = {"median_cost_s": statistics.median(costs), "min_cost_s": min(costs), "max_cost_s": max(costs)}
+        for key in ("stall_s", "join_s"):
+            seen = [r[key] for r in results if r["mode"] == mode and r.get(key) is not None]
+            summary[mode][f"median_{key}"] = statistics.median(seen) if seen else None
     for top, bottom in RATIOS:
         a, b = summary[top]["median_cost_s"], summary[bottom]["median_cost_s"]
         # a cost can come out at or below 0 (the killed run was lucky with the host's load): no ratio then
@@ -143,14 +181,17 @@ def summarize(results: list[dict]) -> dict[str, Any]:
 
 
 def describe(report: dict) -> str:
-    """One line per mode (median cost and range), then the ratios of the medians."""
+    """One line per mode (median cost and range, the survivors' median stall and join wait), then
+    the ratios of the median costs."""
     lines, trials = [], report["meta"]["trials"]
     for mode in MODES:
         s = report["summary"][mode]
         name = "torchft's FT-DDP" if mode == "torchft" else f"--on-failure {mode}"
+        stall = "" if s["median_stall_s"] is None else f"; survivors' stall {s['median_stall_s']:.1f} s"
+        stall += "" if s["median_join_s"] is None else f", the join's {s['median_join_s']:.1f} s"
         lines.append(
             f"{name:<22}: one SIGKILL costs {s['median_cost_s']:.1f} s "
-            f"(median of {trials}, range {s['min_cost_s']:.1f} to {s['max_cost_s']:.1f})"
+            f"(median of {trials}, range {s['min_cost_s']:.1f} to {s['max_cost_s']:.1f}){stall}"
         )
     for top, bottom in RATIOS:
         ratio = report["summary"][f"{top}_over_{bottom}"]

@@ -22,11 +22,15 @@ path rather than `nanoddp.ft`'s:
 
 [Note: not torchft.DistributedDataParallel] torchft 0.2.0's DDP wrapper averages each bucket in
 a communication hook that asserts on the future of a failed allreduce (`assert fut._fut` in
-`torchft/ddp.py`): the first lost peer raises AssertionError inside backward on every survivor,
-so all of them die and are replaced, which measures a crash, not fault tolerance. Its other
-wrapper (`PureDistributedDataParallel`) never waits for its allreduces, and torchft divides by
-the number of participants only on the wait. So the gradients go through `Manager.allreduce`
-here, which is what both wrappers call.
+`torchft/ddp.py`): seen here, the first lost peer raises AssertionError inside backward on every
+survivor, so all of them die and are replaced, which measures a crash, not fault tolerance. Its
+other wrapper (`PureDistributedDataParallel`) starts one allreduce per gradient and waits for
+none, while the division by the number of participants is a callback that runs on the wait
+(read in its source). So the gradients go through `Manager.allreduce` here, which is what both
+wrappers call, and are waited for before the step.
+
+It trains whole replicas (`--engine nanoddp`) without evaluation and writes no snapshots (a
+replacement heals from a peer): `nanoddp bench restarts` needs no more.
 
 Like `nanoddp train` it is two programs in one. Inside a supervised replica (the launcher set
 `NANODDP_FT_LIGHTHOUSE`) it trains; outside, `python -m nanoddp.bench.torchft_ddp --nproc 3
@@ -231,6 +235,14 @@ def _step_record(
     }
 
 
+def check_torchft(config: TrainConfig) -> None:
+    """What this worker trains: whole replicas of the model, no evaluation; the rest is refused."""
+    if config.engine != "nanoddp":
+        raise ValueError(f"torchft's FT-DDP replicates the whole model: use --engine nanoddp, got {config.engine!r}")
+    if config.eval_every:
+        raise ValueError(f"torchft's FT-DDP worker does not evaluate: pass --eval-every 0, got {config.eval_every}")
+
+
 def launch(argv: list[str]) -> int:
     """The launcher: `nanoddp train`'s checks and flags, torchft's step loop on each replica."""
     from nanoddp.train.launcher.cli import add_launch_args, add_train_args, config_to_argv, prepare_launch
@@ -239,8 +251,14 @@ def launch(argv: list[str]) -> int:
     add_train_args(parser)
     add_launch_args(parser)
     args = parser.parse_args(argv)
-    config, nproc, _ = prepare_launch(args)
-    per_replica_batch(filled(config.batch_size), nproc)
+    try:
+        config, nproc, _ = prepare_launch(args)
+        check_torchft(config)
+        per_replica_batch(filled(config.batch_size), nproc)
+    except ValueError as exc:  # one line, as `nanoddp train` refuses a config
+        parser.error(str(exc))
+    if config.snapshot_every:  # torchft heals a replica from a peer; a restart is not its path
+        print(f"torchft ddp: no snapshots are written (--snapshot-every {config.snapshot_every})", file=sys.stderr)
     Path(filled(config.out)).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", WORKER_MODULE, *config_to_argv(config)]
     return supervise(Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "torchft ddp"))

@@ -58,7 +58,7 @@ from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
-from nanoddp.ft.optimizer_shards import OptimizerShards
+from nanoddp.ft.optimizer_shards import OptimizerShards, Refill, StateLost
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.world import RebuiltWorld
 
@@ -143,7 +143,10 @@ class FaultTolerant:
         self._store = loopback_store(0, rank=0, world_size=1)
         self.shards = shards
         shard_state = None if shards is None else (shards.live_take, shards.live_put)
-        state = LiveState(model, optimizer, self.history, extra_state, shard_state)
+        model_state = None
+        if shards is not None and shards.stage == 3:
+            model_state = (lambda: shards.live_model_take(model), lambda state: shards.live_model_put(model, state))
+        state = LiveState(model, optimizer, self.history, extra_state, shard_state, model_state)
         # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`).
         transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
         with _manager_server_on_loopback(torchft):
@@ -221,6 +224,7 @@ class FaultTolerant:
                 continue  # handled like a failed step: the next quorum rebuilds, the boundary runs again
             if step >= total_steps:  # the last boundary is done, or a joiner healed to the end
                 return
+            step = self.manager.current_step()  # a roll-back at the boundary moved it back
             self._committed, self._averaged = None, False
             yield step
             if self._committed is None:
@@ -251,8 +255,13 @@ class FaultTolerant:
         try:
             if self.shards is not None and self._partitioned != self.world.generation:
                 self._repartition(step)
+                step = self.manager.current_step()
+            if self.shards is not None:
+                self.shards.gather_params()
             if self._boundary is not None:
                 self._boundary(step)
+        except StateLost:
+            raise  # the same on every member: nothing left to go on from
         except Exception as exc:  # a lost peer in its collectives, or an error of its own
             self._boundary_failures += 1
             if self._boundary_failures >= BOUNDARY_TRIES:
@@ -269,6 +278,9 @@ class FaultTolerant:
         assert self.shards is not None
         refill = self.shards.repartition(self.rank, self.world_size, step)
         self._partitioned = self.world.generation
+        if refill is not None and refill.rolled_back:
+            self._rolled_back(step, refill)
+            return
         if refill is None or not self.is_master:
             return
         source = "no snapshot yet: it restarts from zero" if refill.snapshot_step is None else (
@@ -279,6 +291,22 @@ class FaultTolerant:
             len(refill.names), step + 1, source, ", ".join(refill.names),
         )  # fmt: skip
         self.metrics.write({"event": "state_from_snapshot", "step": step + 1, "snapshot_step": refill.snapshot_step,
+                            "params": refill.names, "world_size": self.world_size})  # fmt: skip
+
+    def _rolled_back(self, step: int, refill: Refill) -> None:
+        """Stage 3 lost weights: every member went back to the snapshot; so do the step and history."""
+        assert refill.snapshot_step is not None and refill.history is not None
+        history = list(refill.history)
+        self.manager.load_state_dict({"step": refill.snapshot_step, "batches_committed": sum(history)})
+        self.history[:] = history
+        if not self.is_master:
+            return
+        logger.warning(
+            "nanoddp.ft: the weights of %d parameters were lost with their owner before step %d: every replica "
+            "rolls back to the snapshot of step %d and goes on at world size %d; %s",
+            len(refill.names), step + 1, refill.snapshot_step, self.world_size, ", ".join(refill.names),
+        )  # fmt: skip
+        self.metrics.write({"event": "rolled_back", "step": step + 1, "snapshot_step": refill.snapshot_step,
                             "params": refill.names, "world_size": self.world_size})  # fmt: skip
 
     def _fail(self, exc: Exception, what: str) -> None:

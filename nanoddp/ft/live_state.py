@@ -28,19 +28,22 @@ class LiveState:
         history: list[int],
         extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         optimizer_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        model_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         # how the optimizer's state is taken and put: whole by default; a sharded optimizer's
         # (`OptimizerShards`) sends no state, its share comes in the re-partition
         self.optimizer_state = optimizer_state or (optimizer.state_dict, optimizer.load_state_dict)
+        # and the model's: whole by default; parameters sharded too (stage 3) send the buffers only
+        self.model_state = model_state or (model.state_dict, model.load_state_dict)
         self.history = history  # world size of each committed step, shared with the step loop
         self.extra = extra
 
     def take(self) -> dict[str, Any]:
         """This replica's state at the step boundary (tensors by reference: served, not copied)."""
         state: dict[str, Any] = {
-            "model": self.model.state_dict(),
+            "model": self.model_state[0](),
             "optimizer": self.optimizer_state[0](),
             "history": list(self.history),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -53,7 +56,7 @@ class LiveState:
 
     def put(self, state: dict[str, Any]) -> None:
         """Become the source replica: load what `take` gave there."""
-        self.model.load_state_dict(state["model"])
+        self.model_state[1](state["model"])
         self.optimizer_state[1](state["optimizer"])
         self.history[:] = state["history"]
         torch.set_rng_state(state["rng"]["torch"])

@@ -69,20 +69,37 @@ def resume(config: TrainConfig, job: Job, env: ReplicaEnv) -> tuple[int, list[in
     if found is None:
         return None
     path, state = found
-    parts = {"model": job.module, "optimizer": job.optimizer, "scheduler": job.scheduler}
-    user_state.load_objects(path, parts, restore_rng=False, manifest=state)
+    step, history = _load(path, state, job)
     train = snapshot.train_state(state, path)
-    step = int(train["step"])
-    history = list(train.get("history") or [int(train["world_size"])] * step)  # a restart run's: fixed size
     note = follow_steps_on_resume(job.scheduler, int(train["config"].get("steps", config.steps)), config.steps, step)
-    # Every replica steps with the same RNG stream (a joiner receives its source's): rank 0's.
-    snapshot.restore_rng_state(state["rng"][0])
     if env.replica == 0:
         MetricsLogger(out).truncate_after(step)  # the steps after the snapshot are redone and logged again
         logger.info("resumed from %s (step %d)", path, step)
         if note:
             logger.warning("%s", note)
     return step, history, str(train.get("run_id") or first_run_id(env, out))
+
+
+def _load(path: Path, state: dict[str, Any], job: Job) -> tuple[int, list[int]]:
+    """Load snapshot `state` (read from `path`) into the job: model, optimizer, schedule, RNG;
+    return its step and history. Collective when a group is up (`load_objects` agrees on errors)."""
+    parts = {"model": job.module, "optimizer": job.optimizer, "scheduler": job.scheduler}
+    user_state.load_objects(path, parts, restore_rng=False, manifest=state)
+    train = snapshot.train_state(state, path)
+    step = int(train["step"])
+    history = list(train.get("history") or [int(train["world_size"])] * step)  # a restart run's: fixed size
+    # Every replica steps with the same RNG stream (a joiner receives its source's): rank 0's.
+    snapshot.restore_rng_state(state["rng"][0])
+    return step, history
+
+
+def restore_newest(config: TrainConfig, job: Job) -> tuple[int, list[int]] | None:
+    """The whole state back to the run's newest valid snapshot (fsdp's roll-back under continue,
+    `OptimizerShards`): its (step, history), or None when there is none."""
+    if config.out is None:
+        return None
+    found = snapshot.find_latest_valid(Path(config.out) / "snapshots")
+    return None if found is None else _load(found[0], found[1], job)
 
 
 def newest_optimizer_state(config: TrainConfig) -> tuple[int, dict[str, Any]] | None:

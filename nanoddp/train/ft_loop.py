@@ -40,17 +40,11 @@ from nanoddp.train.metrics import format_log_line
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_loop"
-CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2")  # zero1/zero2: the optimizer sharded (`OptimizerShards`)
+CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "fsdp")  # all but nanoddp: `OptimizerShards` stage 1, 2, 3
 
 
 def check_continue(config: TrainConfig) -> None:
     """What `--on-failure continue` covers today; anything else is refused with the way out."""
-    if config.engine == "fsdp":
-        raise ValueError(
-            "--on-failure continue does not support --engine fsdp: its parameters are sharded too, so a lost "
-            "rank takes part of the weights with it; use --engine zero2 (gradients and optimizer state "
-            "sharded) under --on-failure continue, or fsdp under --on-failure restart"
-        )
     if config.engine not in CONTINUE_ENGINES:
         raise ValueError(
             f"--on-failure continue supports --engine {', '.join(CONTINUE_ENGINES)}, got {config.engine!r}; "
@@ -116,13 +110,20 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
 
 
 def _shards(config: TrainConfig, job: Job) -> OptimizerShards | None:
-    """zero1/zero2: the optimizer sharded over the group, a lost shard read from the newest snapshot."""
-    if config.engine not in ("zero1", "zero2"):
+    """zero1/zero2: the optimizer sharded over the group, a lost shard's state read from the
+    newest snapshot; fsdp: the weights too, a lost shard rolls the whole state back to it."""
+    stage = {"zero1": 1, "zero2": 2, "fsdp": 3}.get(config.engine)
+    if stage is None:
         return None
     name_of = {p: name for name, p in job.module.named_parameters()}
     names = [name_of[p] for group in job.optimizer.param_groups for p in group["params"]]
-    stage = 1 if config.engine == "zero1" else 2
-    return OptimizerShards(job.optimizer, names, stage, lambda: ft_boundary.newest_optimizer_state(config))
+    return OptimizerShards(
+        job.optimizer,
+        names,
+        stage,
+        lambda: ft_boundary.newest_optimizer_state(config),
+        lambda: ft_boundary.restore_newest(config, job),
+    )
 
 
 def _extra_state(scheduler: torch.optim.lr_scheduler.LRScheduler, facts: ft_boundary.RunFacts):

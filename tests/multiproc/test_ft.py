@@ -369,9 +369,7 @@ def test_train_continue_refuses_what_it_does_not_cover():
     from nanoddp.train.config import TrainConfig
     from nanoddp.train.ft_loop import check_continue
 
-    with pytest.raises(ValueError, match="does not support --engine fsdp: .* use --engine zero2"):
-        check_continue(TrainConfig(engine="fsdp", on_failure="continue"))
-    with pytest.raises(ValueError, match="supports --engine nanoddp, zero1, zero2, got 'localsgd'"):
+    with pytest.raises(ValueError, match="supports --engine nanoddp, zero1, zero2, fsdp, got 'localsgd'"):
         check_continue(TrainConfig(engine="localsgd", on_failure="continue"))
     with pytest.raises(ValueError, match="does not support --grad-accum, --amp yet"):
         check_continue(TrainConfig(grad_accum=2, amp="bf16", on_failure="continue"))

@@ -7,7 +7,9 @@ service and three processes that import torch). The references are real runs and
 - the restart path (`nanoddp train`, the Trainer) resumes from a continue run's snapshot;
 - zero1 and zero2 end bitwise equal to a single-process replay of the schedule (the reference
   engine nanoddp under continue equals in tests/multiproc/test_ft.py); with a shard lost, to a
-  replay that puts back the same snapshot state at the same step.
+  replay that puts back the same snapshot state at the same step;
+- fsdp, which loses weights with a rank, rolls back to the snapshot and ends bitwise equal to a
+  replay of the schedule it really ran (the redone steps once).
 """
 
 from __future__ import annotations
@@ -173,44 +175,129 @@ def test_zero1_without_a_failure_equals_the_replay_bitwise(plain):
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
 
 
-def _replica_pid(launcher, replica: int) -> int | None:
+def _replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:
+    """The pid of replica `replica`'s process (its `attempt`-th replacement, if given), or None."""
     import psutil
 
     for child in launcher.children(recursive=True):
         try:
-            if child.environ().get("NANODDP_FT_REPLICA") == str(replica) and "ft_loop" in " ".join(child.cmdline()):
+            environ = child.environ()
+            if environ.get("NANODDP_FT_REPLICA") != str(replica) or "ft_loop" not in " ".join(child.cmdline()):
+                continue
+            if attempt is None or environ.get("NANODDP_FT_ATTEMPT") == str(attempt):
                 return child.pid
         except psutil.Error:
             continue
     return None
 
 
-# A replacement starts in seconds (it imports torch while the survivors train on the same 2 cores):
-# the run must outlast that. It joined after 70 steps under a heavy load: twice that, and a bit.
-LONG_STEPS = 150
+def _wait_for(what, deadline: float, step_s: float = 0.005):
+    """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
+    import time
+
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(step_s)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
 
 
-def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
-    """zero2, replica 1 SIGKILLed once the step-5 snapshot exists; its replacement joins later.
-    The state of the parameters it owned comes from that snapshot (one WARNING line, one
-    record naming them); the run ends equal, bitwise, to a replay that puts the same state back
-    at the same step."""
+def _events(out: Path) -> list[str]:
+    return [r["event"] for r in _records(out) if "event" in r] if (out / "metrics.jsonl").exists() else []
+
+
+def _lose_and_regain(out: Path, command: list[str]) -> str:
+    """Run `command`; SIGKILL replica 1 once the step-5 snapshot exists; once the two others have
+    committed a step without it, hold them (SIGSTOP) until its replacement listens (its Manager is
+    up), so that it joins while the run has steps left whatever the machine's load; return the
+    output of the run, which must end well."""
     import os
     import signal
     import time
 
     import psutil
 
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    held: list[int] = []
+    try:
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
+        first = _wait_for(
+            lambda: (out / "snapshots" / "step-00000005.pt").exists() and _replica_pid(launcher, 1), deadline
+        )
+        os.kill(first, signal.SIGKILL)
+        _wait_for(lambda: "rank_lost" in _events(out), deadline)
+        lost_at = len(_records(out))
+        _wait_for(lambda: len(_records(out)) > lost_at + 1, deadline)  # steps at world size 2
+        held = [pid for pid in (_replica_pid(launcher, 0), _replica_pid(launcher, 2)) if pid is not None]
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+
+        def replacement_listens() -> bool:
+            """replica 1's replacement to listen"""
+            pid = _replica_pid(launcher, 1, attempt=1)
+            try:
+                conns = psutil.Process(pid).net_connections(kind="inet") if pid else []
+            except psutil.Error:
+                return False
+            return any(c.status == psutil.CONN_LISTEN for c in conns)
+
+        _wait_for(replacement_listens, deadline, 0.05)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+        held = []
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-5000:]
+    return output
+
+
+def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
+    """zero2, replica 1 SIGKILLed once the step-5 snapshot exists; its replacement joins later.
+    The state of the parameters it owned comes from that snapshot (one WARNING line, one
+    record naming them); the run ends equal, bitwise, to a replay that puts back the same state
+    at the same step."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
-               "zero2", "--steps", str(LONG_STEPS), "--snapshot-every", "5", "--eval-every", "0", "--keep-snapshots",
-               "1", "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT]  # fmt: skip
+               "zero2", "--steps", "40", "--snapshot-every", "5", "--eval-every", "0", "--max-restarts", "1",
+               "--no-warm-spare", "--out", str(out), *TINY_GPT, "--collective-timeout", "30"]  # fmt: skip
+    output = _lose_and_regain(out, command)
+    records = _records(out)
+    history = [r["world_size"] for r in records if "event" not in r]
+    events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
+    # A survivor slow to see the loss may be left out of the first new group and join the next
+    # (events name processes): the order around the refill depends on the machine's load.
+    kinds = [r["event"] for r in events]
+    assert kinds[0] == "rank_lost" and "state_from_snapshot" in kinds and "rank_joined" in kinds, events
+    refill = events[kinds.index("state_from_snapshot")]
+    assert refill["snapshot_step"] >= 5 and refill["params"], refill
+    assert sum("was lost with its owner" in line for line in output.splitlines()) == 1, output[-3000:]
+    assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
+    got = torch.load(out / "model.pt")
+    want = _replay(history, {refill["step"] - 1: (refill["snapshot_step"], refill["params"])})
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def _kill_after_snapshot(out: Path, command: list[str], snapshot_step: int) -> str:
+    """Run `command`; SIGKILL replica 1 as soon as the snapshot of `snapshot_step` exists; return
+    the output once the run has ended (it must end well)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 60
         while not killed and proc.poll() is None and time.monotonic() < deadline:
             pid = _replica_pid(launcher, 1)
-            if (out / "snapshots" / "step-00000005.pt").exists() and pid is not None:
+            if (out / "snapshots" / f"step-{snapshot_step:08d}.pt").exists() and pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
             time.sleep(0.005)
@@ -219,18 +306,33 @@ def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert killed and proc.returncode == 0, output[-5000:]
-    records = _records(out)
-    history = [r["world_size"] for r in records if "event" not in r]
-    events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
-    kinds = [r["event"] for r in events]
-    # A survivor slow to see the loss may be left out of the first new group and join the next:
-    # events name processes, so the order of joins around the refill depends on the machine's load.
-    assert kinds[0] == "rank_lost" and "state_from_snapshot" in kinds and "rank_joined" in kinds, kinds
-    refill = events[kinds.index("state_from_snapshot")]
-    assert refill["snapshot_step"] >= 5 and refill["params"], refill
-    assert sum("was lost with its owner" in line for line in output.splitlines()) == 1, output[-3000:]
-    assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
-    got = torch.load(out / "model.pt")
-    want = _replay(history, {refill["step"] - 1: (refill["snapshot_step"], refill["params"])})
+    return output
+
+
+def test_fsdp_loses_weights_and_rolls_back_to_the_snapshot(tmp_path):
+    """fsdp: each rank keeps only the weights it owns between steps, so replica 1's are lost with
+    it (SIGKILL once the step-3 snapshot exists, no replacement): the two others roll the whole
+    state back to the newest snapshot (one WARNING line, one record) and finish at world size 2.
+    The steps after the snapshot are redone, and the run ends bitwise equal to a replay of the
+    schedule it really ran."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
+               "fsdp", "--steps", "40", "--snapshot-every", "3", "--eval-every", "0", "--out", str(out),
+               *TINY_GPT]  # fmt: skip
+    output = _kill_after_snapshot(out, command, 3)
+    history: list[int] = []
+    rollbacks = []
+    for record in _records(out):  # the schedule really run: a roll-back drops the steps after its snapshot
+        if record.get("event") == "rolled_back":
+            rollbacks.append(record)
+            del history[record["snapshot_step"] :]
+        elif "event" not in record:
+            assert record["step"] == len(history) + 1, (record["step"], history)
+            history.append(record["world_size"])
+    assert len(rollbacks) == 1 and rollbacks[0]["snapshot_step"] >= 3 and rollbacks[0]["params"], rollbacks
+    assert rollbacks[0]["step"] > rollbacks[0]["snapshot_step"]  # steps were redone
+    assert sum("rolls back to the snapshot of step" in line for line in output.splitlines()) == 1, output[-3000:]
+    assert len(history) == 40 and history[0] == 3 and history[-1] == 2, history
+    got, want = torch.load(out / "model.pt"), _replay(history)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"

@@ -1,15 +1,19 @@
-"""`nanoddp bench restarts`' failure-cost part: its refusals and how it reads a run's progress.
+"""`nanoddp bench restarts`' failure-cost part: its refusals, how it reads a run's progress, its
+summary of the committed measurement, and the data split of its torchft mode.
 (The measurement itself runs real 3-rank trainings, minutes long: its figures are committed under
 docs/bench/ft/, not re-measured here.)"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from nanoddp.bench.failure_cost import _logged_step
+from nanoddp.bench.failure_cost import MODES, RATIOS, _logged_step, describe, summarize
+from nanoddp.bench.torchft_ddp import ShardBatches, per_replica_batch
 from nanoddp.cli import main
+from nanoddp.ft.batches import GlobalBatches
 
 
 @pytest.mark.parametrize(
@@ -34,3 +38,62 @@ def test_the_kill_waits_for_the_newest_logged_step(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert _logged_step(tmp_path) == 20
+
+
+# ---- the torchft mode ------------------------------------------------------------------------
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-2026-11-28b.json"
+
+
+def test_the_summary_and_report_of_the_committed_measurement():
+    """The real records of `nanoddp bench restarts --cost-trials 3` (docs/bench/ft/): modes
+    interleaved trial by trial, the summary recomputed from them, one report line per mode."""
+    report = json.loads(MEASURED.read_text())["failure_cost"]
+    trials = report["meta"]["trials"]
+    assert [(r["trial"], r["mode"]) for r in report["results"]] == [(t, m) for t in range(trials) for m in MODES]
+    summary = summarize(report["results"])
+    assert summary == report["summary"]
+    torchft = [r["cost_s"] for r in report["results"] if r["mode"] == "torchft"]
+    assert summary["torchft"]["median_cost_s"] == sorted(torchft)[len(torchft) // 2]
+    lines = describe(report).splitlines()
+    assert len(lines) == len(MODES) + len(RATIOS)
+    assert lines[2].startswith("torchft's FT-DDP") and f"{summary['torchft']['median_cost_s']:.1f} s" in lines[2]
+    ratios = ["continue / restart", "torchft / restart", "continue / torchft"]
+    assert [line.split(":")[0] for line in lines[3:]] == ratios
+
+
+def test_torchft_shards_make_the_global_batch_of_every_step():
+    """torchft's sampler gives replica r every R-th sample of the same seeded permutation that
+    `nanoddp.ft` cuts into contiguous pieces: over the replicas, each step (across an epoch's
+    end too) holds the same samples in both loops, which is why their runs agree."""
+    import torchft
+
+    dataset, batch, replicas, seed = list(range(50)), 12, 3, 7
+    per_replica = per_replica_batch(batch, replicas)
+    shards = [
+        ShardBatches(torchft.DistributedSampler(dataset, replica_rank=r, num_replica_groups=replicas, group_rank=0,
+                                                num_replicas=1, shuffle=True, seed=seed, drop_last=True), per_replica)
+        for r in range(replicas)
+    ]  # fmt: skip
+    global_batches = GlobalBatches(len(dataset), batch, seed)
+    assert shards[0].steps_per_epoch == global_batches.steps_per_epoch == 4
+    for step in range(10):
+        pieces = [shard.indices(step) for shard in shards]
+        assert all(len(piece) == per_replica for piece in pieces)
+        assert sorted(sum(pieces, [])) == sorted(global_batches.indices(step).tolist()), step
+
+
+def test_torchft_needs_a_batch_that_splits_evenly():
+    with pytest.raises(ValueError, match="--batch-size 10 must be a multiple of the 3 replicas; pick 9"):
+        per_replica_batch(10, 3)
+
+
+@pytest.mark.parametrize(
+    "fields, message", [({"engine": "zero1"}, "use --engine nanoddp"), ({"eval_every": 10}, "pass --eval-every 0")]
+)
+def test_torchft_refuses_what_its_worker_does_not_do(fields, message):
+    from nanoddp.bench.torchft_ddp import check_torchft
+    from nanoddp.train.config import TrainConfig
+
+    check_torchft(TrainConfig(eval_every=0))
+    with pytest.raises(ValueError, match=message):
+        check_torchft(TrainConfig(**{"eval_every": 0, **fields}))
