@@ -261,7 +261,16 @@ def launch(argv: list[str]) -> int:
         print(f"torchft ddp: no snapshots are written (--snapshot-every {config.snapshot_every})", file=sys.stderr)
     Path(filled(config.out)).mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", WORKER_MODULE, *config_to_argv(config)]
-    return supervise(Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "torchft ddp"))
+    launch = Launch(
+        command,
+        nproc,
+        args.max_restarts,
+        config.collective_timeout,
+        config.out,
+        "torchft ddp",
+        warm_spare=config.warm_spare,
+    )  # fmt: skip: the same supervision as --on-failure continue
+    return supervise(launch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,8 +170,8 @@ FAULTS = (
     Mutation(
         "config fingerprint: seed ignored",
         "nanoddp/train/checkpoint/rundir.py",
-        '        "on_failure",\n    }',
-        '        "on_failure",\n        "seed",\n    }',
+        '        "warm_spare",\n    }',
+        '        "warm_spare",\n        "seed",\n    }',
         ("tests/multiproc/test_trainer_faults.py", "-k", "seed"),
     ),
     Mutation(
