@@ -112,10 +112,11 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
 def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     """What the kill cost the survivors, read from their per-step records (`continue` and
     `torchft` record every step with its wall-clock `time`; `restart` only every `--log-every`,
-    so None there): `stall_s`, the wait before their first commit at the smaller world size (the
-    loss noticed, the quorum, the rebuild, the step redone); `join_s`, the wait before the first
-    commit at full size again (the replacement's join; None if it never joined); `steps_short`,
-    the steps committed at the smaller size.
+    so None there): `stall_s`, the wait between their last commit before the kill and their first
+    after it (the loss noticed, the quorum, the rebuild, the step redone); `join_s`, the wait
+    before the first commit at full size again after the kill (the replacement's join: the same
+    as `stall_s` when a warm spare joined in that very quorum; None if it never joined);
+    `steps_short`, the steps committed at the smaller size.
 
     [Note: figures the host's load does not drown] The cost (killed run - clean run) compares
     two runs half a minute long each; on a shared 2-core host their wall times drift by seconds.
@@ -125,16 +126,16 @@ def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     if not steps or any("time" not in r for r in steps):
         return {"stall_s": None, "join_s": None, "steps_short": None}
     full = max(r["world_size"] for r in steps)
-    first_after = next((i for i, r in enumerate(steps) if r["time"] > killed_at), len(steps))
-    short = [i for i in range(first_after, len(steps)) if steps[i]["world_size"] < full]
-    if not short:  # the run ended before the survivors committed a step without the lost rank
+    first_after = next((i for i, r in enumerate(steps) if r["time"] > killed_at), None)
+    if first_after is None or first_after == 0:  # the run ended before the survivors committed again
         return {"stall_s": None, "join_s": None, "steps_short": 0}
-    back = next((i for i in range(short[0], len(steps)) if steps[i]["world_size"] == full), None)
+    short = [i for i in range(first_after, len(steps)) if steps[i]["world_size"] < full]
+    back = next((i for i in range(first_after, len(steps)) if steps[i]["world_size"] == full), None)
 
     def wait_before(i: int) -> float:
         return round(steps[i]["time"] - steps[i - 1]["time"], 3)
 
-    return {"stall_s": wait_before(short[0]), "join_s": None if back is None else wait_before(back),
+    return {"stall_s": wait_before(first_after), "join_s": None if back is None else wait_before(back),
             "steps_short": len(short)}  # fmt: skip
 
 
