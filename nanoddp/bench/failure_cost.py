@@ -178,6 +178,12 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         a, b = summary[top]["median_cost_s"], summary[bottom]["median_cost_s"]
         # a cost can come out at or below 0 (the killed run was lucky with the host's load): no ratio then
         summary[f"{top}_over_{bottom}"] = round(a / b, 3) if a > 0 and b > 0 else None
+    # Where a mode's cost drowns in the host's drift, its in-run stall (an upper bound on what the
+    # failure held the survivors up: it includes the redone step itself) still compares.
+    restart = summary["restart"]["median_cost_s"]
+    for mode in ("continue", "torchft"):
+        stall = summary[mode]["median_stall_s"]
+        summary[f"{mode}_stall_over_restart"] = round(stall / restart, 3) if stall and restart > 0 else None
     return summary
 
 
@@ -197,4 +203,8 @@ def describe(report: dict) -> str:
     for top, bottom in RATIOS:
         ratio = report["summary"][f"{top}_over_{bottom}"]
         lines.append(f"{top} / {bottom}: {ratio}" if ratio is not None else f"{top} / {bottom}: no ratio (a cost <= 0)")
+    for mode in ("continue", "torchft"):
+        ratio = report["summary"].get(f"{mode}_stall_over_restart")
+        if ratio is not None:
+            lines.append(f"{mode}'s stall / restart's cost: {ratio}")
     return "\n".join(lines)

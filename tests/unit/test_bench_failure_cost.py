@@ -41,7 +41,8 @@ def test_the_kill_waits_for_the_newest_logged_step(tmp_path):
 
 
 # ---- the torchft mode ------------------------------------------------------------------------
-MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-2026-11-28b.json"
+# the newest measurement, with the warm spare
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-2026-11-28c.json"
 
 
 def test_the_summary_and_report_of_the_committed_measurement():
@@ -55,10 +56,13 @@ def test_the_summary_and_report_of_the_committed_measurement():
     torchft = [r["cost_s"] for r in report["results"] if r["mode"] == "torchft"]
     assert summary["torchft"]["median_cost_s"] == sorted(torchft)[len(torchft) // 2]
     lines = describe(report).splitlines()
-    assert len(lines) == len(MODES) + len(RATIOS)
+    assert len(lines) == len(MODES) + len(RATIOS) + 2  # + each in-run stall over restart's cost
     assert lines[2].startswith("torchft's FT-DDP") and f"{summary['torchft']['median_cost_s']:.1f} s" in lines[2]
     ratios = ["continue / restart", "torchft / restart", "continue / torchft"]
+    ratios += ["continue's stall / restart's cost", "torchft's stall / restart's cost"]
     assert [line.split(":")[0] for line in lines[3:]] == ratios
+    stall = summary["continue"]["median_stall_s"] / summary["restart"]["median_cost_s"]
+    assert summary["continue_stall_over_restart"] == round(stall, 3)
 
 
 def test_torchft_shards_make_the_global_batch_of_every_step():
