@@ -191,6 +191,13 @@ def _replica_pid(launcher, replica: int, attempt: int | None = None) -> int | No
     return None
 
 
+def _start(out: Path, command: list[str]) -> subprocess.Popen:
+    """Start `command` with its output in a file beside `out`: a pipe that nobody reads while the
+    test waits would fill up and stall the run (the launcher blocks writing to it)."""
+    with open(out.parent / "output.txt", "w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 def _wait_for(what, deadline: float, step_s: float = 0.005):
     """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
     import time
@@ -218,7 +225,7 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
 
     import psutil
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start(out, command)
     held: list[int] = []
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
@@ -244,7 +251,8 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
         held = []
-        output = proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
+        output = (out.parent / "output.txt").read_text()
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
@@ -298,7 +306,7 @@ def _kill_after_snapshot(out: Path, command: list[str]) -> str:
 
     import psutil
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start(out, command)
     try:
         launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 60
         while not killed and proc.poll() is None and time.monotonic() < deadline:
@@ -307,7 +315,8 @@ def _kill_after_snapshot(out: Path, command: list[str]) -> str:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
             time.sleep(0.005)
-        output = proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
+        output = (out.parent / "output.txt").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
