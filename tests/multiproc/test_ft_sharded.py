@@ -1,13 +1,14 @@
 """`nanoddp train --on-failure continue` with snapshots, evaluation, resume and the sharded engines.
 
-Every run here is 3 replicas of a tiny GPT for a few steps (a launch costs seconds: the quorum
-service and three processes that import torch). The references are real runs and a replay:
+Every run here is 3 replicas of a tiny GPT (a step takes milliseconds; a launch costs seconds:
+the quorum service and three processes that import torch), five launches in all. The references
+are real runs and a replay:
 - a continue run resumed from its own snapshot ends bitwise equal to the same run uninterrupted
   (both sum the same pieces in the same order from the same state);
 - the restart path (`nanoddp train`, the Trainer) resumes from a continue run's snapshot;
-- zero1 and zero2 end bitwise equal to a single-process replay of the schedule (the reference
-  engine nanoddp under continue equals in tests/multiproc/test_ft.py); with a shard lost, to a
-  replay that puts back the same snapshot state at the same step;
+- zero1 ends bitwise equal to a single-process replay of the schedule (which engine nanoddp
+  under continue equals in tests/multiproc/test_ft.py); zero2 with a shard lost and the rank
+  regained, to a replay that puts back the same snapshot state at the same step;
 - fsdp, which loses weights with a rank, rolls back to the snapshot and ends bitwise equal to a
   replay of the schedule it really ran (the redone steps once).
 """
