@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(env.launcher_pid)  # no replica outlives its launcher, even a SIGKILLed one
     take_descendants_along()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    logging.getLogger("torchft").setLevel(logging.WARNING)  # it logs every quorum and commit at info
+    # torchft logs every quorum and commit at info, and its structured loggers an empty line each
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     train_replica(config, env)
     return 0
 

@@ -1,15 +1,16 @@
 """`nanoddp train --on-failure continue` with snapshots, evaluation, resume and the sharded engines.
 
-Every run here is 3 replicas of a tiny GPT for a few steps (a launch costs seconds: the quorum
-service and three processes that import torch). The references are real runs and a replay:
+Every run here is 3 replicas of a tiny GPT (a step takes milliseconds; a launch costs seconds:
+the quorum service and three processes that import torch), five launches in all. The references
+are real runs and a replay:
 - a continue run resumed from its own snapshot ends bitwise equal to the same run uninterrupted
   (both sum the same pieces in the same order from the same state);
 - the restart path (`nanoddp train`, the Trainer) resumes from a continue run's snapshot;
-- zero1 and zero2 end bitwise equal to a single-process replay of the schedule (the reference
-  engine nanoddp under continue equals in tests/multiproc/test_ft.py); with a shard lost, to a
-  replay that puts back the same snapshot state at the same step;
-- fsdp, which loses weights with a rank, rolls back to the snapshot and ends bitwise equal to a
-  replay of the schedule it really ran (the redone steps once).
+- zero1 ends bitwise equal to a single-process replay of the schedule (which engine nanoddp
+  under continue equals in tests/multiproc/test_ft.py); zero2 with a shard lost and the rank
+  regained, to a replay that puts back the same snapshot state at the same step;
+- fsdp, which loses weights with a rank, rolls back to the snapshot, regains the rank and ends
+  bitwise equal to a replay of the schedule it really ran (the redone steps once).
 """
 
 from __future__ import annotations
@@ -191,6 +192,13 @@ def _replica_pid(launcher, replica: int, attempt: int | None = None) -> int | No
     return None
 
 
+def _start(out: Path, command: list[str]) -> subprocess.Popen:
+    """Start `command` with its output in a file beside `out`: a pipe that nobody reads while the
+    test waits would fill up and stall the run (the launcher blocks writing to it)."""
+    with open(out.parent / "output.txt", "w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 def _wait_for(what, deadline: float, step_s: float = 0.005):
     """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
     import time
@@ -208,7 +216,7 @@ def _events(out: Path) -> list[str]:
 
 
 def _lose_and_regain(out: Path, command: list[str]) -> str:
-    """Run `command`; SIGKILL replica 1 once the step-5 snapshot exists; once the two others have
+    """Run `command`; SIGKILL replica 1 once a snapshot exists; once the two others have
     committed a step without it, hold them (SIGSTOP) until its replacement listens (its Manager is
     up), so that it joins while the run has steps left whatever the machine's load; return the
     output of the run, which must end well."""
@@ -218,13 +226,11 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
 
     import psutil
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start(out, command)
     held: list[int] = []
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
-        first = _wait_for(
-            lambda: (out / "snapshots" / "step-00000005.pt").exists() and _replica_pid(launcher, 1), deadline
-        )
+        first = _wait_for(lambda: _has_snapshot(out) and _replica_pid(launcher, 1), deadline)
         os.kill(first, signal.SIGKILL)
         _wait_for(lambda: "rank_lost" in _events(out), deadline)
         lost_at = len(_records(out))
@@ -246,7 +252,8 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
         held = []
-        output = proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
+        output = (out.parent / "output.txt").read_text()
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
@@ -256,83 +263,76 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
     return output
 
 
+# Steps enough that a test process slowed by a loaded machine still acts before the run ends (a
+# step takes 10 to 50 ms here); steps after the failure cost little.
+ZERO2_STEPS = FSDP_STEPS = 120
+
+
+def _check_lost_and_regained(events: list[dict], kind: str, output: str) -> None:
+    """Replica 1 was lost first, its state came back by `kind` ("state_from_snapshot" or
+    "rolled_back"), and it joined again; each such record has its one WARNING line. [Note: more
+    changes] A survivor held by the test may resume a moment after the other: the quorum service
+    can then form a majority without it, and it is lost and rejoins too (more records, each
+    applied by the replay as well): the run is right either way, so the test accepts it."""
+    assert events[0]["event"] == "rank_lost" and events[0]["replicas"] == [1], events
+    assert events[1]["event"] == kind and events[1]["snapshot_step"] >= 5 and events[1]["params"], events
+    assert any(r["event"] == "rank_joined" and 1 in r["replicas"] for r in events[2:]), events
+    said = "was lost with its owner" if kind == "state_from_snapshot" else "rolls back to the snapshot of step"
+    assert sum(said in line for line in output.splitlines()) == sum(r["event"] == kind for r in events), output[-3000:]
+
+
 def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
-    """zero2, replica 1 SIGKILLed once the step-5 snapshot exists; its replacement joins later.
-    The state of the parameters it owned comes from that snapshot (one WARNING line, one
+    """zero2, replica 1 SIGKILLed once a snapshot exists (every 5 steps); its replacement joins
+    later. The state of the parameters it owned comes from that snapshot (one WARNING line, one
     record naming them); the run ends equal, bitwise, to a replay that puts back the same state
     at the same step."""
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # --no-warm-spare: a cold replacement, so the survivors step without it first
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
-               "zero2", "--steps", "40", "--snapshot-every", "5", "--eval-every", "0", "--max-restarts", "1",
-               "--no-warm-spare", "--out", str(out), *TINY_GPT, "--collective-timeout", "30"]  # fmt: skip
+               "zero2", "--steps", str(ZERO2_STEPS), "--snapshot-every", "5", "--eval-every", "0",
+               "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT,
+               "--collective-timeout", "30"]  # fmt: skip
     output = _lose_and_regain(out, command)
     records = _records(out)
     history = [r["world_size"] for r in records if "event" not in r]
     events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
-    # A survivor slow to see the loss may be left out of the first new group and join the next
-    # (events name processes): the order around the refill depends on the machine's load.
-    kinds = [r["event"] for r in events]
-    assert kinds[0] == "rank_lost" and "state_from_snapshot" in kinds and "rank_joined" in kinds, events
-    refill = events[kinds.index("state_from_snapshot")]
-    assert refill["snapshot_step"] >= 5 and refill["params"], refill
-    assert sum("was lost with its owner" in line for line in output.splitlines()) == 1, output[-3000:]
+    _check_lost_and_regained(events, "state_from_snapshot", output)
     assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
-    got = torch.load(out / "model.pt")
-    want = _replay(history, {refill["step"] - 1: (refill["snapshot_step"], refill["params"])})
+    refills = {r["step"] - 1: (r["snapshot_step"], r["params"]) for r in events if r["event"] == "state_from_snapshot"}
+    got, want = torch.load(out / "model.pt"), _replay(history, refills)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
 
 
-def _kill_after_snapshot(out: Path, command: list[str], snapshot_step: int) -> str:
-    """Run `command`; SIGKILL replica 1 as soon as the snapshot of `snapshot_step` exists; return
-    the output once the run has ended (it must end well)."""
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 60
-        while not killed and proc.poll() is None and time.monotonic() < deadline:
-            pid = _replica_pid(launcher, 1)
-            if (out / "snapshots" / f"step-{snapshot_step:08d}.pt").exists() and pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-            time.sleep(0.005)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed and proc.returncode == 0, output[-5000:]
-    return output
+def _has_snapshot(out: Path) -> bool:
+    """Any snapshot, not one by name: a test process slowed by the machine's load may look only
+    after the first snapshot has been pruned."""
+    return any((out / "snapshots").glob("step-*.pt")) if (out / "snapshots").is_dir() else False
 
 
-def test_fsdp_loses_weights_and_rolls_back_to_the_snapshot(tmp_path):
+def test_fsdp_loses_weights_rolls_back_and_regains_the_rank(tmp_path):
     """fsdp: each rank keeps only the weights it owns between steps, so replica 1's are lost with
-    it (SIGKILL once the step-3 snapshot exists, no replacement): the two others roll the whole
-    state back to the newest snapshot (one WARNING line, one record) and finish at world size 2.
-    The steps after the snapshot are redone, and the run ends bitwise equal to a replay of the
-    schedule it really ran."""
-    out = tmp_path / "run"
+    it (SIGKILL once a snapshot exists): the two others roll the whole state back to the newest
+    snapshot (one WARNING line, one record) and go on at world size 2; the replacement joins
+    (its weights come in the re-partition). The steps after the snapshot are redone, and the run
+    ends bitwise equal to a replay of the schedule it really ran."""
+    out = tmp_path / "run"  # --no-warm-spare: a cold replacement, so the survivors step without it first
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
-               "fsdp", "--steps", "40", "--snapshot-every", "3", "--eval-every", "0", "--out", str(out),
-               *TINY_GPT]  # fmt: skip
-    output = _kill_after_snapshot(out, command, 3)
+               "fsdp", "--steps", str(FSDP_STEPS), "--snapshot-every", "5", "--eval-every", "0",
+               "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT,
+               "--collective-timeout", "30"]  # fmt: skip
+    output = _lose_and_regain(out, command)
     history: list[int] = []
-    rollbacks = []
+    events = []
     for record in _records(out):  # the schedule really run: a roll-back drops the steps after its snapshot
         if record.get("event") == "rolled_back":
-            rollbacks.append(record)
             del history[record["snapshot_step"] :]
+        if record.get("event") in ("rank_lost", "rolled_back", "rank_joined"):
+            events.append(record)
         elif "event" not in record:
             assert record["step"] == len(history) + 1, (record["step"], history)
             history.append(record["world_size"])
-    assert len(rollbacks) == 1 and rollbacks[0]["snapshot_step"] >= 3 and rollbacks[0]["params"], rollbacks
-    assert rollbacks[0]["step"] > rollbacks[0]["snapshot_step"]  # steps were redone
-    assert sum("rolls back to the snapshot of step" in line for line in output.splitlines()) == 1, output[-3000:]
-    assert len(history) == 40 and history[0] == 3 and history[-1] == 2, history
+    _check_lost_and_regained(events, "rolled_back", output)
+    assert len(history) == FSDP_STEPS and history[0] == 3 and 2 in history and history[-1] == 3, history
     got, want = torch.load(out / "model.pt"), _replay(history)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
