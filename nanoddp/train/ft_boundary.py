@@ -11,7 +11,7 @@ every member of the group that runs the next step, so the state is a committed s
 on every member, and never half of one. They are collectives over that group (`save_objects`
 gathers every rank's RNG streams and shapes; the validation set is split over the group and the
 loss sums all-reduced), not rank 0's alone: the quorum service gives a replica that does not ask
-for the next quorum within its join timeout (1 s) up for lost, so rank 0 may not keep the others
+for the next quorum within its join timeout (0.5 s) up for lost, so rank 0 may not keep the others
 waiting on it for an evaluation. A failure in them is a failed step: the group is rebuilt and the
 boundary runs again, the snapshot rewritten with the same contents.
 """
