@@ -53,17 +53,16 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.env import loopback_store, pin_gloo_to_loopback
 from nanoddp.ft.events import MetricsFile
-from nanoddp.ft.fault_tolerant import STARTUP_WAIT_S, _manager_server_on_loopback, _torchft
+from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
-from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train.build import Job, build_job
 from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.ft_loop import start_replica
 from nanoddp.train.metrics import format_log_line
 
 logger = logging.getLogger(__name__)
@@ -101,7 +100,9 @@ class ShardBatches:
 
 
 def _make_manager(torchft: Any, job: Job, pg: Any, env: ReplicaEnv, store_port: int) -> Any:
-    """torchft's Manager for a replica group of one process, on loopback, healing over `pg`."""
+    """torchft's Manager for a replica group of one process, on loopback, healing over `pg`, with
+    torchft's defaults: no step-0 sync (every replica seeds the same weights: build_job) and the
+    asynchronous quorum."""
 
     def take() -> dict[str, Any]:
         return {"model": job.module.state_dict(), "optim": job.optimizer.state_dict(), "lr": job.scheduler.state_dict()}
@@ -111,27 +112,7 @@ def _make_manager(torchft: Any, job: Job, pg: Any, env: ReplicaEnv, store_port: 
         job.optimizer.load_state_dict(state["optim"])
         job.scheduler.load_state_dict(state["lr"])
 
-    timeout = timedelta(seconds=env.timeout_s)
-    transport = torchft.checkpointing.pg_transport.PGTransport(pg, timeout, torch.device("cpu"))
-    with _manager_server_on_loopback(torchft):
-        return torchft.Manager(
-            pg=pg,
-            load_state_dict=put,
-            state_dict=take,
-            min_replica_size=1,
-            timeout=timeout,
-            quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
-            connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=store_port,
-            hostname="127.0.0.1",
-            lighthouse_addr=env.lighthouse,
-            replica_id=f"replica_{env.replica}",  # torchft numbers members by the trailing digits
-            init_sync=False,  # every replica seeds the same weights (build_job); no step-0 healing
-            checkpoint_transport=transport,
-        )
+    return make_manager(torchft, env, pg, (take, put), store_port, init_sync=False, use_async_quorum=True)
 
 
 def _wait_for_everyone(manager: Any, env: ReplicaEnv) -> None:
@@ -167,7 +148,7 @@ def _beat(env: ReplicaEnv) -> None:
 
 def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     """Train this replica to `config.steps` committed steps on torchft's FT-DDP (module docstring)."""
-    torchft = _torchft()
+    torchft = torchft_modules()
     torch.set_num_threads(threads_per_rank(config, env.replicas))
     job = build_job(config)
     pin_gloo_to_loopback()  # torchft's gloo group listens where the hostname resolves otherwise
@@ -279,16 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if LIGHTHOUSE_VAR not in os.environ:
         return launch(argv)
-    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
-    add_dataclass_args(parser, TrainConfig)  # the launcher passes the config as flags
-    config = config_from_args(TrainConfig, parser.parse_args(argv))
-    env = ReplicaEnv.from_environ()
-    die_with_parent(env.launcher_pid)  # no replica outlives its launcher, even a SIGKILLed one
-    take_descendants_along()
-    # torchft logs every quorum and commit at info, the last three as empty lines (for its telemetry)
-    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    train_replica(config, env)
+    train_replica(*start_replica(argv, WORKER_MODULE))
     return 0
 
 

@@ -41,13 +41,10 @@ the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,54 +55,14 @@ from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
+from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.optimizer_shards import OptimizerShards, Refill, StateLost
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.world import RebuiltWorld
 
 logger = logging.getLogger(__name__)
 
-STARTUP_WAIT_S = 120.0  # the first step waits this long for every replica of the run to start
 BOUNDARY_TRIES = 3  # boundary work that fails this many times in a row is an error, not a lost peer
-
-
-def _torchft() -> Any:
-    try:
-        import torchft
-        import torchft.checkpointing.pg_transport
-        import torchft.manager
-    except ImportError as exc:
-        raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
-    logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)
-    # torchft's PGTransport reads a pickle through a read-only buffer and uses a deprecated pytree
-    # check: two warnings per transfer that say nothing about this run.
-    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.pg_transport")
-    return torchft
-
-
-@contextlib.contextmanager
-def _manager_server_on_loopback(torchft: Any) -> Iterator[None]:
-    """While the Manager is made, its server binds 127.0.0.1 instead of every interface.
-
-    [Note: private to this machine] torchft's Manager starts its server on `[::]` with no way
-    to ask otherwise; a single-node run must accept no connection from the network (as
-    `nanoddp run` and `nanoddp train` do not), so the constructor it calls gets the loopback
-    address instead, only while this replica's Manager is built."""
-    original = torchft.manager.ManagerServer
-
-    def on_loopback(**kwargs: Any) -> Any:
-        port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"127.0.0.1:{port}"})
-
-    torchft.manager.ManagerServer = on_loopback
-    try:
-        yield
-    finally:
-        torchft.manager.ManagerServer = original
-
-
-def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
-    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo."""
-    return "flight recorder" not in record.getMessage()
 
 
 class FaultTolerant:
@@ -128,7 +85,6 @@ class FaultTolerant:
         boundary: Callable[[int], None] | None = None,
         shards: OptimizerShards | None = None,
     ) -> None:
-        torchft = _torchft()
         self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
         self.env = env or ReplicaEnv.from_environ()
         self.model, self.optimizer = model, optimizer
@@ -138,7 +94,6 @@ class FaultTolerant:
         self.history: list[int] = []  # world size of each committed step: the run's schedule
         self.world = RebuiltWorld(self.env.timeout_s)
         self.metrics = MetricsFile(self.env.out)
-        timeout = timedelta(seconds=self.env.timeout_s)
         # torchft keeps a replica group's own address book in a store; ours is a group of one.
         self._store = loopback_store(0, rank=0, world_size=1)
         self.shards = shards
@@ -147,10 +102,10 @@ class FaultTolerant:
         if shards is not None and shards.stage == 3:
             model_state = (lambda: shards.live_model_take(model), lambda state: shards.live_model_put(model, state))
         state = LiveState(model, optimizer, self.history, extra_state, shard_state, model_state)
-        # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`).
-        transport = torchft.checkpointing.pg_transport.PGTransport(self.world, timeout, torch.device("cpu"))
-        with _manager_server_on_loopback(torchft):
-            self.manager = self._make_manager(torchft, state, transport, timeout)
+        # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`); at
+        # step 0 every replica takes replica rank 0's weights (init_sync).
+        self.manager = make_manager(torchft_modules(), self.env, self.world, (state.take, state.put), self._store.port,
+                                    init_sync=True, use_async_quorum=False)  # fmt: skip
         self._members: tuple[str, ...] = ()  # the group this process last stepped in (its processes)
         self._started = self.env.joiner  # a joiner never waits for the run's first full group
         self._step_started = 0.0
@@ -164,28 +119,6 @@ class FaultTolerant:
         self._boundary_failures = 0  # in a row
         self._partitioned = 0  # the group generation the shards were last partitioned for
         self._averaged = False  # this step's average succeeded
-
-    def _make_manager(self, torchft: Any, state: LiveState, transport: Any, timeout: timedelta) -> Any:
-        """torchft's Manager for this replica: a replica group of one process, our group, our state."""
-        return torchft.Manager(
-            pg=self.world,
-            load_state_dict=state.put,
-            state_dict=state.take,
-            min_replica_size=1,
-            use_async_quorum=False,  # heal before the step, and rebuild while no collective runs
-            timeout=timeout,
-            quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
-            connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            hostname="127.0.0.1",  # the address its server gives the others: loopback, as it listens
-            store_port=self._store.port,
-            lighthouse_addr=self.env.lighthouse,
-            replica_id=f"replica_{self.env.replica}",  # torchft numbers members by the trailing digits
-            init_sync=True,  # at step 0, every replica takes replica rank 0's weights
-            checkpoint_transport=transport,
-        )
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property

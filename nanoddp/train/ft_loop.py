@@ -140,9 +140,11 @@ def _extra_state(scheduler: torch.optim.lr_scheduler.LRScheduler, facts: ft_boun
     return take, put
 
 
-def main(argv: list[str] | None = None) -> int:
-    """One replica: `python -m nanoddp.train.ft_loop FLAGS...` (`nanoddp train`'s flags)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
+def start_replica(argv: list[str] | None, module: str) -> tuple[TrainConfig, ReplicaEnv]:
+    """What every replica process of a `nanoddp train` job does first (this loop's, and the
+    torchft-DDP loop's of `nanoddp bench restarts`): read the config its launcher passed as flags
+    and its place in the run, tie its life to the launcher's, and quiet torchft's per-step logs."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
     add_dataclass_args(parser, TrainConfig)  # the launcher passes the config as flags
     config = config_from_args(TrainConfig, parser.parse_args(argv))
     env = ReplicaEnv.from_environ()
@@ -152,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     # torchft logs every quorum and commit at info, and its structured loggers an empty line each
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    train_replica(config, env)
+    return config, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One replica: `python -m nanoddp.train.ft_loop FLAGS...` (`nanoddp train`'s flags)."""
+    train_replica(*start_replica(argv, WORKER_MODULE))
     return 0
 
 

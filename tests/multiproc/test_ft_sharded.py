@@ -215,6 +215,14 @@ def _events(out: Path) -> list[str]:
     return [r["event"] for r in _records(out) if "event" in r] if (out / "metrics.jsonl").exists() else []
 
 
+def _losing_run(engine: str, steps: int, out: Path) -> list[str]:
+    """The command of a 3-replica run that `_lose_and_regain` loses a rank of: a snapshot every 5
+    steps, one restart, started cold (--no-warm-spare), so the survivors step without it first."""
+    return [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine", engine,
+            "--steps", str(steps), "--snapshot-every", "5", "--eval-every", "0", "--max-restarts", "1",
+            "--no-warm-spare", "--out", str(out), *TINY_GPT, "--collective-timeout", "30"]  # fmt: skip
+
+
 def _lose_and_regain(out: Path, command: list[str]) -> str:
     """Run `command`; SIGKILL replica 1 once a snapshot exists; once the two others have
     committed a step without it, hold them (SIGSTOP) until its replacement listens (its Manager is
@@ -286,12 +294,8 @@ def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
     later. The state of the parameters it owned comes from that snapshot (one WARNING line, one
     record naming them); the run ends equal, bitwise, to a replay that puts back the same state
     at the same step."""
-    out = tmp_path / "run"  # --no-warm-spare: a cold replacement, so the survivors step without it first
-    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
-               "zero2", "--steps", str(ZERO2_STEPS), "--snapshot-every", "5", "--eval-every", "0",
-               "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT,
-               "--collective-timeout", "30"]  # fmt: skip
-    output = _lose_and_regain(out, command)
+    out = tmp_path / "run"
+    output = _lose_and_regain(out, _losing_run("zero2", ZERO2_STEPS, out))
     records = _records(out)
     history = [r["world_size"] for r in records if "event" not in r]
     events = [r for r in records if r.get("event") in ("rank_lost", "rank_joined", "state_from_snapshot")]
@@ -315,12 +319,8 @@ def test_fsdp_loses_weights_rolls_back_and_regains_the_rank(tmp_path):
     snapshot (one WARNING line, one record) and go on at world size 2; the replacement joins
     (its weights come in the re-partition). The steps after the snapshot are redone, and the run
     ends bitwise equal to a replay of the schedule it really ran."""
-    out = tmp_path / "run"  # --no-warm-spare: a cold replacement, so the survivors step without it first
-    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine",
-               "fsdp", "--steps", str(FSDP_STEPS), "--snapshot-every", "5", "--eval-every", "0",
-               "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT,
-               "--collective-timeout", "30"]  # fmt: skip
-    output = _lose_and_regain(out, command)
+    out = tmp_path / "run"
+    output = _lose_and_regain(out, _losing_run("fsdp", FSDP_STEPS, out))
     history: list[int] = []
     events = []
     for record in _records(out):  # the schedule really run: a roll-back drops the steps after its snapshot

@@ -1,0 +1,102 @@
+"""torchft's Manager as both fault-tolerant step loops make it: `nanoddp.ft.FaultTolerant` and
+the torchft-DDP loop `nanoddp bench restarts` compares it with (`nanoddp.bench.torchft_ddp`).
+
+One replica group is one process, so each Manager is rank 0 of a group of one, with a store of
+its own on loopback; what differs between the two loops (the process group, the state, whether
+a replica heals before the step) is passed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from nanoddp.ft.replica_env import ReplicaEnv
+
+STARTUP_WAIT_S = 120.0  # the first step waits this long for every replica of the run to start
+
+
+def torchft_modules() -> Any:
+    """torchft, its Manager and its PGTransport imported (a clear error without the `ft` extra),
+    with the warnings that say nothing about a run on gloo filtered out."""
+    try:
+        import torchft
+        import torchft.checkpointing.pg_transport
+        import torchft.manager
+    except ImportError as exc:
+        raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
+    logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)
+    # torchft's PGTransport reads a pickle through a read-only buffer and uses a deprecated pytree
+    # check: two warnings per transfer that say nothing about this run.
+    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.pg_transport")
+    return torchft
+
+
+@contextlib.contextmanager
+def _manager_server_on_loopback(torchft: Any) -> Iterator[None]:
+    """While the Manager is made, its server binds 127.0.0.1 instead of every interface.
+
+    [Note: private to this machine] torchft's Manager starts its server on `[::]` with no way
+    to ask otherwise; a single-node run must accept no connection from the network (as
+    `nanoddp run` and `nanoddp train` do not), so the constructor it calls gets the loopback
+    address instead, only while this replica's Manager is built."""
+    original = torchft.manager.ManagerServer
+
+    def on_loopback(**kwargs: Any) -> Any:
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"127.0.0.1:{port}"})
+
+    torchft.manager.ManagerServer = on_loopback
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
+
+
+def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
+    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo."""
+    return "flight recorder" not in record.getMessage()
+
+
+def make_manager(
+    torchft: Any,
+    env: ReplicaEnv,
+    pg: Any,
+    state: tuple[Callable[[], Any], Callable[[Any], None]],
+    store_port: int,
+    *,
+    init_sync: bool,
+    use_async_quorum: bool,
+) -> Any:
+    """This replica's Manager over `pg`: `state` is the (take, put) pair a joiner's healing
+    calls on its source and on itself, moved over `pg` by torchft's PGTransport; `init_sync`:
+    every replica takes replica rank 0's weights at step 0; `use_async_quorum`: False heals a
+    replica before the step (and rebuilds the group while no collective runs)."""
+    timeout = timedelta(seconds=env.timeout_s)
+    transport = torchft.checkpointing.pg_transport.PGTransport(pg, timeout, torch.device("cpu"))
+    with _manager_server_on_loopback(torchft):
+        return torchft.Manager(
+            pg=pg,
+            load_state_dict=state[1],
+            state_dict=state[0],
+            min_replica_size=1,
+            use_async_quorum=use_async_quorum,
+            timeout=timeout,
+            quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            hostname="127.0.0.1",  # the address its server gives the others: loopback, as it listens
+            store_port=store_port,
+            lighthouse_addr=env.lighthouse,
+            replica_id=f"replica_{env.replica}",  # torchft numbers members by the trailing digits
+            init_sync=init_sync,
+            checkpoint_transport=transport,
+        )
