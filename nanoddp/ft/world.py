@@ -34,13 +34,12 @@ logger = logging.getLogger(__name__)
 class RebuiltWorld:
     """What torchft's Manager sees as its process group (`configure`, `errored`).
 
-    Each `configure` makes a new default group; `members` are the replica ids in it, in group-rank
-    order, `processes` the processes that play them (`replica_<k>:<uuid>`, unique per process),
-    and `generation` counts the groups made (the step loop notices a rebuild by it)."""
+    Each `configure` makes a new default group; `processes` are the processes in it, in group-rank
+    order (`replica_<k>:<uuid>`, unique per process, so a replacement is told from the process it
+    replaces), and `generation` counts the groups made (the step loop notices a rebuild by it)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout = timedelta(seconds=timeout_s)
-        self.members: tuple[int, ...] = ()
         self.processes: tuple[str, ...] = ()
         self.process = ""  # this process's own name among `processes`
         self._uuid = uuid.uuid4().hex  # what tells this process from the others that play its replica
@@ -71,8 +70,6 @@ class RebuiltWorld:
         excepthook = sys.excepthook
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         sys.excepthook = excepthook  # torch's prefixes tracebacks with a rank that the next quorum may change
-        # One replica per group of one process: torchft numbers a quorum's members by replica id.
-        self.members = tuple(global_ranks) if global_ranks else (rank,)
         # [Note: who is who] A replacement keeps the id of the replica it replaces, and one that is
         # quick (a warm spare) is in the very quorum that leaves its predecessor out: the ids alone
         # would not change. Each member leaves its process's own name in the group's store, whose
@@ -82,7 +79,7 @@ class RebuiltWorld:
         self.processes = tuple(store.get(f"nanoddp/process/{r}").decode() for r in range(world_size))
         self.generation += 1
         self.rebuild_s = time.monotonic() - start
-        logger.debug("group %d: rank %d of %d, members %s", quorum_id, rank, world_size, self.members)
+        logger.debug("group %d: rank %d of %d, members %s", quorum_id, rank, world_size, self.processes)
 
     def errored(self) -> Exception | None:
         """torchft asks before each commit; a failed collective of ours raises on the main
