@@ -116,27 +116,32 @@ def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     after it (the loss noticed, the quorum, the rebuild, the step redone); `join_s`, the wait
     before the first commit at full size again after the kill (the replacement's join: the same
     as `stall_s` when a warm spare joined in that very quorum; None if it never joined);
-    `steps_short`, the steps committed at the smaller size.
+    `steps_short`, the steps committed at the smaller size; `step_s`, the median wait between two
+    commits over the 10 steps before the kill; `extra_s`, the stall less that: what the failure
+    added to the one step the wait would have held anyway (the in-run estimate of its cost).
 
     [Note: figures the host's load does not drown] The cost (killed run - clean run) compares
     two runs half a minute long each; on a shared 2-core host their wall times drift by seconds.
     These are read within the killed run, over the step or two around each event."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "event" not in r]
+    unseen = {"stall_s": None, "join_s": None, "steps_short": None, "step_s": None, "extra_s": None}
     if not steps or any("time" not in r for r in steps):
-        return {"stall_s": None, "join_s": None, "steps_short": None}
+        return unseen
     full = max(r["world_size"] for r in steps)
     first_after = next((i for i, r in enumerate(steps) if r["time"] > killed_at), None)
-    if first_after is None or first_after == 0:  # the run ended before the survivors committed again
-        return {"stall_s": None, "join_s": None, "steps_short": 0}
+    if first_after is None or first_after < 2:  # the run ended before the survivors committed again
+        return {**unseen, "steps_short": 0}
     short = [i for i in range(first_after, len(steps)) if steps[i]["world_size"] < full]
     back = next((i for i in range(first_after, len(steps)) if steps[i]["world_size"] == full), None)
 
     def wait_before(i: int) -> float:
         return round(steps[i]["time"] - steps[i - 1]["time"], 3)
 
-    return {"stall_s": wait_before(first_after), "join_s": None if back is None else wait_before(back),
-            "steps_short": len(short)}  # fmt: skip
+    stall = wait_before(first_after)
+    step = statistics.median(wait_before(i) for i in range(max(1, first_after - 10), first_after))
+    return {"stall_s": stall, "join_s": None if back is None else wait_before(back), "steps_short": len(short),
+            "step_s": round(step, 3), "extra_s": round(stall - step, 3)}  # fmt: skip
 
 
 def measure(trials: int) -> dict:
@@ -152,6 +157,7 @@ def measure(trials: int) -> dict:
                     "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                     "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
                     "stall_s": killed["stall_s"], "join_s": killed["join_s"], "steps_short": killed["steps_short"],
+                    "step_s": killed.get("step_s"), "extra_s": killed.get("extra_s"),
                 })  # fmt: skip
     return {
         "meta": {
@@ -171,7 +177,7 @@ def summarize(results: list[dict]) -> dict[str, Any]:
     for mode in MODES:
         costs = [r["cost_s"] for r in results if r["mode"] == mode]
         summary[mode] = {"median_cost_s": statistics.median(costs), "min_cost_s": min(costs), "max_cost_s": max(costs)}
-        for key in ("stall_s", "join_s"):
+        for key in ("stall_s", "join_s", "extra_s"):
             seen = [r[key] for r in results if r["mode"] == mode and r.get(key) is not None]
             summary[mode][f"median_{key}"] = statistics.median(seen) if seen else None
     for top, bottom in RATIOS:
@@ -179,11 +185,13 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         # a cost can come out at or below 0 (the killed run was lucky with the host's load): no ratio then
         summary[f"{top}_over_{bottom}"] = round(a / b, 3) if a > 0 and b > 0 else None
     # Where a mode's cost drowns in the host's drift, its in-run stall (an upper bound on what the
-    # failure held the survivors up: it includes the redone step itself) still compares.
+    # failure held the survivors up: it includes the redone step itself) still compares, and so
+    # does its extra wait (the stall less one ordinary step: the estimate of the cost itself).
     restart = summary["restart"]["median_cost_s"]
     for mode in ("continue", "torchft"):
-        stall = summary[mode]["median_stall_s"]
-        summary[f"{mode}_stall_over_restart"] = round(stall / restart, 3) if stall and restart > 0 else None
+        for key in ("stall", "extra"):
+            wait = summary[mode][f"median_{key}_s"]
+            summary[f"{mode}_{key}_over_restart"] = round(wait / restart, 3) if wait and restart > 0 else None
     return summary
 
 
@@ -204,7 +212,8 @@ def describe(report: dict) -> str:
         ratio = report["summary"][f"{top}_over_{bottom}"]
         lines.append(f"{top} / {bottom}: {ratio}" if ratio is not None else f"{top} / {bottom}: no ratio (a cost <= 0)")
     for mode in ("continue", "torchft"):
-        ratio = report["summary"].get(f"{mode}_stall_over_restart")
+        ratio, extra = (report["summary"].get(f"{mode}_{key}_over_restart") for key in ("stall", "extra"))
         if ratio is not None:
-            lines.append(f"{mode}'s stall / restart's cost: {ratio}")
+            net = "" if extra is None else f" (less one ordinary step: {extra})"
+            lines.append(f"{mode}'s stall / restart's cost: {ratio}{net}")
     return "\n".join(lines)

@@ -4,9 +4,10 @@ A joiner (a replacement, or a replica that fell behind) gets everything that mak
 equal on every replica: the weights, the optimizer's state, the step (which is also the data
 position: `GlobalBatches` is a function of the step), the world size each committed step had,
 and every RNG the step may draw from. torchft's Manager asks a replica that is up to date for
-this dictionary and serves it to the joiner over HTTP from memory (its `HTTPTransport`): no file
-is written or read. The source's tensors are served as they are at the step boundary; the Manager
-holds the optimizer back (`should_commit`) until the transfer is over.
+this dictionary and sends it to the joiner over the rebuilt group itself (its `PGTransport` on
+`RebuiltWorld`): no file is written or read. The source packs its tensors into one flat tensor
+per dtype at the step boundary (`packed_state`), so the transfer is a few sends, not one per
+tensor; the Manager holds the optimizer back (`should_commit`) until the transfer is over.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from nanoddp.ft.packed_state import pack, unpack
 
 
 class LiveState:
@@ -41,7 +44,7 @@ class LiveState:
         self.extra = extra
 
     def take(self) -> dict[str, Any]:
-        """This replica's state at the step boundary (tensors by reference: served, not copied)."""
+        """This replica's state at the step boundary, its tensors packed (`packed_state.pack`)."""
         state: dict[str, Any] = {
             "model": self.model_state[0](),
             "optimizer": self.optimizer_state[0](),
@@ -52,10 +55,11 @@ class LiveState:
             state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         if self.extra is not None:
             state["extra"] = self.extra[0]()
-        return state
+        return pack(state)
 
-    def put(self, state: dict[str, Any]) -> None:
+    def put(self, packed: dict[str, Any]) -> None:
         """Become the source replica: load what `take` gave there."""
+        state = unpack(packed)
         self.model_state[1](state["model"])
         self.optimizer_state[1](state["optimizer"])
         self.history[:] = state["history"]

@@ -42,7 +42,7 @@ def test_the_kill_waits_for_the_newest_logged_step(tmp_path):
 
 # ---- the torchft mode ------------------------------------------------------------------------
 # the newest measurement, with the warm spare
-MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-2026-11-28c.json"
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-2026-11-28d.json"
 
 
 def test_the_summary_and_report_of_the_committed_measurement():

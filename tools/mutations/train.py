@@ -287,4 +287,25 @@ FAULTS = (
         "        lost: list[int] = []\n",
         ("tests/multiproc/test_ft_sharded.py", "-k", "fsdp_loses"),
     ),
+    Mutation(
+        "ft: a joiner's tensors stay views of the whole transfer buffer",
+        "nanoddp/ft/packed_state.py",
+        "[slot.start : slot.start + slot.numel].view(slot.shape).clone()",
+        "[slot.start : slot.start + slot.numel].view(slot.shape)",
+        ("tests/unit/test_ft_packed_state.py", "-k", "mixed_state"),
+    ),
+    Mutation(
+        "ft: a joiner keeps its own torch RNG, not its source's",
+        "nanoddp/ft/live_state.py",
+        '        torch.set_rng_state(state["rng"]["torch"])\n',
+        "        pass\n",
+        ("tests/unit/test_ft_packed_state.py", "-k", "live_state"),
+    ),
+    Mutation(
+        "ft launcher: the warm spare is never used, a replacement starts cold",
+        "nanoddp/ft/supervisor.py",
+        "        if self._take_spare(replica):\n",
+        "        if False:\n",
+        ("tests/multiproc/test_ft.py", "-k", "train_continue_survives_a_kill"),
+    ),
 )
