@@ -15,8 +15,9 @@ Trials interleave the modes (restart clean, restart killed, continue clean, cont
 torchft clean, torchft killed, then again), so a change in the host's load between trials shifts
 every mode alike; the report gives each mode's median and range, and the ratios of the medians.
 Where the survivors record every step (`continue`, `torchft`) it also reads, within the killed
-run, how long they waited to commit without the lost rank (`stall_s`) and, later, with its
-replacement (`join_s`): figures that the host's load moves far less.
+run, how long they waited to commit without the lost rank (`stall_s`; less an ordinary step,
+`extra_s`: what the failure added) and, later, with its replacement (`join_s`): figures that the
+host's load moves far less.
 
 The victim is rank 1 (replica 1): never the rank that logs, so the kill moment is read from
 `metrics.jsonl` the same way in every mode.
