@@ -51,6 +51,8 @@ MODES = ("restart", "continue", "torchft")
 # The ratios of the median costs the summary gives, as (numerator, denominator).
 RATIOS = (("continue", "restart"), ("torchft", "restart"), ("continue", "torchft"))
 RUN_TIMEOUT_S = 600
+# What `_seen_by_survivors` reads inside a killed run, as each trial's record carries it.
+SEEN_KEYS = ("stall_s", "join_s", "steps_short", "step_s", "extra_s")
 
 
 def _victim(launcher: psutil.Process, mode: str) -> int | None:
@@ -126,12 +128,13 @@ def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     These are read within the killed run, over the step or two around each event."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "event" not in r]
-    unseen = {"stall_s": None, "join_s": None, "steps_short": None, "step_s": None, "extra_s": None}
+    unseen = dict.fromkeys(SEEN_KEYS)
     if not steps or any("time" not in r for r in steps):
         return unseen
     full = max(r["world_size"] for r in steps)
     first_after = next((i for i, r in enumerate(steps) if r["time"] > killed_at), None)
-    if first_after is None or first_after < 2:  # the run ended before the survivors committed again
+    # the run ended before the survivors committed again, or the kill came before an ordinary step
+    if first_after is None or first_after < 2:
         return {**unseen, "steps_short": 0}
     short = [i for i in range(first_after, len(steps)) if steps[i]["world_size"] < full]
     back = next((i for i in range(first_after, len(steps)) if steps[i]["world_size"] == full), None)
@@ -157,8 +160,7 @@ def measure(trials: int) -> dict:
                 results.append({
                     "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                     "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
-                    "stall_s": killed["stall_s"], "join_s": killed["join_s"], "steps_short": killed["steps_short"],
-                    "step_s": killed.get("step_s"), "extra_s": killed.get("extra_s"),
+                    **{key: killed[key] for key in SEEN_KEYS},
                 })  # fmt: skip
     return {
         "meta": {
