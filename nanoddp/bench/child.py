@@ -6,7 +6,8 @@ one thing to end. The price is that nothing ends it by itself: Ctrl-C in the ter
 only the benchmark, and an exception in the benchmark (a failed measurement, a bug between two
 steps) would leave the child training on, writing into a temp dir that is being removed. So a
 child lives in `with child_run(...)`, which ends its whole tree on the way out, however the
-block is left, before the temp dir around it goes.
+block is left, before the temp dir around it goes. A child that fails raises `ChildFailed`,
+which `nanoddp bench` reports (its output's tail, exit code 1) without a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import subprocess
 from collections.abc import Iterator, Sequence
 
 import psutil
+
+
+class ChildFailed(RuntimeError):
+    """A child run failed, and with it the measurement; the message carries its output's tail."""
 
 
 @contextlib.contextmanager

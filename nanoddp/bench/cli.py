@@ -13,6 +13,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 
+from nanoddp.bench.child import ChildFailed
 from nanoddp.bench.inputs import BenchParser
 
 BENCHMARK_MODULES = (
@@ -36,12 +37,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _refusing(parser: BenchParser, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`run`, with a ValueError or a missing file (a benchmark's own checks) as one line, exit 2."""
+    """`run`, with a ValueError or a missing file (a benchmark's own checks) as one line, exit 2,
+    and a failed child run (its children ended, its temp dir removed by then) as its output's
+    tail, exit 1: neither is a bug in nanoddp, so neither prints a traceback."""
 
     def checked(args: argparse.Namespace) -> int:
         try:
             return run(args)
         except (ValueError, FileNotFoundError) as exc:
             return parser.refuse(exc)
+        except ChildFailed as exc:
+            return parser.refuse(exc, code=1)
 
     return checked

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from nanoddp.bench.child import child_run, finish
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
 
@@ -99,9 +99,9 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
             time.sleep(0.02)
         output = finish(proc, RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
+        raise ChildFailed(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
     if kill and killed_after is None:
-        raise RuntimeError(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
+        raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
     seen = _seen_by_survivors(out, killed_at) if killed_at is not None else {}
     return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after, **seen}
 

@@ -41,10 +41,11 @@ class BenchParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
-    def refuse(self, exc: Exception) -> int:
-        """A benchmark's own check failed (ValueError, a missing input): one line, exit code 2."""
+    def refuse(self, exc: Exception, code: int = 2) -> int:
+        """A benchmark stopped short (its own check refused, a child run failed): the reason
+        after the benchmark's name, no traceback; returns the exit code."""
         print(f"{self.prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return code
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -111,8 +112,8 @@ def check_output_file(text: str) -> None:
     path = Path(text)
     if path.is_dir():
         raise ValueError(f"{text} is a directory; give a file path inside it")
-    refuse_planted(path)  # UnsafePath, a ValueError
     _check_writable_dir(path.parent, text)
+    refuse_planted(path)  # UnsafePath, a ValueError
 
 
 def check_output_dir(text: str) -> None:

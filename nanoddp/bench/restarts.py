@@ -29,7 +29,7 @@ import psutil
 import torch
 
 from nanoddp.bench import failure_cost
-from nanoddp.bench.child import child_run, finish
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.common import add_output_args, write_json
 from nanoddp.bench.inputs import count, number
 
@@ -80,7 +80,7 @@ def _run_trials(root: Path, trials: int, seed: int, max_delay_s: float) -> dict:
         output = finish(reference, RUN_TIMEOUT_S)
     expected = _params(root / "reference")
     if reference.returncode != 0 or expected is None:
-        raise RuntimeError(f"the reference run failed:\n{output[-3000:]}")
+        raise ChildFailed(f"the reference run failed:\n{output[-3000:]}")
     results = []
     for trial in range(trials):
         out = root / f"trial-{trial}"

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanoddp.bench.child import child_run, finish
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.common import add_output_args, save_figure, write_json
 from nanoddp.bench.inputs import count
 from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
@@ -82,7 +82,7 @@ def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Pa
         output = finish(proc, RUN_TIMEOUT_S)
     wall_s = time.monotonic() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
+        raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"engine": engine, "shaped": bool(link), **summarize(records), "wall_s": wall_s}
 
