@@ -30,6 +30,7 @@ import nanoddp
 from nanoddp import comm
 from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write_json
 from nanoddp.bench.floor import bare_pattern
+from nanoddp.bench.inputs import count
 from nanoddp.bench.machine import command_line, git_commit
 from nanoddp.comm import plan
 from nanoddp.comm.plan import Path
@@ -351,8 +352,8 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         default=",".join(OPS),
         help=f"comma-separated ops (default: {','.join(OPS)}; also {','.join(EXTRA_OPS)})",
     )
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per point (x5 below 1 MB)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per point")
+    parser.add_argument("--iters", type=count(1), default=10, help="timed iterations per point (x5 below 1 MB)")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed iterations per point")
     parser.add_argument(
         "--floor",
         action="store_true",
@@ -370,8 +371,6 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--sizes must be >= 4 bytes (one float32), got {sizes}")
     if unknown := [op for op in ops if op not in OPS + EXTRA_OPS]:
         raise ValueError(f"--ops: unknown {unknown}; choose from {list(OPS + EXTRA_OPS)}")
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     load_before = list(os.getloadavg())  # what else kept the cores busy, read before we add to it
     rows = run_benchmark(nprocs, ops, sizes, args.iters, args.warmup, floor=args.floor)
     print(format_table(rows))

@@ -12,6 +12,7 @@ import io
 import json
 from typing import Any
 
+from nanoddp.bench.inputs import output_file
 from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 
 
@@ -27,10 +28,11 @@ def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:
 
 
 def add_output_args(parser: argparse.ArgumentParser, plot_help: str | None = None) -> None:
-    """`--json FILE` (every result, with the run's metadata) and, where a plot exists, `--plot FILE`."""
-    parser.add_argument("--json", default=None, metavar="FILE", help="write all results as JSON")
+    """`--json FILE` (every result, with the run's metadata) and, where a plot exists, `--plot FILE`;
+    each checked as it is read (`inputs.output_file`), not after the measurements."""
+    parser.add_argument("--json", type=output_file, default=None, metavar="FILE", help="write all results as JSON")
     if plot_help is not None:
-        parser.add_argument("--plot", default=None, metavar="FILE", help=plot_help)
+        parser.add_argument("--plot", type=output_file, default=None, metavar="FILE", help=plot_help)
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import psutil
 
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
 
@@ -90,24 +90,18 @@ def _logged_step(out: Path) -> int:
 def _run(mode: str, kill: bool, out: Path) -> dict:
     """One run of `mode`; with `kill`, rank 1 is SIGKILLed once step KILL_AT_STEP is logged."""
     start = time.monotonic()
-    proc = subprocess.Popen(
-        _command(mode, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    launcher, killed_after, killed_at = psutil.Process(proc.pid), None, None
-    while kill and killed_after is None and proc.poll() is None:
-        if _logged_step(out) >= KILL_AT_STEP and (pid := _victim(launcher, mode)) is not None:
-            os.kill(pid, signal.SIGKILL)
-            killed_after, killed_at = time.monotonic() - start, time.time()
-        time.sleep(0.02)
-    try:
-        output = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the launcher and every worker
-        output = proc.communicate()[0]
+    with child_run(_command(mode, out)) as proc:
+        launcher, killed_after, killed_at = psutil.Process(proc.pid), None, None
+        while kill and killed_after is None and proc.poll() is None:
+            if _logged_step(out) >= KILL_AT_STEP and (pid := _victim(launcher, mode)) is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed_after, killed_at = time.monotonic() - start, time.time()
+            time.sleep(0.02)
+        output = finish(proc, RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
+        raise ChildFailed(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
     if kill and killed_after is None:
-        raise RuntimeError(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
+        raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
     seen = _seen_by_survivors(out, killed_at) if killed_at is not None else {}
     return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after, **seen}
 

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from nanoddp.bench.collectives import format_markdown as format_collectives
+from nanoddp.bench.inputs import check_input_file, check_output_file, input_file
 from nanoddp.bench.report import format_markdown, format_summary
 from nanoddp.bench.wan import format_markdown as format_wan
 from nanoddp.train.checkpoint.atomic import atomic_write_bytes
@@ -59,15 +60,13 @@ def _is_collectives(data: dict) -> bool:
 
 def render_files(paths: list[Path], root: Path, check: bool = False) -> list[Path]:
     """Re-render every bench block in `paths`; returns the files whose text changed (with
-    `check`, nothing is written)."""
-    changed = []
-    for path in paths:
-        text = path.read_text()
-        rendered = render_text(text, root)
-        if rendered != text:
-            changed.append(path)
-            if not check:
-                atomic_write_bytes(str(path), rendered.encode())
+    `check`, nothing is written). Every file is rendered before any is written, so a bad block
+    in the last file leaves the first unchanged."""
+    rendered = {path: render_text(path.read_text(), root) for path in paths}
+    changed = [path for path, text in rendered.items() if text != path.read_text()]
+    if not check:
+        for path in changed:
+            atomic_write_bytes(str(path), rendered[path].encode())
     return changed
 
 
@@ -75,7 +74,9 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     parser = bench_subparsers.add_parser(
         "render", help="rewrite the tables in docs/performance.md and README.md from docs/bench/*.json"
     )
-    parser.add_argument("files", nargs="*", metavar="FILE.md", help=f"default: {' '.join(DEFAULT_FILES)}")
+    parser.add_argument(
+        "files", nargs="*", type=input_file, metavar="FILE.md", help=f"default: {' '.join(DEFAULT_FILES)}"
+    )
     parser.add_argument("--root", default=".", help="repository root the JSON paths are relative to")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
     parser.set_defaults(run=_run)
@@ -84,6 +85,10 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     root = Path(args.root)
     files = [Path(f) for f in args.files] or [root / f for f in DEFAULT_FILES]
+    for path in files:  # every file readable, and (unless --check) replaceable, before any work
+        check_input_file(str(path))
+        if not args.check:
+            check_output_file(str(path))
     changed = render_files(files, root, check=args.check)
     for path in changed:
         print(f"{'out of date' if args.check else 'rewrote'}: {path}")

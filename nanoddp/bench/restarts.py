@@ -29,7 +29,9 @@ import psutil
 import torch
 
 from nanoddp.bench import failure_cost
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.common import add_output_args, write_json
+from nanoddp.bench.inputs import count, number
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +43,9 @@ RUN_TIMEOUT_S = 600
 WORKER_MODULE = "nanoddp.train"
 
 
-def _start(out: Path, max_restarts: int) -> subprocess.Popen:
+def _argv(out: Path, max_restarts: int) -> list[str]:
     argv = [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, "--max-restarts", str(max_restarts)]
-    return subprocess.Popen([*argv, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    try:
-        return proc.communicate(timeout=RUN_TIMEOUT_S)[0]
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        return proc.communicate()[0] + f"\n(killed after {RUN_TIMEOUT_S}s)"
+    return [*argv, "--out", str(out)]
 
 
 def _kill_random_worker(proc: subprocess.Popen, out: Path, rng: random.Random, max_delay_s: float) -> int:
@@ -85,17 +76,17 @@ def run_trials(trials: int, seed: int, max_delay_s: float) -> dict:
 
 def _run_trials(root: Path, trials: int, seed: int, max_delay_s: float) -> dict:
     rng = random.Random(seed)
-    reference = _start(root / "reference", max_restarts=0)
-    output = _finish(reference)
+    with child_run(_argv(root / "reference", max_restarts=0)) as reference:
+        output = finish(reference, RUN_TIMEOUT_S)
     expected = _params(root / "reference")
     if reference.returncode != 0 or expected is None:
-        raise RuntimeError(f"the reference run failed:\n{output[-3000:]}")
+        raise ChildFailed(f"the reference run failed:\n{output[-3000:]}")
     results = []
     for trial in range(trials):
         out = root / f"trial-{trial}"
-        proc = _start(out, max_restarts=3)
-        snapshots = _kill_random_worker(proc, out, rng, max_delay_s)
-        output = _finish(proc)
+        with child_run(_argv(out, max_restarts=3)) as proc:
+            snapshots = _kill_random_worker(proc, out, rng, max_delay_s)
+            output = finish(proc, RUN_TIMEOUT_S)
         got = _params(out)
         identical = got is not None and all(torch.equal(v, got[k]) for k, v in expected.items())
         shutil.rmtree(out, ignore_errors=True)
@@ -113,24 +104,22 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         "restarts", help="SIGKILL a worker mid-run; the restarted run must end bitwise equal",
         description=__doc__.split("\n\n")[1],
     )  # fmt: skip
-    parser.add_argument("--trials", type=int, default=10, help="bitwise kill trials (default: 10; 0: none)")
+    parser.add_argument("--trials", type=count(0), default=10, help="bitwise kill trials (0: none)")
     parser.add_argument(
-        "--cost-trials", type=int, default=3,
-        help="(clean, killed) run pairs per failure mode for the cost of a failure (default: 3; 0: none)",
+        "--cost-trials", type=count(0), default=3,
+        help="(clean, killed) run pairs per failure mode for the cost of a failure (0: none)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
-    parser.add_argument("--max-delay", type=float, default=2.5, help="latest kill, seconds after the first snapshot")
+    parser.add_argument(
+        "--max-delay", type=number(0), default=2.5, help="latest kill, seconds after the first snapshot"
+    )
     add_output_args(parser)
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.trials < 0 or args.cost_trials < 0 or args.trials + args.cost_trials == 0:
-        raise ValueError(
-            f"--trials and --cost-trials must be >= 0 and not both 0, got {args.trials} and {args.cost_trials}"
-        )
-    if args.max_delay < 0:
-        raise ValueError(f"--max-delay must be >= 0 seconds, got {args.max_delay}")
+    if args.trials + args.cost_trials == 0:
+        raise ValueError("--trials and --cost-trials are both 0: nothing to measure; give either a count")
     report: dict = {}
     passed = True
     if args.trials:

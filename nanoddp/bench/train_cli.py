@@ -12,6 +12,7 @@ import json
 
 from nanoddp.bench import render, train
 from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
+from nanoddp.bench.inputs import count, input_file, output_dir, output_file
 from nanoddp.bench.report import format_markdown, write_memory_plot, write_plot
 from nanoddp.bench.train import ALLCORES, ENGINES, MEMORY_MODES, NOCOMM, run_benchmark
 
@@ -30,16 +31,18 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         f"core) and {NOCOMM} (ws > 1, each rank on its share of the batch, no gradient sync)",
     )
     parser.add_argument("--model", choices=["tiny", "small"], default="tiny", help="GPT preset")
-    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per engine (default: 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per engine (>= 2)")
-    parser.add_argument("--block", type=int, default=5, help="steps per turn when interleaving")
-    parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--global-batch", type=count(1), default=32, help="sequences per step over all ranks")
+    parser.add_argument("--steps", type=count(1), default=30, help="timed steps per engine")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps per engine (at least 2 run)")
+    parser.add_argument("--block", type=count(1), default=5, help="steps per turn when interleaving")
+    parser.add_argument("--threads-per-rank", type=count(1), default=1, help="torch threads per process")
     parser.add_argument("--amp", choices=["off", "bf16"], default="off", help=AMP_HELP)
     parser.add_argument("--memory", choices=MEMORY_MODES, default="alone", help=MEMORY_HELP)
     add_output_args(parser, plot_help="write a PNG (throughput, comm)")
-    parser.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
-    parser.add_argument("--trace", default=None, metavar="DIR", help="Chrome traces per engine and rank")
+    parser.add_argument("--memory-plot", type=output_file, default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
+    parser.add_argument(
+        "--trace", type=output_dir, default=None, metavar="DIR", help="Chrome traces per engine and rank"
+    )
     parser.add_argument(
         "--backend",
         choices=["gloo", "nccl"],
@@ -48,9 +51,9 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     parser.set_defaults(run=_run)
     report = bench_subparsers.add_parser("report", help="the README's markdown table from a bench train JSON")
-    report.add_argument("file", metavar="FILE.json")
-    report.add_argument("--plot", default=None, metavar="FILE", help="also write the PNG")
-    report.add_argument("--memory-plot", default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
+    report.add_argument("file", type=input_file, metavar="FILE.json")
+    report.add_argument("--plot", type=output_file, default=None, metavar="FILE", help="also write the PNG")
+    report.add_argument("--memory-plot", type=output_file, default=None, metavar="FILE", help=MEMORY_PLOT_HELP)
     report.set_defaults(run=_run_report)
     render.register_cli(bench_subparsers)  # `bench render`: the docs' tables from docs/bench/*.json
 

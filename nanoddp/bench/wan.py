@@ -21,17 +21,17 @@ import json
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from nanoddp.bench.child import ChildFailed, child_run, finish
 from nanoddp.bench.common import add_output_args, save_figure, write_json
+from nanoddp.bench.inputs import count
 from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
+from nanoddp.train.launcher.cli import check_train_argv
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,28 @@ BASE_ARGS = ["--nproc", "2", "--snapshot-every", "0", "--no-progress", "--overwr
 
 def train_argv(engine: str, args: argparse.Namespace, out: Path) -> list[str]:
     """The `nanoddp train` command of one run."""
-    argv = [sys.executable, "-m", "nanoddp", "train", "--engine", engine, *BASE_ARGS, "--out", str(out)]
+    return [sys.executable, "-m", "nanoddp", "train", *train_flags(engine, args, out)]
+
+
+def train_flags(engine: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The flags of one run's `nanoddp train`: the benchmark's, then `--train-args`."""
+    argv = ["--engine", engine, *BASE_ARGS, "--out", str(out)]
     argv += ["--steps", str(args.steps), "--seed", str(args.seed), "--eval-every", str(args.eval_every)]
     argv += ["--log-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
     if engine == "diloco":
         argv += ["--sync-every", str(args.sync_every)]
     return argv + shlex.split(args.train_args)
+
+
+def check_runs(args: argparse.Namespace) -> None:
+    """Refuse now, in one line, what `nanoddp train` would refuse of either engine's run a minute
+    in (`--train-args` parsed by its own parser, the config checked against its data)."""
+    for engine in ENGINES:
+        try:
+            check_train_argv(train_flags(engine, args, Path(tempfile.gettempdir(), "nanoddp-wan-unused")))
+        except (ValueError, FileNotFoundError) as exc:
+            given = f" with --train-args {args.train_args!r}" if args.train_args else ""
+            raise ValueError(f"`nanoddp train` would refuse the {engine} run{given}: {exc}") from None
 
 
 def _run_env(link: dict[str, str]) -> dict[str, str]:
@@ -62,18 +78,11 @@ def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Pa
     argv = train_argv(engine, args, out)
     logger.info("running %s", shlex.join(argv))
     started = time.monotonic()
-    proc = subprocess.Popen(argv, env=_run_env(link), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        output = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        output = proc.communicate()[0] + f"\n(killed after {RUN_TIMEOUT_S}s)"
+    with child_run(argv, env=_run_env(link)) as proc:
+        output = finish(proc, RUN_TIMEOUT_S)
     wall_s = time.monotonic() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
+        raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"engine": engine, "shaped": bool(link), **summarize(records), "wall_s": wall_s}
 
@@ -228,10 +237,10 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--bandwidth", default="100mbit", help="link rate, e.g. 100mbit, 1gbit, 12.5MB/s")
     parser.add_argument("--latency", default="20ms", help="one-way latency, e.g. 20ms")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps of every run (default: 1000)")
-    parser.add_argument("--sync-every", type=int, default=50, help="DiLoCo's H (default: 50)")
-    parser.add_argument("--eval-every", type=int, default=50, help="validation loss every this many steps")
-    parser.add_argument("--eval-samples", type=int, default=512, help="validation samples per evaluation")
+    parser.add_argument("--steps", type=count(1), default=1000, help="optimizer steps of every run")
+    parser.add_argument("--sync-every", type=count(1), default=50, help="DiLoCo's H")
+    parser.add_argument("--eval-every", type=count(1), default=50, help="validation loss every this many steps")
+    parser.add_argument("--eval-samples", type=count(1), default=512, help="validation samples per evaluation")
     parser.add_argument("--seed", type=int, default=1337, help="the same seed for every run")
     parser.add_argument("--no-unshaped", action="store_true", help="skip the pair on loopback at full speed")
     parser.add_argument("--train-args", default="", help="more `nanoddp train` flags for every run, e.g. a model")
@@ -240,10 +249,8 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for name in ("steps", "sync_every", "eval_every"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     link_environ(args.bandwidth, args.latency)  # a bad value: refused before anything runs
+    check_runs(args)
     with tempfile.TemporaryDirectory(prefix="nanoddp-wan-") as root:
         report = run_bench(args, Path(root))
     print(format_markdown(report))

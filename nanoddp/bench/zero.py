@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
 from nanoddp.bench.common import add_output_args, parse_world_sizes, write_json
+from nanoddp.bench.inputs import count
 from nanoddp.models import GPT, gpt_config
 from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer, optimizer_state_bytes
 
@@ -180,10 +181,10 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--nproc", default="2,4", help="comma-separated world sizes (default: 2,4)")
     parser.add_argument("--model", choices=["tiny", "small"], default="tiny", help="GPT preset")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per launch (default: 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per launch (default: 3)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)")
-    parser.add_argument("--rounds", type=int, default=2, help="launches per variant, alternating")
+    parser.add_argument("--steps", type=count(1), default=20, help="timed steps per launch")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps per launch")
+    parser.add_argument("--batch-size", type=count(1), default=8, help="sequences per rank per step")
+    parser.add_argument("--rounds", type=count(1), default=2, help="launches per variant, alternating")
     parser.add_argument("--ddp", choices=["torch", "nanoddp"], default="torch", help="the DDP wrapper")
     add_output_args(parser)
     parser.set_defaults(run=_run)
@@ -191,11 +192,6 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     nprocs = parse_world_sizes(args.nproc)
-    for name in ("steps", "batch_size", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     rows = run_benchmark(nprocs, args.model, args.steps, args.warmup, args.batch_size, args.rounds, args.ddp)
     print(format_table(rows))
     meta = {

@@ -5,7 +5,7 @@ check: the JSON has its keys and each run's figures agree with its own metrics (
 loss is the final loss, training time within wall time); the link reached the runs (every DDP step
 waits at least one latency); DiLoCo sends about 1/H of DDP's bytes (one pseudo-gradient every H
 steps against one gradient every step, both a whole model's worth at 2 ranks); the table renders
-from the JSON; the plot is a PNG. A bad --bandwidth is one line, before anything runs.
+from the JSON; the plot is a PNG. (Its refusals of bad input are in tests/reliability/test_bench_refusals.py.)
 """
 
 from __future__ import annotations
@@ -66,9 +66,3 @@ def test_the_table_renders_from_the_json_and_the_plot_is_a_png(report):
     assert rendered.count("| 1gbit, 50ms |") == 2 and "DiLoCo H=2" in rendered
     assert f"{data['results'][1]['final_val_loss']:.4f}" in rendered
     assert (tmp / "wan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_a_bad_bandwidth_is_one_line_before_anything_runs(capsys):
-    assert main(["bench", "wan", "--bandwidth", "fast"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("nanoddp: error: --bandwidth must be a number and a unit") and "\n" not in err

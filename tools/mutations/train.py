@@ -308,4 +308,25 @@ FAULTS = (
         "        if False:\n",
         ("tests/multiproc/test_ft.py", "-k", "train_continue_survives_a_kill"),
     ),
+    Mutation(
+        "bench: a number flag lets nan and inf through (checked by `<` alone)",
+        "nanoddp/bench/inputs.py",
+        "        if not (math.isfinite(value) and minimum <= value <= maximum):",
+        "        if value < minimum or value > maximum:",
+        ("tests/reliability/test_bench_refusals.py", "-k", "max-delay"),
+    ),
+    Mutation(
+        "bench: a child run outlives the benchmark that stopped midway",
+        "nanoddp/bench/child.py",
+        "    finally:\n        end_tree(proc)\n",
+        "    finally:\n        pass\n",
+        ("tests/reliability/test_bench_refusals.py", "-k", "midway"),
+    ),
+    Mutation(
+        "bench wan: --train-args reach `nanoddp train` unchecked",
+        "nanoddp/bench/wan.py",
+        "    check_runs(args)\n",
+        "    pass\n",
+        ("tests/reliability/test_bench_refusals.py", "-k", "train-args"),
+    ),
 )

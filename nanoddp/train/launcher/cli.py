@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Sized
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 from nanoddp import env as nd
 from nanoddp import torchrun
@@ -119,13 +119,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=KeepLinesHelpFormatter,
     )
     train.__class__ = _OwnUsageParser
-    add_train_args(train)
-    add_launch_args(train)
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="OUT holds an earlier run: move its outputs aside into OUT/previous-<time>/ and start anew",
-    )
+    _add_all_train_flags(train)
     train.set_defaults(run=run_train)
     sample = subparsers.add_parser("sample", help="generate text from a trained run")
     sample.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="run directory of `nanoddp train`")
@@ -135,6 +129,34 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     sample.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     sample.set_defaults(run=run_sample)
+
+
+def _add_all_train_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `nanoddp train`: the config's, the launch's and `--overwrite`."""
+    add_train_args(parser)
+    add_launch_args(parser)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT holds an earlier run: move its outputs aside into OUT/previous-<time>/ and start anew",
+    )
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """`nanoddp train`'s parser for a caller that reports errors itself: raise, don't exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def check_train_argv(argv: list[str]) -> TrainConfig:
+    """Refuse now what `nanoddp train argv` would refuse in its launcher (an unknown flag, a bad
+    value, a config that does not fit its data), as one ValueError, starting and writing nothing:
+    for a program that runs `nanoddp train` later (`nanoddp bench wan --train-args`). Returns
+    the config that run would have."""
+    parser = _RaisingParser(prog="nanoddp train", add_help=False)  # `-h` is an unknown flag here
+    _add_all_train_flags(parser)
+    return prepare_launch(parser.parse_args(argv))[0]
 
 
 # --- launcher -----------------------------------------------------------------------------
