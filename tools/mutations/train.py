@@ -113,8 +113,8 @@ FAULTS = (
     Mutation(
         "non-finite loss: model.pt written from a NaN state",
         "nanoddp/train/step_check.py",
-        "bad = [k for k, v in floats.items() if not v.isfinite().all()]",
-        "bad = [k for k, v in floats.items() if False]",
+        "return [k for k, v in floats.items() if not v.isfinite().all()]",
+        "return [k for k, v in floats.items() if False]",
         ("tests/multiproc/test_nonfinite_loss.py", "-k", "refused"),
     ),
     Mutation(
