@@ -5,7 +5,8 @@ found here it is one line and exit code 2. Everything that needs no process grou
 the output directory, the snapshot to resume (readable, same run definition, same shapes), what
 to do with an earlier run's outputs, and the settings every worker reads from the environment
 (`NANODDP_LINK_*`), for both `--on-failure` modes and for `nanoddp run`. The workers repeat the
-resume decision (rank 0 decides for all), so `torchrun -m nanoddp.train` and the `Trainer` API stay safe without this module.
+resume decision (rank 0 decides for all), so `torchrun -m nanoddp.train` and the `Trainer` API
+stay safe without this module.
 """
 
 from __future__ import annotations
