@@ -260,9 +260,9 @@ class FaultTolerant:
         self._holders_checked = self.world.generation
         if self.is_master:
             logger.warning(
-                "nanoddp.ft: every replica that held the run's state was lost before step %d: the %d replicas left "
-                "resume from the snapshot of step %d (the steps after it are redone)",
-                step + 1, self.world_size, snapshot_step,
+                "nanoddp.ft: every replica that held the run's state was lost: the %d replicas left resume from the "
+                "snapshot of step %d (the steps after it are redone and recorded again)",
+                self.world_size, snapshot_step,
             )  # fmt: skip
             self.metrics.write({"event": "resumed_from_snapshot", "step": snapshot_step + 1,
                                 "snapshot_step": snapshot_step, "world_size": self.world_size})  # fmt: skip
