@@ -235,10 +235,8 @@ class Supervisor:
             return
         replica.exitcode = code
         _kill_session(replica.proc, signal.SIGKILL)  # whatever it started goes with it
-        if code in (0, STOPPED_EXIT_CODE):
-            return
-        if self._over():
-            return  # a replacement would have nobody to join, or would meet what stopped the run
+        if code == 0 or self._over():  # this one stopped the run, or another did, or one finished:
+            return  # a replacement would meet what stopped the run, or have nobody to join
         if replica.attempt >= self.launch.max_restarts:
             self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); no restarts left")
             return
