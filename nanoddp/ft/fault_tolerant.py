@@ -251,8 +251,9 @@ class FaultTolerant:
         if restored is None:
             raise RunStopped(
                 "every replica that held the run's state was lost (those running now started empty) and there is "
-                "no snapshot to resume from: stopped rather than start over from step 0; snapshot with "
-                "--snapshot-every N so that the run can resume, and rerun", self.is_master,
+                "no snapshot to resume from: stopped rather than start over from step 0; to resume after such a "
+                "loss, take snapshots (nanoddp train: --snapshot-every N; a loop of your own: FaultTolerant(restore=))",
+                self.is_master,
             )  # fmt: skip
         snapshot_step, history = restored
         self.resume_at(snapshot_step, history)
