@@ -268,6 +268,103 @@ FLAGS = [
 ]  # fmt: skip
 
 
+# ---- `nanoddp train --on-failure continue`: a tiny GPT, its replay, its replicas ----------------
+# Flags of a run whose step takes milliseconds; a launch costs seconds (the quorum service and
+# one process per replica that imports torch).
+FT_TINY_GPT = [
+    "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+    "--d-ff", "64", "--batch-size", "12", "--warmup-steps", "2", "--seed", "0", "--log-every", "1",
+    "--no-progress", "--collective-timeout", "10",
+]  # fmt: skip
+
+
+def replay_continue_run(
+    history: list[int],
+    refills: dict[int, tuple[int, list[str]]] | None = None,
+    *,
+    replicas: int = 3,
+    lr: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """The built-in job of `FT_TINY_GPT` in this process, as `--on-failure continue` runs it: each
+    step's global batch split over the world size the step really had (`history`), the weighted
+    pieces summed in rank order, clipped, AdamW, the schedule; a step whose loss is not finite on
+    some piece changes no weight (`--on-nan skip`). `refills`: {step index: (snapshot step,
+    parameter names)}: before that step, those parameters' AdamW state is put back to what it was
+    after the snapshot's step. `replicas`: the run's, which set its thread count."""
+    import copy
+
+    from nanoddp.ft import GlobalBatches, piece_weight, share
+    from nanoddp.train.build import build_job
+    from nanoddp.train.config import threads_per_rank
+
+    config = TrainConfig(
+        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,
+        warmup_steps=2, seed=0, steps=len(history), lr=lr,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
+    job = build_job(config)
+    model, opt, params = job.module, job.optimizer, [p for p in job.module.parameters() if p.requires_grad]
+    named = dict(model.named_parameters())
+    batches, saved, refills = GlobalBatches(len(job.train_set), 12, 0), {}, refills or {}
+    wanted = {snap for snap, _ in refills.values()}
+    try:
+        for step, world_size in enumerate(history):
+            if step in wanted:
+                saved[step] = {name: copy.deepcopy(opt.state[p]) for name, p in named.items() if p in opt.state}
+            if step in refills:
+                snap, names = refills[step]
+                for name in names:
+                    opt.state[named[name]] = copy.deepcopy(saved[snap][name])
+            total, finite = None, True
+            for rank in range(world_size):
+                piece = batches.indices(step)[share(12, rank, world_size)]
+                model.zero_grad(set_to_none=True)
+                loss = model(*torch.utils.data.default_collate([job.train_set[i] for i in piece.tolist()]))[-1]
+                finite = finite and bool(loss.isfinite())
+                loss.backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in params]) * piece_weight(12, rank, world_size)
+                total = flat if total is None else total + flat
+            if finite:
+                at = 0
+                for p in params:
+                    p.grad = total[at : at + p.numel()].view_as(p).clone()
+                    at += p.numel()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            job.scheduler.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:
+    """The pid of replica `replica`'s process under `launcher` (a psutil.Process of `nanoddp
+    train --on-failure continue`), its `attempt`-th replacement if given; None if there is none."""
+    import psutil
+
+    for child in launcher.children(recursive=True):
+        try:
+            environ = child.environ()
+            if environ.get("NANODDP_FT_REPLICA") != str(replica) or "ft_loop" not in " ".join(child.cmdline()):
+                continue
+            if attempt is None or environ.get("NANODDP_FT_ATTEMPT") == str(attempt):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def wait_for(what: Callable, deadline: float, step_s: float = 0.005):
+    """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(step_s)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+
+
 # ---- notebook kernels ---------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 

@@ -29,6 +29,12 @@ parameters it owns and shares them before the step may commit; when the group ch
 is re-partitioned among its members at the boundary, and what was lost with a rank is read from
 the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
 
+The run never starts over. A group whose members all started empty (every replica that held the
+committed state was lost: both of two at once, or the source while its joiner healed) resumes
+from the newest snapshot (`restore`), with a WARNING line and a `resumed_from_snapshot` record,
+or stops (`RunStopped`) when there is none; so does a step or boundary that fails the same way
+try after try. The supervisor replaces no replica that stopped so (`nanoddp.ft.stopped`).
+
     ft = FaultTolerant(model, optimizer, dataset_len=len(data), batch_size=48)
     for step in ft.steps(1000):
         x, y = data[ft.batch_for(step)]
@@ -42,12 +48,14 @@ the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nanoddp.comm.transport import sent_bytes
 from nanoddp.env import loopback_store
@@ -56,20 +64,24 @@ from nanoddp.ft.events import MetricsFile, describe, membership_events
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
-from nanoddp.ft.optimizer_shards import OptimizerShards, Refill, StateLost
+from nanoddp.ft.optimizer_shards import OptimizerShards, Refill, Restore
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.stopped import RunStopped
 from nanoddp.ft.world import RebuiltWorld
 
 logger = logging.getLogger(__name__)
 
 BOUNDARY_TRIES = 3  # boundary work that fails this many times in a row is an error, not a lost peer
+SAME_FAILURE_TRIES = 3  # a step that fails this many times in a row the same way, in the same group
 
 
 class FaultTolerant:
     """A fault-tolerant data-parallel step loop over `model` and `optimizer` (see the module
     docstring). `extra_state` is an optional (take, put) pair of the loop's own state that a
     joiner must receive too (a scheduler's, say); `tokens_per_sample`, if the data has tokens,
-    gives the step records their `tokens_per_s`."""
+    gives the step records their `tokens_per_s`; `restore` loads the newest snapshot (returning
+    its step and history, or None when there is none), for a group in which nobody holds the
+    state any more."""
 
     def __init__(
         self,
@@ -84,6 +96,7 @@ class FaultTolerant:
         tokens_per_sample: int | None = None,
         boundary: Callable[[int], None] | None = None,
         shards: OptimizerShards | None = None,
+        restore: Restore | None = None,
     ) -> None:
         self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
         self.env = env or ReplicaEnv.from_environ()
@@ -102,6 +115,8 @@ class FaultTolerant:
         if shards is not None and shards.stage == 3:
             model_state = (lambda: shards.live_model_take(model), lambda state: shards.live_model_put(model, state))
         state = LiveState(model, optimizer, self.history, extra_state, shard_state, model_state)
+        state.holds_state = not self.env.joiner  # a first process built or resumed it; a joiner has nothing yet
+        self._live, self._restore = state, restore
         # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`); at
         # step 0 every replica takes replica rank 0's weights (init_sync).
         self.manager = make_manager(torchft_modules(), self.env, self.world, (state.take, state.put), self._store.port,
@@ -118,7 +133,9 @@ class FaultTolerant:
         self._boundary = boundary
         self._boundary_failures = 0  # in a row
         self._partitioned = 0  # the group generation the shards were last partitioned for
+        self._holders_checked = -1  # the group generation whose members were asked who holds the state
         self._averaged = False  # this step's average succeeded
+        self._same_failure: tuple[tuple[Any, ...], int] = ((), 0)  # the last failure, and how often in a row
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property
@@ -183,9 +200,12 @@ class FaultTolerant:
     def _run_boundary(self, step: int) -> bool:
         """The boundary work at `step` on every member (see the module docstring); False if it
         failed and must run again after the next quorum."""
-        if self._boundary is None and self.shards is None:
+        if self._boundary is None and self.shards is None and self._holders_checked == self.world.generation:
             return True
         try:
+            if self._holders_checked != self.world.generation:
+                self._check_holders(step)
+                step = self.manager.current_step()
             if self.shards is not None and self._partitioned != self.world.generation:
                 self._repartition(step)
                 step = self.manager.current_step()
@@ -193,17 +213,60 @@ class FaultTolerant:
                 self.shards.gather_params()
             if self._boundary is not None:
                 self._boundary(step)
-        except StateLost:
-            raise  # the same on every member: nothing left to go on from
+        except RunStopped as stop:  # the same on every member (e.g. StateLost): nothing to go on from
+            stop.speaker = self.is_master
+            raise
         except Exception as exc:  # a lost peer in its collectives, or an error of its own
             self._boundary_failures += 1
             if self._boundary_failures >= BOUNDARY_TRIES:
-                raise
+                raise RunStopped(
+                    f"the boundary after step {step} (snapshot, evaluation) failed {BOUNDARY_TRIES} times in a row, "
+                    f"the last with {_first_line(exc)}: stopped rather than retry it; fix that and rerun with "
+                    "--resume auto", self.is_master,
+                ) from exc  # fmt: skip
             self._fail(exc, f"the boundary after step {step}")
             self.manager.should_commit()  # False: a failed commit, so the next quorum makes a new group
             return False
         self._boundary_failures = 0
         return True
+
+    def _check_holders(self, step: int) -> None:
+        """Collective over a new group: does any member hold the committed state? If not, every
+        member loads the newest snapshot, or the run stops.
+
+        [Note: nobody holds the state] torchft heals a member that is behind from the one at the
+        highest step; a replica that started empty is at step 0. When every replica that held the
+        state is gone (two of two lost at once, a source lost while its joiner healed, a survivor
+        crashed), the members left are all at step 0 and torchft would let them train the run
+        again from its start, writing its records twice. Each member knows whether it holds
+        state (a first process built or resumed it; a joiner received it, with its source's
+        answer), so one MAX over the group tells them all alike."""
+        held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        if held.item():
+            self._live.holds_state = True  # a member at step 0 without healing holds the step-0 state
+            self._holders_checked = self.world.generation
+            return
+        restored = None if self._restore is None else self._restore()
+        if restored is None:
+            raise RunStopped(
+                "every replica that held the run's state was lost (those running now started empty) and there is "
+                "no snapshot to resume from: stopped rather than start over from step 0; to resume after such a "
+                "loss, take snapshots (nanoddp train: --snapshot-every N; a loop of your own: FaultTolerant(restore=))",
+                self.is_master,
+            )  # fmt: skip
+        snapshot_step, history = restored
+        self.resume_at(snapshot_step, history)
+        self._live.holds_state = True
+        self._holders_checked = self.world.generation
+        if self.is_master:
+            logger.warning(
+                "nanoddp.ft: every replica that held the run's state was lost: the %d replicas left resume from the "
+                "snapshot of step %d (the steps after it are redone and recorded again)",
+                self.world_size, snapshot_step,
+            )  # fmt: skip
+            self.metrics.write({"event": "resumed_from_snapshot", "step": snapshot_step + 1,
+                                "snapshot_step": snapshot_step, "world_size": self.world_size})  # fmt: skip
 
     def _repartition(self, step: int) -> None:
         """The optimizer's shards over the new group (`OptimizerShards.repartition`); what came
@@ -245,9 +308,22 @@ class FaultTolerant:
     def _fail(self, exc: Exception, what: str) -> None:
         """A collective of this step failed: tell the Manager (the step will not commit) and
         close the group (see `RebuiltWorld.close`); the next quorum rebuilds it."""
-        logger.info("%s failed: %s", what, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        logger.info("%s failed: %s", what, _first_line(exc))
+        self._count_failure(what, _first_line(exc))
         self.manager.report_error(exc)
         self.world.close()
+
+    def _count_failure(self, what: str, line: str) -> None:
+        """Raise `RunStopped` once `what` has failed SAME_FAILURE_TRIES times in a row with the same
+        error in the same group: a lost peer changes the group, a bad setting fails alike forever."""
+        key = (what, line, self.world.processes)
+        count = self._same_failure[1] + 1 if self._same_failure[0] == key else 1
+        self._same_failure = (key, count)
+        if count >= SAME_FAILURE_TRIES:
+            raise RunStopped(
+                f"{what} failed {count} times in a row the same way, with no replica lost: {line}; stopped rather "
+                "than retry it forever", self.is_master,
+            )  # fmt: skip
 
     def _beat(self) -> None:
         """Mark this step boundary for the launcher, which ends a replica that stops marking while
@@ -288,7 +364,9 @@ class FaultTolerant:
         """Make every rank's gradients the global batch's (see the module docstring); return the
         global batch's mean loss, or None when a peer was lost and the step will be redone.
         `loss` is the mean loss over this rank's piece."""
-        if self.manager.errored():
+        error = self.manager.errored()
+        if error is not None:  # the quorum or the heal failed: the step will not commit
+            self._count_failure(f"step {self.manager.current_step() + 1}", _first_line(error.original_exception))
             return None
         weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
         try:
@@ -297,16 +375,23 @@ class FaultTolerant:
             self._comm_s = time.monotonic() - started
             self._averaged = True
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
-            self._fail(exc, f"step {self.manager.current_step()}")
+            self._fail(exc, f"step {self.manager.current_step() + 1}")
             return None
         return self._loss
 
+    @property
+    def nonfinite_ranks(self) -> tuple[int, ...]:
+        """The group ranks whose loss was NaN or inf in the last average (for `--on-nan`)."""
+        return self._sum_pieces.nonfinite_ranks
+
     # -- 5. the commit ------------------------------------------------------------------------
-    def commit(self) -> bool:
+    def commit(self, update: bool = True) -> bool:
         """Step the optimizer if every replica's step may commit; drop the gradients either way.
-        Returns whether the step was committed (False: `steps` will yield it again)."""
+        Returns whether the step was committed (False: `steps` will yield it again).
+        `update=False` commits the step without changing a weight (`--on-nan skip`); every member
+        must pass the same."""
         step, world_size = self.manager.current_step(), self.world_size
-        if self.shards is not None and self._averaged:
+        if self.shards is not None and self._averaged and update:
             try:  # the owners' update travels before the step may commit: a lost peer fails it here
                 self.shards.step_owned()
             except Exception as exc:
@@ -314,11 +399,12 @@ class FaultTolerant:
         committed = self.manager.should_commit()
         if committed and self.shards is not None:
             self.shards.keep(step + 1)
-        elif committed:
+        elif committed and update:
             self.optimizer.step()
         elif self.shards is not None:
             self.shards.roll_back()
         if committed:
+            self._same_failure = ((), 0)
             self.history.append(world_size)
             self.last_record = self._step_record(step, world_size)
             if self.is_master:
@@ -335,7 +421,7 @@ class FaultTolerant:
         tokens = self.tokens_per_sample
         return {
             "step": step + 1,
-            "loss": self._loss,
+            "loss": self._loss if self._loss is None or math.isfinite(self._loss) else None,  # JSON has no NaN
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": elapsed,
             "samples_per_s": samples_per_s,
@@ -350,3 +436,9 @@ class FaultTolerant:
         """Leave the run: stop the Manager's servers and destroy the group."""
         self.manager.shutdown(wait=False)
         self.world.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, shortened: what a log line or a stop line quotes."""
+    text = str(exc)
+    return text.splitlines()[0][:200] if text.strip() else type(exc).__name__

@@ -44,6 +44,7 @@ class WeightedPieceSum:
         self.flat = torch.empty(self.numel, dtype=self.params[0].dtype)
         self.gathered = torch.empty(0, dtype=self.flat.dtype)
         self.total = torch.empty_like(self.flat)
+        self.nonfinite_ranks: tuple[int, ...] = ()  # of the last call: ranks whose loss was NaN or inf
 
     @torch.no_grad()
     def __call__(self, weight: float, loss: torch.Tensor, world_size: int) -> float:
@@ -58,6 +59,8 @@ class WeightedPieceSum:
             self.gathered = torch.empty(world_size * self.numel, dtype=self.flat.dtype)
         gathered = self.gathered[: world_size * self.numel]
         comm.all_gather_into_tensor(gathered, self.flat)
-        reduce_in_rank_order("SUM", list(gathered.view(world_size, -1).unbind(0)), self.total)
+        pieces = gathered.view(world_size, -1)  # (world_size, numel): each rank's weighted piece, its loss last
+        self.nonfinite_ranks = tuple(int(r) for r in (~pieces[:, -1].isfinite()).nonzero().flatten())
+        reduce_in_rank_order("SUM", list(pieces.unbind(0)), self.total)
         write_grads(self.total[:-1], self.params)
         return float(self.total[-1])

@@ -42,6 +42,9 @@ class LiveState:
         self.model_state = model_state or (model.state_dict, model.load_state_dict)
         self.history = history  # world size of each committed step, shared with the step loop
         self.extra = extra
+        # whether this replica holds the run's committed state (False: a joiner before it healed);
+        # travels with the state, so a replica healed from a source that held none holds none
+        self.holds_state = True
 
     def take(self) -> dict[str, Any]:
         """This replica's state at the step boundary, its tensors packed (`packed_state.pack`)."""
@@ -49,6 +52,7 @@ class LiveState:
             "model": self.model_state[0](),
             "optimizer": self.optimizer_state[0](),
             "history": list(self.history),
+            "holds_state": self.holds_state,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
         if torch.cuda.is_available():
@@ -63,6 +67,7 @@ class LiveState:
         self.model_state[1](state["model"])
         self.optimizer_state[1](state["optimizer"])
         self.history[:] = state["history"]
+        self.holds_state = bool(state["holds_state"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if "cuda" in state["rng"] and torch.cuda.is_available():

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import nanoddp.comm as comm
+from nanoddp.ft.stopped import RunStopped
 from nanoddp.parallel.zero.partition import assign_owners
 
 # () -> (snapshot step, a whole optimizer state_dict) of the newest snapshot, or None
@@ -55,7 +56,7 @@ Fallback = Callable[[], tuple[int, dict[str, Any]] | None]
 Restore = Callable[[], tuple[int, list[int]] | None]
 
 
-class StateLost(RuntimeError):
+class StateLost(RunStopped):
     """Weights lost with their owner and no snapshot to roll back to: the run cannot go on."""
 
 

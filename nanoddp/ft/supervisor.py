@@ -16,7 +16,9 @@ launcher's private directory); one that has marked nothing for the collective ti
 while another has (the others went on without it) is SIGKILLed, and so replaced like a dead one.
 The run ends when a replica finishes (exit 0) and the rest have finished too, or have not within
 the collective timeout more: those are killed, and a replacement that never reached a step (it
-has nobody left to join) at once.
+has nobody left to join) at once. A replica that exits with `STOPPED_EXIT_CODE` stopped the run
+on purpose (`nanoddp.ft.stopped`: its line says why): it is not replaced, the run ends the same
+way, and its exit code is the run's.
 Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
 replica dies with the launcher even if the launcher is SIGKILLed (it asks Linux for that with
 the launcher's pid, `ReplicaEnv.launcher_pid`), and each replica's own children go with it.
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.stopped import STOPPED_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 
 POLL_S = 0.05
@@ -60,6 +63,7 @@ class Replica:
     proc: subprocess.Popen | None = None
     exitcode: int | None = None  # of the current process, once it ended
     started: float = 0.0  # time.time() when the current process started (or took this replica)
+    killed: bool = False  # the launcher has SIGKILLed the current process (said once)
     copiers: list[threading.Thread] = field(default_factory=list)
     prefix: list[str] = field(default_factory=lambda: [""])  # read by the copiers: a spare changes it
 
@@ -125,7 +129,7 @@ class Supervisor:
             list(command), env=environ, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
         )  # fmt: skip
-        holder.proc, holder.exitcode, holder.started = proc, None, time.time()
+        holder.proc, holder.exitcode, holder.started, holder.killed = proc, None, time.time(), False
         holder.copiers = [
             threading.Thread(target=_copy_prefixed, args=(stream, out, holder.prefix), daemon=True)
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
@@ -156,7 +160,7 @@ class Supervisor:
             waiting.proc.stdin.close()  # type: ignore[union-attr]
         except BrokenPipeError:  # it died just now
             return False
-        replica.proc, replica.exitcode, replica.started = waiting.proc, None, time.time()
+        replica.proc, replica.exitcode, replica.started, replica.killed = waiting.proc, None, time.time(), False
         replica.copiers, replica.prefix = waiting.copiers, waiting.prefix
         replica.prefix[0] = f"[replica {replica.replica}] "
         return True
@@ -170,7 +174,7 @@ class Supervisor:
         while True:
             for replica in self.replicas:
                 self._poll(replica)
-            if any(r.exitcode == 0 for r in self.replicas) and finished_at is None:
+            if self._over() and finished_at is None:
                 finished_at = time.monotonic()
             running = [r for r in self.replicas if r.exitcode is None]
             if not running:
@@ -192,10 +196,21 @@ class Supervisor:
         for replica in self.replicas:
             for copier in replica.copiers:
                 copier.join(timeout=STOP_GRACE_S)
+        if self.stopped:
+            return STOPPED_EXIT_CODE  # the replica said why
         if any(r.exitcode == 0 for r in self.replicas):
             return 0
         self._say("no replica finished")
         return 1
+
+    @property
+    def stopped(self) -> bool:
+        """A replica stopped the run on purpose (`nanoddp.ft.stopped`)."""
+        return any(r.exitcode == STOPPED_EXIT_CODE for r in self.replicas)
+
+    def _over(self) -> bool:
+        """The run has ended for every replica: one finished, or one stopped it."""
+        return self.stopped or any(r.exitcode == 0 for r in self.replicas)
 
     def _dismiss_spare(self) -> None:
         """The run is over: end the spare's input, which ends it (SIGKILL if it lingers)."""
@@ -220,10 +235,8 @@ class Supervisor:
             return
         replica.exitcode = code
         _kill_session(replica.proc, signal.SIGKILL)  # whatever it started goes with it
-        if code == 0:
-            return
-        if any(r.exitcode == 0 for r in self.replicas):
-            return  # the run is over: a replacement would have nobody to join
+        if code == 0 or self._over():  # this one stopped the run, or another did, or one finished:
+            return  # a replacement would meet what stopped the run, or have nobody to join
         if replica.attempt >= self.launch.max_restarts:
             self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); no restarts left")
             return
@@ -250,12 +263,13 @@ class Supervisor:
         now = time.time()
         marks = {r.replica: self._last_mark(r) for r in running}
         newest = max(marks.values())
-        for replica in running:
+        for replica in (r for r in running if not r.killed):
             grace = STARTUP_GRACE_S if marks[replica.replica] == replica.started else 0.0
             silent_s = now - marks[replica.replica]
             if silent_s > self.launch.timeout_s + SILENT_MARGIN_S + grace and now - newest < self.launch.timeout_s:
                 self._say(f"replica {replica.replica} marked no step for {silent_s:.0f} s while the others did: killed")
                 _kill_session(replica.proc, signal.SIGKILL)
+                replica.killed = True  # until `_poll` sees it gone: said once
 
     def _end_unjoined(self, running: list[Replica]) -> None:
         """Once the run has finished, a replacement that never reached a step has nobody left to

@@ -39,6 +39,7 @@ import signal
 import sys
 
 from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, watched_agent
+from nanoddp.train.launcher import preflight
 from nanoddp.train.launcher.agent import AgentJob, failure_reason, run_torchrun_agent
 from nanoddp.train.launcher.cli import add_launch_args, default_nproc
 
@@ -113,6 +114,7 @@ def check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
     if not args.finished_grace >= 0:
         raise ValueError(f"--finished-grace must be >= 0 seconds, got {args.finished_grace}")
+    preflight.check_worker_environ()
     if not args.as_module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} not found (for a module, pass -m {args.script})")
     return nproc

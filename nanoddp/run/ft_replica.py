@@ -14,11 +14,13 @@ import signal
 import sys
 
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.stopped import run_replica
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.run.bootstrap import run_script
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """One replica; a run that `FaultTolerant` stopped is one line and `STOPPED_EXIT_CODE`."""
     parser = argparse.ArgumentParser(prog="python -m nanoddp.run.ft_replica")
     parser.add_argument("-m", dest="as_module", action="store_true")
     parser.add_argument("target")
@@ -26,11 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     parsed = parser.parse_args(argv)
     die_with_parent(ReplicaEnv.from_environ().launcher_pid)
     take_descendants_along()  # the launcher starts each replica in a session of its own
-    run_script(parsed.target, parsed.args, parsed.as_module)
+    return run_replica(lambda: run_script(parsed.target, parsed.args, parsed.as_module))
 
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)

@@ -52,6 +52,10 @@ class RunFacts:
     run_id: str
     start_step: int
     """The step the run started or resumed at: nothing is snapshotted or evaluated there again."""
+    last_step_finite: bool = True
+    """Whether the last committed step's loss was finite (`--on-nan skip` commits others)."""
+    newest_finite_snapshot: int | None = None
+    """The newest snapshot taken after a finite step: pruning keeps it (`snapshot.prune`)."""
 
 
 def first_run_id(env: ReplicaEnv, out: str | None) -> str:
@@ -93,13 +97,23 @@ def _load(path: Path, state: dict[str, Any], job: Job) -> tuple[int, list[int]]:
     return step, history
 
 
-def restore_newest(config: TrainConfig, job: Job) -> tuple[int, list[int]] | None:
+def restore_newest(config: TrainConfig, job: Job, facts: RunFacts | None = None) -> tuple[int, list[int]] | None:
     """The whole state back to the run's newest valid snapshot (fsdp's roll-back under continue,
-    `OptimizerShards`): its (step, history), or None when there is none."""
+    `OptimizerShards`; a group in which nobody holds the state, `FaultTolerant`): its (step,
+    history), or None when there is none. `facts`, if given, become the snapshot's: the group
+    goes on from it as a resumed run does."""
     if config.out is None:
         return None
     found = snapshot.find_latest_valid(Path(config.out) / "snapshots")
-    return None if found is None else _load(found[0], found[1], job)
+    if found is None:
+        return None
+    step, history = _load(found[0], found[1], job)
+    if facts is not None:
+        train = snapshot.train_state(found[1], found[0])
+        facts.run_id, facts.start_step = str(train.get("run_id") or facts.run_id), step
+        finite = bool(train.get("loss_finite", True))
+        facts.last_step_finite, facts.newest_finite_snapshot = finite, step if finite else None
+    return step, history
 
 
 def newest_optimizer_state(config: TrainConfig) -> tuple[int, dict[str, Any]] | None:
@@ -177,13 +191,15 @@ class Boundary:
         batches = ft.batches
         train = {"step": step, "epoch": step // batches.steps_per_epoch, "config": config,
                  "run_id": self.facts.run_id, "fingerprint": rundir.fingerprint(config),
-                 "world_size": ft.world_size, "interrupted": 0, "loss_finite": True,
+                 "world_size": ft.world_size, "interrupted": 0, "loss_finite": self.facts.last_step_finite,
                  "history": list(ft.history[:step])}  # fmt: skip
         objects = {"model": self.job.module, "optimizer": self.whole_optimizer(), "scheduler": self.job.scheduler}
         objects |= {"sampler": self._sampler_at(step), snapshot.TRAIN: train}
         user_state.save_objects(path, objects)
+        if self.facts.last_step_finite:
+            self.facts.newest_finite_snapshot = step
         if ft.is_master:
-            snapshot.prune(directory, self.config.keep_snapshots)
+            snapshot.prune(directory, self.config.keep_snapshots, protect=self.facts.newest_finite_snapshot)
             logger.info("snapshot %s", path)
         return path
 

@@ -14,12 +14,18 @@ What differs from the restart path, and why:
   from a peer, not from a snapshot; snapshots (`--snapshot-every`, the restart path's files) and
   the validation loss (`--eval-every`) are taken at step boundaries by the whole group
   (`nanoddp.train.ft_boundary`), and `--resume` reads either path's snapshots.
+
+The restart path's guards hold here too: `--on-nan stop` stops the run before a non-finite
+loss's update (the restart path's line, `step_check`), `--on-nan skip` commits the step without
+the update and the newest finite snapshot is never pruned; `model.pt` is never written from a
+non-finite state; a group that holds no state resumes from the newest snapshot.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -30,8 +36,9 @@ from torch.utils.data import default_collate
 
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.ft import FaultTolerant, OptimizerShards, ReplicaEnv
+from nanoddp.ft.stopped import RunStopped, run_replica
 from nanoddp.launch import die_with_parent, take_descendants_along
-from nanoddp.train import ft_boundary
+from nanoddp.train import ft_boundary, step_check
 from nanoddp.train.build import Job, build_job
 from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
@@ -73,7 +80,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     resumed = None if env.joiner else ft_boundary.resume(config, job, env)  # a joiner heals from a peer
     facts = ft_boundary.RunFacts(ft_boundary.first_run_id(env, config.out), 0)
     if resumed is not None:
-        facts = ft_boundary.RunFacts(resumed[2], resumed[0])
+        facts = ft_boundary.RunFacts(resumed[2], resumed[0], newest_finite_snapshot=resumed[0])
     shards = _shards(config, job)
     whole = None if shards is None else (lambda: ft_boundary.WholeOptimizer(shards.whole_state_dict()))
     boundary = ft_boundary.Boundary(config, job, facts, whole)
@@ -88,6 +95,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         tokens_per_sample=job.tokens_per_sample,
         boundary=boundary,
         shards=shards,
+        restore=functools.partial(ft_boundary.restore_newest, config, job, facts),  # when nobody holds the state
     )
     boundary.ft = ft
     if resumed is not None:
@@ -97,16 +105,42 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         batch = default_collate([train_set[i] for i in ft.batch_for(step).tolist()])
         loss = batch_loss(module, batch)
         loss.backward()
-        if ft.average_gradients(loss) is not None and config.grad_clip > 0:
+        averaged = ft.average_gradients(loss) is not None
+        nonfinite = ft.nonfinite_ranks if averaged else ()  # the same on every member: from the gathered losses
+        if nonfinite and config.on_nan == "stop":  # before the update: the weights stay the last finite step's
+            raise RunStopped(step_check.stop_line(step + 1, nonfinite), ft.is_master)
+        if averaged and not nonfinite and config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)  # the same on every rank
-        if ft.commit():
+        if ft.commit(update=not nonfinite):
             scheduler.step()
-            if ft.is_master and (step + 1) % config.log_every == 0:
+            facts.last_step_finite = not nonfinite
+            if nonfinite:
+                _skipped(ft, step, nonfinite)
+            elif ft.is_master and (step + 1) % config.log_every == 0:
                 logger.info("%s | world %d", format_log_line(ft.last_record), ft.world_size)
-    if ft.is_master and config.out is not None:
-        atomic.atomic_torch_save(Path(config.out) / "model.pt", module.state_dict())
-        logger.info("saved %s", Path(config.out) / "model.pt")
+    if config.out is not None:
+        _export(ft, module, config.out)
     ft.close()
+
+
+def _skipped(ft: FaultTolerant, step: int, ranks: tuple[int, ...]) -> None:
+    """`--on-nan skip`: the restart path's line and record for a step committed without its update."""
+    if ft.is_master:
+        logger.warning("%s", step_check.skip_line(step + 1, ranks))
+        event = {"event": "nonfinite_loss", "step": step + 1, "ranks": list(ranks), "action": "skipped"}
+        ft.metrics.write({**event, "world_size": ft.world_size})
+
+
+def _export(ft: FaultTolerant, module: torch.nn.Module, out: str) -> None:
+    """Rank 0 writes `model.pt`; never from a non-finite state (every member checks its whole
+    copy, so all stop alike)."""
+    state = module.state_dict()
+    bad = step_check.nonfinite_entries(state)
+    if bad:
+        raise RunStopped(step_check.export_refusal(bad, ft.manager.current_step()), ft.is_master)
+    if ft.is_master:
+        atomic.atomic_torch_save(Path(out) / "model.pt", state)
+        logger.info("saved %s", Path(out) / "model.pt")
 
 
 def _shards(config: TrainConfig, job: Job) -> OptimizerShards | None:
@@ -131,11 +165,12 @@ def _extra_state(scheduler: torch.optim.lr_scheduler.LRScheduler, facts: ft_boun
     and the run's facts (its id, and the step it started at)."""
 
     def take() -> dict[str, Any]:
-        return {"scheduler": scheduler.state_dict(), "run_id": facts.run_id, "start_step": facts.start_step}
+        return {"scheduler": scheduler.state_dict(), "facts": dataclasses.asdict(facts)}
 
     def put(state: dict[str, Any]) -> None:
         scheduler.load_state_dict(state["scheduler"])
-        facts.run_id, facts.start_step = state["run_id"], state["start_step"]
+        for name, value in state["facts"].items():
+            setattr(facts, name, value)
 
     return take, put
 
@@ -158,9 +193,9 @@ def start_replica(argv: list[str] | None, module: str) -> tuple[TrainConfig, Rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One replica: `python -m nanoddp.train.ft_loop FLAGS...` (`nanoddp train`'s flags)."""
-    train_replica(*start_replica(argv, WORKER_MODULE))
-    return 0
+    """One replica: `python -m nanoddp.train.ft_loop FLAGS...` (`nanoddp train`'s flags); a
+    stopped run is one line and `STOPPED_EXIT_CODE` (`nanoddp.ft.stopped`)."""
+    return run_replica(lambda: train_replica(*start_replica(argv, WORKER_MODULE)))
 
 
 if __name__ == "__main__":

@@ -60,10 +60,17 @@ def skip_line(step: int, ranks: tuple[int, ...]) -> str:
 def refuse_nonfinite_export(model_state: dict[str, torch.Tensor], step: int, env: DistEnv) -> None:
     """Raise `NonFiniteLoss` on every rank if rank 0's whole `model_state` holds NaN or inf, so
     that `model.pt` is never written from a broken state (collective)."""
-    bad: list[str] | None = None
-    if env.is_master:
-        floats = {k: v for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()}
-        bad = [k for k, v in floats.items() if not v.isfinite().all()]
-    bad = broadcast_from_master(bad, env)
+    bad = broadcast_from_master(nonfinite_entries(model_state) if env.is_master else None, env)
     if bad:
-        raise NonFiniteLoss(f"model.pt not written: {', '.join(bad[:5])} hold NaN or inf after step {step}")
+        raise NonFiniteLoss(export_refusal(bad, step))
+
+
+def nonfinite_entries(model_state: dict[str, torch.Tensor]) -> list[str]:
+    """The names of `model_state`'s floating-point tensors that hold NaN or inf."""
+    floats = {k: v for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()}
+    return [k for k, v in floats.items() if not v.isfinite().all()]
+
+
+def export_refusal(bad: list[str], step: int) -> str:
+    """The line that refuses to write `model.pt` from a state whose tensors `bad` are not finite."""
+    return f"model.pt not written: {', '.join(bad[:5])} hold NaN or inf after step {step}"

@@ -236,7 +236,7 @@ def test_nothing_outlives_the_run(run):
         if psutil.pid_exists(int(pid)):
             status = psutil.Process(int(pid)).status()
             assert status == psutil.STATUS_ZOMBIE, f"{name}: pid {pid} still {status}"
-    assert "replica 2 marked no step for" in run["done"].stderr  # the launcher ended the hung one
+    assert run["done"].stderr.count("replica 2 marked no step for") == 1  # the launcher ended the hung one, said once
 
 
 def test_continue_refuses_a_multi_node_launch():

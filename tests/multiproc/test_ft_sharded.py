@@ -23,14 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
 
 pytest.importorskip("torchft")
 
-TINY_GPT = [
-    "--text-max-bytes", "1900", "--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
-    "--d-ff", "64", "--batch-size", "12", "--warmup-steps", "2", "--seed", "0", "--log-every", "1",
-    "--no-progress", "--collective-timeout", "10",
-]  # fmt: skip
+TINY_GPT = FT_TINY_GPT
 STEPS, EVERY = 6, 3
 
 
@@ -118,78 +115,13 @@ def test_restart_resumes_from_a_continue_snapshot(plain, tmp_path):
 # ---- the sharded engines ------------------------------------------------------------------------
 
 
-def _replay(history: list[int], refills: dict[int, tuple[int, list[str]]] | None = None) -> dict[str, torch.Tensor]:
-    """The built-in job in this process: each step's global batch split over the world size the
-    step really had, the weighted pieces summed in rank order, clipped, AdamW, the schedule.
-    `refills`: {step index: (snapshot step, parameter names)}: before that step, those
-    parameters' AdamW state is put back to what it was after the snapshot's step."""
-    import copy
-
-    from nanoddp.ft import GlobalBatches, piece_weight, share
-    from nanoddp.train.build import build_job
-    from nanoddp.train.config import TrainConfig, threads_per_rank
-
-    config = TrainConfig(
-        text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,
-        warmup_steps=2, seed=0, steps=len(history),
-    )  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads_per_rank(config, 3))  # what the replicas ran with: matmuls split by it
-    job = build_job(config)
-    model, opt, params = job.module, job.optimizer, [p for p in job.module.parameters() if p.requires_grad]
-    named = dict(model.named_parameters())
-    batches, saved, refills = GlobalBatches(len(job.train_set), 12, 0), {}, refills or {}
-    wanted = {snap for snap, _ in refills.values()}
-    try:
-        for step, world_size in enumerate(history):
-            if step in wanted:
-                saved[step] = {name: copy.deepcopy(opt.state[p]) for name, p in named.items() if p in opt.state}
-            if step in refills:
-                snap, names = refills[step]
-                for name in names:
-                    opt.state[named[name]] = copy.deepcopy(saved[snap][name])
-            total = None
-            for rank in range(world_size):
-                piece = batches.indices(step)[share(12, rank, world_size)]
-                model.zero_grad(set_to_none=True)
-                model(*torch.utils.data.default_collate([job.train_set[i] for i in piece.tolist()]))[-1].backward()
-                flat = torch.cat([p.grad.reshape(-1) for p in params]) * piece_weight(12, rank, world_size)
-                total = flat if total is None else total + flat
-            at = 0
-            for p in params:
-                p.grad = total[at : at + p.numel()].view_as(p).clone()
-                at += p.numel()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            job.scheduler.step()
-    finally:
-        torch.set_num_threads(threads)
-    return model.state_dict()
-
-
 def test_zero1_without_a_failure_equals_the_replay_bitwise(plain):
     """zero1 under continue: each rank steps the whole parameters it owns (AdamW per tensor: the
     same bits as one process stepping all of them), so the model equals the replay, which
     engine nanoddp under continue equals too (tests/multiproc/test_ft.py)."""
-    got, want = torch.load(plain / "model.pt"), _replay([3] * STEPS)
+    got, want = torch.load(plain / "model.pt"), replay_continue_run([3] * STEPS)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
-
-
-def _replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:
-    """The pid of replica `replica`'s process (its `attempt`-th replacement, if given), or None."""
-    import psutil
-
-    for child in launcher.children(recursive=True):
-        try:
-            environ = child.environ()
-            if environ.get("NANODDP_FT_REPLICA") != str(replica) or "ft_loop" not in " ".join(child.cmdline()):
-                continue
-            if attempt is None or environ.get("NANODDP_FT_ATTEMPT") == str(attempt):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
 
 
 def _start(out: Path, command: list[str]) -> subprocess.Popen:
@@ -197,18 +129,6 @@ def _start(out: Path, command: list[str]) -> subprocess.Popen:
     test waits would fill up and stall the run (the launcher blocks writing to it)."""
     with open(out.parent / "output.txt", "w") as output:
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-def _wait_for(what, deadline: float, step_s: float = 0.005):
-    """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
-    import time
-
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(step_s)
-    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
 
 
 def _events(out: Path) -> list[str]:
@@ -238,25 +158,25 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
     held: list[int] = []
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
-        first = _wait_for(lambda: _has_snapshot(out) and _replica_pid(launcher, 1), deadline)
+        first = wait_for(lambda: _has_snapshot(out) and replica_pid(launcher, 1), deadline)
         os.kill(first, signal.SIGKILL)
-        _wait_for(lambda: "rank_lost" in _events(out), deadline)
+        wait_for(lambda: "rank_lost" in _events(out), deadline)
         lost_at = len(_records(out))
-        _wait_for(lambda: len(_records(out)) > lost_at + 1, deadline)  # steps at world size 2
-        held = [pid for pid in (_replica_pid(launcher, 0), _replica_pid(launcher, 2)) if pid is not None]
+        wait_for(lambda: len(_records(out)) > lost_at + 1, deadline)  # steps at world size 2
+        held = [pid for pid in (replica_pid(launcher, 0), replica_pid(launcher, 2)) if pid is not None]
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
 
         def replacement_listens() -> bool:
             """replica 1's replacement to listen"""
-            pid = _replica_pid(launcher, 1, attempt=1)
+            pid = replica_pid(launcher, 1, attempt=1)
             try:
                 conns = psutil.Process(pid).net_connections(kind="inet") if pid else []
             except psutil.Error:
                 return False
             return any(c.status == psutil.CONN_LISTEN for c in conns)
 
-        _wait_for(replacement_listens, deadline, 0.05)
+        wait_for(replacement_listens, deadline, 0.05)
         for pid in held:
             os.kill(pid, signal.SIGCONT)
         held = []
@@ -302,7 +222,7 @@ def test_zero2_loses_a_shard_and_regains_the_rank(tmp_path):
     _check_lost_and_regained(events, "state_from_snapshot", output)
     assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
     refills = {r["step"] - 1: (r["snapshot_step"], r["params"]) for r in events if r["event"] == "state_from_snapshot"}
-    got, want = torch.load(out / "model.pt"), _replay(history, refills)
+    got, want = torch.load(out / "model.pt"), replay_continue_run(history, refills)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
 
@@ -333,6 +253,6 @@ def test_fsdp_loses_weights_rolls_back_and_regains_the_rank(tmp_path):
             history.append(record["world_size"])
     _check_lost_and_regained(events, "rolled_back", output)
     assert len(history) == FSDP_STEPS and history[0] == 3 and 2 in history and history[-1] == 3, history
-    got, want = torch.load(out / "model.pt"), _replay(history)
+    got, want = torch.load(out / "model.pt"), replay_continue_run(history)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"

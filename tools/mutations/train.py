@@ -113,8 +113,8 @@ FAULTS = (
     Mutation(
         "non-finite loss: model.pt written from a NaN state",
         "nanoddp/train/step_check.py",
-        "bad = [k for k, v in floats.items() if not v.isfinite().all()]",
-        "bad = [k for k, v in floats.items() if False]",
+        "return [k for k, v in floats.items() if not v.isfinite().all()]",
+        "return [k for k, v in floats.items() if False]",
         ("tests/multiproc/test_nonfinite_loss.py", "-k", "refused"),
     ),
     Mutation(
@@ -328,5 +328,26 @@ FAULTS = (
         "    check_runs(args)\n",
         "    pass\n",
         ("tests/reliability/test_bench_refusals.py", "-k", "train-args"),
+    ),
+    Mutation(
+        "ft continue: a group in which nobody holds the state starts over from step 0",
+        "nanoddp/ft/fault_tolerant.py",
+        "        if held.item():\n",
+        "        if True:\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
+    ),
+    Mutation(
+        "ft continue: --on-nan stop ignored, the NaN update applied",
+        "nanoddp/train/ft_loop.py",
+        '        if nonfinite and config.on_nan == "stop":',
+        "        if False:",
+        ("tests/multiproc/test_ft_guards.py", "-k", "on_nan_stop"),
+    ),
+    Mutation(
+        "ft launcher: a replica that stopped the run is replaced",
+        "nanoddp/ft/supervisor.py",
+        "        return self.stopped or any(r.exitcode == 0 for r in self.replicas)\n",
+        "        return any(r.exitcode == 0 for r in self.replicas)\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "fsdp_losing_weights"),
     ),
 )

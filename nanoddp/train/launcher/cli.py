@@ -191,6 +191,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
+    preflight.check_worker_environ()
     train_set, _, spec = build_datasets(
         config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )

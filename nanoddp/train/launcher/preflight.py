@@ -2,9 +2,11 @@
 
 A bad value found by the workers costs seconds of start-up and ends in one traceback per rank;
 found here it is one line and exit code 2. Everything that needs no process group belongs here:
-the output directory, the snapshot to resume (readable, same run definition, same shapes), and
-what to do with an earlier run's outputs. The workers repeat the resume decision (rank 0 decides
-for all), so `torchrun -m nanoddp.train` and the `Trainer` API stay safe without this module.
+the output directory, the snapshot to resume (readable, same run definition, same shapes), what
+to do with an earlier run's outputs, and the settings every worker reads from the environment
+(`NANODDP_LINK_*`), for both `--on-failure` modes and for `nanoddp run`. The workers repeat the
+resume decision (rank 0 decides for all), so `torchrun -m nanoddp.train` and the `Trainer` API
+stay safe without this module.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nanoddp.comm.link import link_from_environ
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.train.checkpoint import atomic, rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, filled
@@ -38,6 +41,13 @@ def check_out_dir(out: str | Path) -> None:
     # appended to in place (everything else is written by an atomic rename, never through a link)
     for appended in [out / "metrics.jsonl", *sorted((out / "logs").glob("rank*.log"))]:
         atomic.refuse_planted(appended)
+
+
+def check_worker_environ() -> None:
+    """The `NANODDP_LINK_*` values every worker will read must parse (`link_from_environ`, the one
+    parser): a bad one is the same error on every worker at its first collective, which under
+    `--on-failure continue` each replica would otherwise retry."""
+    link_from_environ()
 
 
 def check_shapes(state: dict[str, Any], model: torch.nn.Module, path: str | Path) -> None:

@@ -1,0 +1,276 @@
+"""`--on-failure continue` never starts a run over, and keeps the restart path's guards.
+
+Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, or none:
+- both replicas SIGKILLed at once after a snapshot: the replacements, which hold nothing, resume
+  from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
+  uninterrupted run, with no step recorded twice;
+- the only holder lost while its joiner waited to heal, no snapshot: one line, exit 3, no step
+  run again; fsdp losing weights without a snapshot: the same, and no replacement trains;
+- `--on-nan stop`: exit 3 before the update, the newest snapshot equal to the replay of the
+  steps before the NaN; `--on-nan skip`: the NaN steps commit with no update, the newest finite
+  snapshot is kept by pruning, and `model.pt` equals the replay that skips the same steps;
+- a snapshot write that fails on every replica, and a collective that fails the same way each
+  try (a bad `NANODDP_LINK_BANDWIDTH` set inside the script): one line and exit 3, bounded;
+- a bad `NANODDP_LINK_*` in the launching shell: one line and exit 2 before any worker starts,
+  in both modes, for `nanoddp train` and `nanoddp run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+
+pytest.importorskip("torchft")
+
+STOPPED = 3  # nanoddp.ft.stopped.STOPPED_EXIT_CODE
+RUN_TIMEOUT_S = 150
+
+
+def _command(out: Path, steps: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2",
+            "--steps", str(steps), "--eval-every", "0", "--out", str(out), *FT_TINY_GPT, *flags]  # fmt: skip
+
+
+def _run(out: Path, steps: int, *flags: str) -> tuple[int, str]:
+    done = subprocess.run(_command(out, steps, *flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps(out: Path) -> list[int]:
+    return [r["step"] for r in _records(out) if "event" not in r]
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def _killing(out: Path, command: list[str], act) -> tuple[int, str]:
+    """Run `command` (output to a file: an unread pipe would stall it), call `act(launcher)` while
+    it runs, and return its exit code and output; nothing is left running."""
+    import psutil
+
+    log = out.parent / "output.txt"
+    with open(log, "w") as output:
+        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    stopped: list[int] = []
+    try:
+        act(psutil.Process(proc.pid), stopped)
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        for pid in stopped:
+            if psutil.pid_exists(pid):  # a held replica the test did not get to kill
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, log.read_text()
+
+
+def _both(launcher) -> list[int] | None:
+    """both first replicas' pids"""
+    pids = [replica_pid(launcher, 0, attempt=0), replica_pid(launcher, 1, attempt=0)]
+    return None if None in pids else pids  # type: ignore[return-value]
+
+
+def test_both_replicas_lost_resume_from_the_newest_snapshot_bitwise(tmp_path):
+    """Both replicas SIGKILLed once a snapshot exists (held first, so they die together): the
+    replacements start empty, so they resume from the newest snapshot, the steps after it are
+    recorded again after one `resumed_from_snapshot` record, and `model.pt` equals a replay of
+    the uninterrupted run bitwise (a resume from a snapshot is exact)."""
+    out, steps = tmp_path / "run", 40
+    command = _command(out, steps, "--snapshot-every", "5", "--max-restarts", "1", "--no-warm-spare")
+    command += ["--collective-timeout", "30"]
+
+    def act(launcher, stopped):
+        pids = wait_for(lambda: (out / "snapshots" / "step-00000005.pt").exists() and _both(launcher),
+                        time.monotonic() + 90)  # fmt: skip
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    code, output = _killing(out, command, act)
+    assert code == 0, output[-5000:]
+    records = _records(out)
+    resumed = [i for i, r in enumerate(records) if r.get("event") == "resumed_from_snapshot"]
+    assert len(resumed) == 1, records
+    event = records[resumed[0]]
+    before = [r["step"] for r in records[: resumed[0]] if "event" not in r]
+    after = [r["step"] for r in records[resumed[0] :] if "event" not in r]
+    assert event["snapshot_step"] >= 5 and event["step"] == event["snapshot_step"] + 1, event
+    assert before == list(range(1, len(before) + 1)) and len(before) >= event["snapshot_step"], before
+    assert after == list(range(event["snapshot_step"] + 1, steps + 1)), after  # never from step 1 again
+    assert output.count("resume from the snapshot of step") == 1, output[-5000:]
+    _assert_same(torch.load(out / "model.pt"), replay_continue_run([2] * steps, replicas=2))
+
+
+def test_the_holder_lost_while_its_joiner_waits_stops_in_one_line(tmp_path):
+    """Replica 1 SIGKILLed and replica 0, the only holder left, held (SIGSTOP) so that it cannot
+    send its state; once replica 1's replacement is up, replica 0 is SIGKILLed too. No replica
+    holds the state and there is no snapshot: the run stops with one line and exit 3, and no
+    step is run again (before: the replacements trained the run again from step 1, exit 0)."""
+    out = tmp_path / "run"
+    command = _command(out, 200, "--snapshot-every", "0", "--max-restarts", "1", "--no-warm-spare")
+
+    def act(launcher, stopped):
+        deadline = time.monotonic() + 90
+        pids = wait_for(lambda: len(_steps(out)) >= 3 and _both(launcher), deadline)
+        os.kill(pids[0], signal.SIGSTOP)
+        stopped.append(pids[0])
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: replica_pid(launcher, 1, attempt=1), deadline)
+        os.kill(pids[0], signal.SIGKILL)
+
+    code, output = _killing(out, command, act)
+    assert code == STOPPED, output[-5000:]
+    steps = _steps(out)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200, steps  # none run twice
+    assert output.count("no snapshot to resume from: stopped rather than start over") == 1, output[-5000:]
+    assert "Traceback" not in output, output[-5000:]
+
+
+def test_fsdp_losing_weights_without_a_snapshot_stops_in_one_line(tmp_path):
+    """fsdp without snapshots, replica 1 SIGKILLed: its weights are gone and there is nothing to
+    roll back to. One line, exit 3, and no replacement of the survivor (before: both exited with
+    a traceback, were replaced, and the replacements trained the run again from step 1)."""
+    out = tmp_path / "run"
+    command = _command(out, 200, "--engine", "fsdp", "--snapshot-every", "0", "--max-restarts", "2", "--no-warm-spare")
+
+    def act(launcher, stopped):
+        pids = wait_for(lambda: len(_steps(out)) >= 3 and _both(launcher), time.monotonic() + 90)
+        os.kill(pids[1], signal.SIGKILL)
+
+    code, output = _killing(out, command, act)
+    assert code == STOPPED, output[-5000:]
+    steps = _steps(out)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200, steps
+    assert output.count("there is no snapshot to roll back to") == 1, output[-5000:]
+    assert "replica 0 failed" not in output and "Traceback" not in output, output[-5000:]
+
+
+# lr 1e30: step 1 is finite, its update makes every later loss NaN (the replay shows the same)
+NAN_LR = ["--lr", "1e30", "--snapshot-every", "1", "--keep-snapshots", "1"]
+
+
+def _snapshot(out: Path, step: int) -> dict:
+    from nanoddp.train.checkpoint import snapshot
+
+    return snapshot.load_checked(out / "snapshots" / f"step-{step:08d}.pt")
+
+
+def test_on_nan_stop_under_continue(tmp_path):
+    """`--on-nan stop`: the restart path's line once, exit 3, no `model.pt`; the newest snapshot
+    is step 1's, equal bitwise to a replay of that step (before: the NaN updates were applied,
+    NaN snapshots pruned the finite one, `model.pt` was written with NaN, exit 0)."""
+    out = tmp_path / "run"
+    code, output = _run(out, 4, *NAN_LR, "--on-nan", "stop")
+    assert code == STOPPED, output[-5000:]
+    assert output.count("step 2: the loss is NaN or inf on rank(s) 0, 1; stopped before the optimizer step") == 1
+    assert not (out / "model.pt").exists() and _steps(out) == [1]
+    from nanoddp.train.checkpoint import snapshot
+
+    assert [s for s, _ in snapshot.list_snapshots(out / "snapshots")] == [1]
+    _assert_same(_snapshot(out, 1)["objects"]["model"]["state"], replay_continue_run([2], replicas=2, lr=1e30))
+
+
+def test_on_nan_skip_under_continue(tmp_path):
+    """`--on-nan skip`: steps 2 to 4 commit without an update (one line and one record each);
+    pruning keeps step 1's snapshot, the newest finite one, beside the newest; `model.pt` equals
+    bitwise the replay that skips the same steps, which is step 1's state."""
+    out = tmp_path / "run"
+    code, output = _run(out, 4, *NAN_LR, "--on-nan", "skip")
+    assert code == 0, output[-5000:]
+    skipped = [r["step"] for r in _records(out) if r.get("event") == "nonfinite_loss"]
+    assert skipped == [2, 3, 4] and output.count("update skipped on every rank") == 3, output[-3000:]
+    from nanoddp.train.checkpoint import snapshot
+
+    assert [s for s, _ in snapshot.list_snapshots(out / "snapshots")] == [4, 1]
+    finite = [snapshot.train_state(_snapshot(out, s), s)["loss_finite"] for s in (1, 4)]
+    assert finite == [True, False]
+    want = replay_continue_run([2] * 4, replicas=2, lr=1e30)
+    _assert_same(torch.load(out / "model.pt"), want)
+    _assert_same(_snapshot(out, 1)["objects"]["model"]["state"], want)
+
+
+def test_a_snapshot_write_that_fails_everywhere_stops_in_one_line(tmp_path):
+    """`snapshots` is a file, so every replica's write fails: a few tries, then one line and exit 3
+    (before: six tracebacks and the run again from step 1, for minutes)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "snapshots").write_text("not a directory")
+    code, output = _run(out, 4, "--snapshot-every", "2", "--max-restarts", "1")
+    assert code == STOPPED, output[-5000:]
+    assert output.count("the boundary after step 2 (snapshot, evaluation) failed 3 times in a row") == 1, output
+    assert "Traceback" not in output and "replacement" not in output, output[-5000:]
+    assert _steps(out) == [1, 2]
+    assert (out / "snapshots").read_text() == "not a directory"
+
+
+def test_a_collective_that_fails_the_same_way_stops_in_one_line(tmp_path):
+    """A user's loop (`nanoddp run`) whose every collective fails alike: a link setting set in the
+    script, past the launcher's check. Three tries, one line, exit 3 (before: retried forever)."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import os\n"
+        "import torch\n"
+        "from nanoddp.ft import FaultTolerant\n"
+        "os.environ['NANODDP_LINK_BANDWIDTH'] = 'fast'\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "ft = FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_len=8, batch_size=4)\n"
+        "for step in ft.steps(3):\n"
+        "    model(torch.ones(len(ft.batch_for(step)), 4)).mean().backward()\n"
+        "    ft.average_gradients(model.weight.sum())\n"
+        "    ft.commit()\n"
+        "ft.close()\n"
+    )
+    command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", "2",
+               "--max-restarts", "1", "--collective-timeout", "10", str(script)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == STOPPED, output[-5000:]
+    assert output.count("step 1 failed 3 times in a row the same way, with no replica lost") == 1, output[-5000:]
+    assert "NANODDP_LINK_BANDWIDTH must be a number and a unit" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--on-failure", "continue"],
+        ["train", "--on-failure", "restart"],
+        ["run", "--on-failure", "continue", "SCRIPT"],
+        ["run", "SCRIPT"],
+    ],
+    ids=["train-continue", "train-restart", "run-continue", "run-restart"],
+)
+def test_a_bad_link_setting_is_refused_before_any_worker(tmp_path, argv):
+    """The launcher parses `NANODDP_LINK_*` with the comm layer's parser: one line, exit 2, no run
+    directory, no worker (before, under continue: each replica retried it forever)."""
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    argv = [str(script) if a == "SCRIPT" else a for a in argv]
+    out = tmp_path / "run"
+    extra = ["--out", str(out)] if argv[0] == "train" else []
+    command = [sys.executable, "-m", "nanoddp", *argv[:-1], *extra, argv[-1]] if argv[0] == "run" else None
+    command = command or [sys.executable, "-m", "nanoddp", *argv, "--nproc", "2", *extra, *FT_TINY_GPT]
+    environ = {**os.environ, "NANODDP_LINK_BANDWIDTH": "100mbit", "NANODDP_LINK_LATENCY": "20 parsecs"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=environ)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("nanoddp: error: NANODDP_LINK_LATENCY must be"), lines
+    assert not out.exists() and "a worker started" not in done.stdout + done.stderr
