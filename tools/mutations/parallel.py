@@ -205,4 +205,18 @@ FAULTS = (
         "pseudo_grads = [p - synced for p, synced",
         ("tests/unit/test_lowcomm_alone.py", "-k", "diloco"),
     ),
+    Mutation(
+        "diloco: outer_momentum=0 refused (Nesterov asked of a momentum-free SGD)",
+        "nanoddp/parallel/lowcomm/diloco.py",
+        "nesterov=nesterov and outer_momentum > 0",
+        "nesterov=nesterov",
+        ("tests/unit/test_lowcomm_alone.py", "-k", "diloco"),
+    ),
+    Mutation(
+        "clip: the factor not capped at 1 (small gradients scaled up)",
+        "nanoddp/parallel/clip.py",
+        "scale = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+        "scale = max_norm / (total + 1e-6)",
+        ("tests/unit/test_clip_alone.py",),
+    ),
 )

@@ -308,4 +308,32 @@ FAULTS = (
         "        if False:\n",
         ("tests/multiproc/test_ft.py", "-k", "train_continue_survives_a_kill"),
     ),
+    Mutation(
+        "ft launcher: one restart more than --max-restarts",
+        "nanoddp/ft/supervisor.py",
+        "        if replica.attempt >= self.launch.max_restarts:\n",
+        "        if replica.attempt > self.launch.max_restarts:\n",
+        ("tests/multiproc/test_ft_counts.py", "-k", "max_restarts"),
+    ),
+    Mutation(
+        "ft quorum: half the replicas, not more than half (a survivor of 2 trains alone)",
+        "nanoddp/ft/supervisor.py",
+        "    return nproc // 2 + 1\n",
+        "    return (nproc + 1) // 2\n",
+        ("tests/multiproc/test_ft_counts.py", "-k", "quorum"),
+    ),
+    Mutation(
+        "atomic writer: the temp file not fsynced before the rename",
+        "nanoddp/train/checkpoint/atomic.py",
+        "                    os.fsync(fh.fileno())\n",
+        "                    pass\n",
+        ("tests/reliability/test_atomic_writer.py", "-k", "fsynced"),
+    ),
+    Mutation(
+        "atomic writer: a failed write leaves its temp file",
+        "nanoddp/train/checkpoint/atomic.py",
+        "                    os.unlink(temp, dir_fd=dir_fd)\n",
+        "                    pass\n",
+        ("tests/reliability/test_atomic_writer.py", "-k", "failed_write"),
+    ),
 )
