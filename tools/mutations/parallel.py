@@ -219,4 +219,11 @@ FAULTS = (
         "scale = max_norm / (total + 1e-6)",
         ("tests/unit/test_clip_alone.py",),
     ),
+    Mutation(
+        "clip: norms of mixed gradient kinds added, not combined",
+        "nanoddp/parallel/clip.py",
+        "torch.linalg.vector_norm(torch.stack([part.to(device, torch.float32) for part in parts]), norm_type)",
+        "sum(part.to(device, torch.float32) for part in parts)",
+        ("tests/multiproc/test_seams.py", "-k", "clip_mixed_kinds"),
+    ),
 )
