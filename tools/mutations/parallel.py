@@ -226,4 +226,18 @@ FAULTS = (
         "sum(part.to(device, torch.float32) for part in parts)",
         ("tests/multiproc/test_seams.py", "-k", "clip_mixed_kinds"),
     ),
+    Mutation(
+        "fsdp: reshard_after_forward=<int> reuses a row's block after a step (no stale check)",
+        "nanoddp/parallel/fsdp/unit.py",
+        "held[0].dtype == output.dtype and held[1] == self._versions():",
+        "held[0].dtype == output.dtype:",
+        ("tests/multiproc/test_fsdp2_torch_behaviour.py", "-k", "rows_changed_while_held"),
+    ),
+    Mutation(
+        "ddp sparse: gradients left unreduced when any rank touched no rows",
+        "nanoddp/parallel/ddp/sparse.py",
+        "    if max(counts_list) == 0:\n",
+        "    if min(counts_list) == 0:\n",
+        ("tests/multiproc/test_ddp_torch_seams.py", "-k", "without-rows"),
+    ),
 )
