@@ -336,4 +336,11 @@ FAULTS = (
         "                    pass\n",
         ("tests/reliability/test_atomic_writer.py", "-k", "failed_write"),
     ),
+    Mutation(
+        "diloco engine: --outer-momentum not passed (the default 0.9 runs)",
+        "nanoddp/train/engines/lowcomm.py",
+        "outer_lr=config.outer_lr, outer_momentum=config.outer_momentum",
+        "outer_lr=config.outer_lr",
+        ("tests/multiproc/test_trainer_lowcomm.py", "-k", "outer_momentum_reaches"),
+    ),
 )
