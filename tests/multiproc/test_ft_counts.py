@@ -6,20 +6,36 @@
   Lighthouse, started by `supervise` with the argument it really passes) is asked by half of them,
   which never form a group, then by one more, which do. At 2 replicas half is the survivor of a
   failure alone; at 4, one of two pairs that could each form a group.
+- One `nanoddp train --on-failure continue` run of 2 replicas, replica 1 SIGKILLed after step 4
+  (its replacement starts cold, so a survivor allowed to go on alone would have seconds to):
+  every step record says world size 2 (the survivor waited); each step's `comm_bytes` is what
+  that step sent, the header and the gradient all-gather's float32 flat (torch's byte count of
+  the parameters plus the loss), not a running total (what the snapshots and the joiner's
+  state transfer send is no step's); and `--keep-snapshots 2` leaves the two
+  newest snapshots, as the restart path does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
+import psutil
 import pytest
 
 pytest.importorskip("torchft")
 
-from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402  (after the skip)
+from nanoddp.comm import plan, wire  # noqa: E402  (after the skip)
+from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
+from nanoddp.train.checkpoint import snapshot  # noqa: E402
+from nanoddp.train.config import TrainConfig, build_model  # noqa: E402
+from nanoddp.train.data.datasets import build_datasets  # noqa: E402
 
 FAILING_REPLICA = """
 import os, sys
@@ -86,3 +102,84 @@ def test_half_the_replicas_never_form_a_quorum(monkeypatch, replicas):
     assert supervise(Launch(["unused"], replicas, 0, 5.0)) == 0
     assert asked["half"] == [None] * (replicas // 2), asked
     assert asked["more"] == [replicas // 2 + 1] * (replicas // 2 + 1), asked
+
+
+# ---- one `nanoddp train --on-failure continue` run at 2 replicas -------------------------------
+
+STEPS, KILL_AFTER, SNAPSHOT_EVERY, KEEP = 10, 4, 3, 2
+GPT = {"text_max_bytes": 1900, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
+
+
+def _flags(values: dict) -> list[str]:
+    return [part for name, value in values.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def _replica_1(launcher: psutil.Process) -> int | None:
+    """The pid of replica 1's training process, once it runs."""
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("NANODDP_FT_REPLICA") == "1" and "ft_loop" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    """The run's output, metrics records and snapshot listing."""
+    out = tmp_path_factory.mktemp("ft-counts") / "run"
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2"]
+    command += ["--steps", str(STEPS), "--collective-timeout", "10", "--max-restarts", "1", "--no-warm-spare"]
+    command += ["--out", str(out), *_flags(GPT), "--batch-size", "12", "--warmup-steps", "2", "--seed", "0"]
+    command += ["--snapshot-every", str(SNAPSHOT_EVERY), "--keep-snapshots", str(KEEP), "--eval-every", "0"]
+    command += ["--log-every", "1", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = False
+    try:
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 200
+        metrics = out / "metrics.jsonl"
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            done = metrics.read_text().count('"world_size"') if metrics.exists() else 0
+            pid = _replica_1(launcher)
+            if done >= KILL_AFTER and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.01)
+        output = proc.communicate(timeout=200)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed and proc.returncode == 0, output[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"records": records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir()), "out": out}
+
+
+def _steps(run) -> list[dict]:
+    return [r for r in run["records"] if "event" not in r]
+
+
+@pytest.mark.timeout(420)
+def test_quorum_the_survivor_of_two_waits_for_the_replacement(two_replicas):
+    steps = _steps(two_replicas)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["world_size"] for r in steps] == [2] * STEPS  # never a step by the survivor alone
+    changes = [(r["event"], r["world_size"]) for r in two_replicas["records"] if r.get("event", "eval") != "eval"]
+    assert changes == [("rank_lost", 1), ("rank_joined", 2)], changes
+
+
+@pytest.mark.timeout(420)
+def test_comm_bytes_are_each_steps_own(two_replicas):
+    config = TrainConfig(**GPT)
+    module = build_model(config, build_datasets(config.data, config.seq_len, config.val_fraction, 1900)[2])
+    flat = sum(p.numel() * p.element_size() for p in module.parameters()) + 4  # + the loss, one float32
+    assert plan.plan("all_gather", flat, 2, "gloo") is plan.Path.PAIR  # one frame: header + this rank's flat
+    sent = [r["comm_bytes"] for r in _steps(two_replicas)]
+    assert sent == [wire.HEADER_BYTES + flat] * STEPS, sent  # every step, the one redone after the kill too
+
+
+@pytest.mark.timeout(420)
+def test_keep_snapshots_prunes_a_continue_run(two_replicas):
+    kept = [snapshot.snapshot_path(".", step).name for step in (9, STEPS)]  # snapshots at 3, 6, 9 and the end
+    assert two_replicas["snapshots"] == kept, two_replicas["snapshots"]

@@ -343,4 +343,18 @@ FAULTS = (
         "outer_lr=config.outer_lr",
         ("tests/multiproc/test_trainer_lowcomm.py", "-k", "outer_momentum_reaches"),
     ),
+    Mutation(
+        "ft continue: a step record's comm_bytes a running total",
+        "nanoddp/ft/fault_tolerant.py",
+        '"comm_bytes": sent_bytes() - self._bytes_at_start,',
+        '"comm_bytes": sent_bytes(),',
+        ("tests/multiproc/test_ft_counts.py", "-k", "comm_bytes"),
+    ),
+    Mutation(
+        "ft continue: snapshots never pruned (--keep-snapshots ignored)",
+        "nanoddp/train/ft_boundary.py",
+        "            snapshot.prune(directory, self.config.keep_snapshots)\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_counts.py", "-k", "prunes"),
+    ),
 )
