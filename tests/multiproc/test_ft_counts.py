@@ -11,8 +11,7 @@
   every step record says world size 2 (the survivor waited); each step's `comm_bytes` is what
   that step sent, the header and the gradient all-gather's float32 flat (torch's byte count of
   the parameters plus the loss), not a running total (what the snapshots and the joiner's
-  state transfer send is no step's); and `--keep-snapshots 2` leaves the two
-  newest snapshots, as the restart path does.
+  state transfer send is no step's); and `--keep-snapshots 2` leaves the two newest snapshots.
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ def _replica_1(launcher: psutil.Process) -> int | None:
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory):
-    """The run's output, metrics records and snapshot listing."""
+    """The run's metrics records and the listing of its snapshot directory."""
     out = tmp_path_factory.mktemp("ft-counts") / "run"
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2"]
     command += ["--steps", str(STEPS), "--collective-timeout", "10", "--max-restarts", "1", "--no-warm-spare"]
@@ -153,7 +152,7 @@ def two_replicas(tmp_path_factory):
             proc.wait()
     assert killed and proc.returncode == 0, output[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"records": records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir()), "out": out}
+    return {"records": records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
 
 
 def _steps(run) -> list[dict]:
