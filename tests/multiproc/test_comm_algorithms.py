@@ -6,6 +6,13 @@ on uneven, empty and one-element messages, and on a subgroup of the even ranks. 
 must be bitwise the same on every rank, exact against torch for integers and within the
 documented reduction order (a fixed tree, `halving_doubling`) for floats. One launch per world
 size runs every case (a launch costs seconds).
+
+The same launches, at 2 and 4 ranks, check `sent_bytes()` (the trainer's `comm_bytes`) on the
+bulk paths, which send the caller's dtype, not byte frames (a count of elements would read 4x
+low for float32). Reference: torch's byte count of the tensor (`Tensor.nbytes`) times the
+volume each algorithm moves per rank, 2 (ws - 1) / ws of the message for an all-reduce by ring
+or halving/doubling, ws - 1 times it for an all-gather; each call runs at n and 2n elements,
+whose difference is the data alone (the header round's frame is the same for both).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from nanoddp import comm
 from nanoddp.comm import ReduceOp, plan
 from nanoddp.comm.plan import Path
 from nanoddp.comm.runner import runner_for
+from nanoddp.comm.transport import sent_bytes
 from nanoddp.groups import new_group
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
@@ -156,24 +164,34 @@ def _every_case(env) -> tuple[int, list[str]]:
 
 
 RING_RS_WORLD_SIZES = (2, 3, 5, 6)  # the ring reduce-scatter's slot reuse starts at 6 ranks
+SENT_BYTES_WORLD_SIZES = (2, 4)
+BYTES_NUMEL = 4096
+BYTES_CALLS = [
+    ("all_reduce", Path.RING, torch.float32),
+    ("all_reduce", Path.HALVING_DOUBLING, torch.float32),
+    ("all_reduce", Path.RING, torch.bfloat16),
+    ("all_gather", Path.RING, torch.float32),
+]
 
 
-def _both(env) -> tuple[tuple[int, list[str]], int | None]:
-    """`_ring_reduce_scatter` where its world sizes ask, then `_every_case`: one launch for both
-    (starting ranks on 2 cores costs seconds per launch). The ring goes first: it checks the
-    group's scratch buffers, which the other cases' paths would have filled."""
+def _both(env) -> tuple[tuple[int, list[str]], int | None, list[int] | None]:
+    """`_ring_reduce_scatter` where its world sizes ask, then `_every_case`, then `_sent_bytes`
+    where its world sizes ask: one launch for all (starting ranks on 2 cores costs seconds per
+    launch). The ring goes first: it checks the group's scratch buffers, which the other cases'
+    paths would have filled."""
     ring = _ring_reduce_scatter(env) if env.world_size in RING_RS_WORLD_SIZES else None
-    return _every_case(env), ring
+    every = _every_case(env)
+    return every, ring, _sent_bytes(env) if env.world_size in SENT_BYTES_WORLD_SIZES else None
 
 
 @functools.cache
-def _launch(world_size: int) -> list[tuple[tuple[int, list[str]], int | None]]:
+def _launch(world_size: int) -> list[tuple[tuple[int, list[str]], int | None, list[int] | None]]:
     return run_on_ranks(_both, world_size, timeout=900)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])  # 7 adds no path 5 and 8 miss
 def test_new_paths_match_torch_on_every_rank(world_size):
-    per_rank = [every for every, _ in _launch(world_size)]
+    per_rank = [every for every, _, _ in _launch(world_size)]
     assert all(checked > 100 for checked, _ in per_rank)
     messages = [m for _, m in per_rank]
     assert all(m == messages[0] for m in messages), "every rank raises the same error"
@@ -220,4 +238,36 @@ def _ring_reduce_scatter(env) -> int:
 
 @pytest.mark.parametrize("world_size", RING_RS_WORLD_SIZES)
 def test_ring_reduce_scatter_reads_its_input_in_place(world_size):
-    assert all(checked is not None and checked > 50 for _, checked in _launch(world_size))
+    assert all(checked is not None and checked > 50 for _, checked, _ in _launch(world_size))
+
+
+def _sent_by(op: str, x: torch.Tensor, world_size: int) -> int:
+    before = sent_bytes()
+    if op == "all_reduce":
+        comm.all_reduce(x)
+    else:
+        comm.all_gather_into_tensor(torch.empty(world_size * x.numel(), dtype=x.dtype), x)
+    return sent_bytes() - before
+
+
+def _sent_bytes(env) -> list[int]:
+    """Per call of BYTES_CALLS, on its path: the bytes n more elements add to this rank's sends."""
+    extra = []
+    for op, path, dtype in BYTES_CALLS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plan, "FORCED", {op: path})
+            small, large = (
+                _sent_by(op, torch.ones(n, dtype=dtype), env.world_size) for n in (BYTES_NUMEL, 2 * BYTES_NUMEL)
+            )
+        extra.append(large - small)
+    return extra
+
+
+@pytest.mark.parametrize("world_size", SENT_BYTES_WORLD_SIZES)
+def test_sent_bytes_are_torchs_byte_count_of_what_is_sent(world_size):
+    for rank, (_, _, extra) in enumerate(_launch(world_size)):
+        assert extra is not None
+        for (op, path, dtype), got in zip(BYTES_CALLS, extra, strict=True):
+            nbytes = torch.ones(BYTES_NUMEL, dtype=dtype).nbytes
+            want = 2 * (world_size - 1) * nbytes // world_size if op == "all_reduce" else (world_size - 1) * nbytes
+            assert got == want, f"rank {rank}: {op} by {path.name} in {dtype}: {got} bytes counted, {want} sent"

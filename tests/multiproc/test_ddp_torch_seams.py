@@ -124,6 +124,35 @@ def case_sparse_matches_torch(env, backend, as_view, hook_pair):
         assert any(layout == str(torch.sparse_coo) for _, layout, _, _ in logs[0])
 
 
+class BagAndHead(nn.Module):
+    """A sparse EmbeddingBag feeding a dense head: a rank whose bags are empty touches no row."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 4, mode="sum", sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.bag(ids, offsets))).pow(2).mean()
+
+
+def case_sparse_rank_without_rows(env, backend):
+    """The last rank's bags are all empty, so its sparse gradient has no rows: every rank still
+    ends with the others' rows, summed and averaged, as torch DDP gives (bitwise)."""
+    models = []
+    for wrap in (functools.partial(DistributedDataParallel, comm_backend=backend), TorchDDP):
+        torch.manual_seed(0)
+        models.append(wrap(BagAndHead()))
+    ids, offsets = sparse_batch(env.rank, 0)
+    if env.rank == env.world_size - 1:
+        ids, offsets = ids[:0], torch.zeros_like(offsets)  # three empty bags
+    for engine in models:
+        engine(ids, offsets).backward()
+    ours, theirs = (engine.module for engine in models)
+    assert theirs.bag.weight.grad._nnz() > 0, "torch's sum has rows: the case tests a rank that had none"
+    assert_same_grads(ours, theirs, env.world_size == 2, "a rank without rows")
+
+
 # ---- 16-bit compress hooks -------------------------------------------------------------------
 
 
@@ -471,6 +500,9 @@ def cases(world_size: int):
         # ws=3 checks the order of the sums: over our collectives, with and without our hook
         and (world_size == 2 or (backend, hook, as_view) in WS3_SPARSE)
     ]  # fmt: skip
+    out += [
+        (f"{b}-sparse-rank-without-rows", p(case_sparse_rank_without_rows, backend=b)) for b in ("torch", "nanoddp")
+    ]
     if world_size == 2:
         out += [(f"compress-{pair[0]}", p(case_compress_hook_matches_torch, backend="nanoddp", pair=pair))
                 for pair in compress_pairs()]  # fmt: skip

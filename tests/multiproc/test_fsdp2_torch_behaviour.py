@@ -5,7 +5,7 @@ and batches (ws 2, gloo, one launch for all cases): a tie across two calls (refu
 first forward), `fully_shard.state`, a unit over a list of modules (grouped, tied, a partial
 forward with the head called per chunk, two partial forwards leaving the head without a
 gradient), `reset_iter_state` after an exception in forward and in backward, a change of the
-shards while the whole tensors are held (against one process: torch has no check),
+shards while the whole tensors are held, or a row's block of them (against one process: torch has no check),
 `reshard_after_forward` as an int (rows of 2 of 4 ranks: the one ws-4 launch) or False,
 `Shard(1)` from `shard_placement_fn`,
 `register_fsdp_forward_method` and `isinstance` of torch's `FSDPModule`, a DTensor parameter
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import nanoddp.fsdp as our_fsdp
 from nanoddp.parallel.fsdp.fully_shard import _reshard_after_forward
+from nanoddp.parallel.fsdp.unit import ShardedState
 
 IMPLS = {"ours": our_fsdp.fully_shard, "torch": torch_fsdp.fully_shard}
 STEPS = 3
@@ -337,6 +338,35 @@ def ws4_reshard_to_rows_of_two(env) -> None:
     assert_same_training(env, runs["ours"], runs["ours-to-all"])
 
 
+def ws4_rows_changed_while_held(env) -> None:
+    """ws 4, `reshard_after_forward=2`: an eval forward leaves the block holding its block of the
+    rows' buffer; then the shards change (an in-place op, a for-loop and a foreach SGD step).
+    The next forward runs the new weights, as one process does. One batch on every rank: the
+    average of four equal gradients is each up to rounding (three additions), so assert_close."""
+    x, y = batch(0, 0)
+    for change in ("mul_", "sgd", "sgd-foreach"):
+        model, plain = build(), build()
+        our_fsdp.fully_shard(model.block, reshard_after_forward=2)
+        our_fsdp.fully_shard(model)
+        outs = []
+        for m in (model, plain):
+            params = list(m.parameters())
+            opt = torch.optim.SGD(params, lr=0.1, foreach=change == "sgd-foreach")
+            F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+            with torch.no_grad():
+                m(x)  # ours: the block keeps its block of 2 of the 4 ranks' parts
+                if m is model:
+                    state = model.block._fsdp_state.unit.sharded_state
+                    assert state is ShardedState.SHARDED_POST_FORWARD, f"{state}: the case would not test staleness"
+                if change == "mul_":
+                    for p in params:
+                        p.mul_(2)
+                else:
+                    opt.step()
+                outs.append(m(x))
+        torch.testing.assert_close(outs[0], outs[1], msg=lambda m, c=change: f"{c}: the next forward ran: {m}")
+
+
 def registered_kinds(model: nn.Module) -> list[str]:
     return [type(p.data).__name__ for p in model.parameters()]
 
@@ -518,7 +548,10 @@ def case_refusals_match_torch(env) -> None:
 
 CASES = {
     2: [(fn.__name__.removeprefix("case_"), fn) for name, fn in sorted(globals().items()) if name.startswith("case_")],
-    4: [("reshard_to_rows_of_two", ws4_reshard_to_rows_of_two)],  # the smallest shard size with a row size
+    4: [
+        ("reshard_to_rows_of_two", ws4_reshard_to_rows_of_two),
+        ("rows_changed_while_held", ws4_rows_changed_while_held),
+    ],  # the smallest shard size with a row size
 }
 
 

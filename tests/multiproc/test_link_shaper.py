@@ -9,7 +9,9 @@
   bulk pieces by the shaper's thread), equals torch.distributed's all_reduce bitwise (two
   addends: the sum does not depend on their order);
 - a bad NANODDP_LINK_* value is one clear ValueError, the same on both ranks, raised by the first
-  collective on a group; and the parsing itself, in this process.
+  collective on a group; and the parsing itself, in this process;
+- a second link named in the environment before a new group's first collective replaces the
+  first: a send then arrives no sooner than the second link's model says.
 
 Times come from `time.monotonic()`, one clock for every process of the machine (Linux).
 """
@@ -122,6 +124,24 @@ def case_bad_value_is_one_clear_error(env):
         os.environ[BANDWIDTH_VAR] = BANDWIDTH
 
 
+SECOND_LATENCY, SECOND_LATENCY_S = "400ms", 0.4
+
+
+def case_a_second_link_replaces_the_first(env):
+    os.environ[LATENCY_VAR] = SECOND_LATENCY
+    try:
+        group = dist.new_group([0, 1])
+        ndc.all_reduce(torch.ones(4), group=group)  # a group's first collective reads the environment
+    finally:
+        os.environ[LATENCY_VAR] = LATENCY
+    model = link_model()
+    assert model is not None and (model.bandwidth_bits_per_s, model.latency_s) == (BITS_PER_S, SECOND_LATENCY_S)
+    nbytes = 100_000  # 0.08 s on the wire: 0.48 s on the second link, 0.18 s on the first
+    t0, (arrived,), _ = _send_and_time(env, [nbytes])
+    want = SECOND_LATENCY_S + 8 * nbytes / BITS_PER_S
+    assert arrived - t0 >= want, f"arrived after {arrived - t0:.3f}s, the second link says {want:.3f}s"
+
+
 def case_the_link_is_the_environment(env):
     model = link_model()
     assert model is not None and (model.bandwidth_bits_per_s, model.latency_s) == (BITS_PER_S, LATENCY_S)
@@ -139,6 +159,7 @@ CASES = [
         functools.partial(_all_reduce_equals_torch, numel=64 * 1024, path=Path.RING, async_op=True),
     ),  # fmt: skip
     ("bad_value_is_one_clear_error", case_bad_value_is_one_clear_error),
+    ("a_second_link_replaces_the_first", case_a_second_link_replaces_the_first),  # last: it changes the link
 ]
 
 

@@ -104,6 +104,20 @@ def case_clip_fsdp(env) -> None:
     check_clip(env, model, lambda m: {n: p.grad.full_tensor() for n, p in m.named_parameters()})
 
 
+def case_clip_mixed_kinds(env) -> None:
+    """DTensor gradients (the sharded layer) and plain ones (`ignored_params`: the head stays whole
+    and unreduced) in one clip, every rank on the whole batch: the one-process norm of all of
+    them together, and every gradient clipped by its factor."""
+    model = build()
+    fully_shard(model, ignored_params=set(model[2].parameters()))
+    loss_of(model, global_batch(env.world_size)).backward()
+    kinds = {type(p.grad).__name__ for p in model.parameters()}
+    assert kinds == {"DTensor", "Tensor"}, kinds
+    check_clip(
+        env, model, lambda m: {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in m.named_parameters()}
+    )
+
+
 def zero2_model() -> nn.Module:
     return zero2(build(), bucket_cap_mb=1e-5)  # a small cap: several buckets, pieces split unevenly
 
@@ -234,7 +248,8 @@ def case_after_destroy_raises_as_torch(env) -> None:
 
 def seams_suite(env, out_dir: str) -> None:
     torch.manual_seed(0)
-    cases = [("clip_zero2", case_clip_zero2), ("meta_init", case_meta_init)]  # uneven pieces and rows at ws 3
+    cases = [("clip_zero2", case_clip_zero2), ("clip_mixed_kinds", case_clip_mixed_kinds)]
+    cases += [("meta_init", case_meta_init)]  # uneven pieces and rows at ws 3
     if env.world_size == 2:
         cases = [
             ("clip_plain", case_clip_plain),
@@ -256,7 +271,7 @@ def suite(tmp_path_factory):
 
 WS2 = ["clip_plain", "clip_ddp", "clip_fsdp", "torch_clip_on_zero2", "zero2_state_dict", "not_a_member"]
 WS2 += ["after_destroy"]
-BOTH = ["clip_zero2", "meta_init"]
+BOTH = ["clip_zero2", "clip_mixed_kinds", "meta_init"]
 
 
 @pytest.mark.parametrize(("world_size", "case"), [(2, c) for c in WS2 + BOTH] + [(3, c) for c in BOTH])

@@ -52,6 +52,8 @@ def _worker(env: DistEnv, tmp: str) -> dict:
         for key, value in trainer_params(whole).items():
             assert torch.equal(value, resumed.module.state_dict()[key]), (engine, key)
         out[engine] = trainer_params(whole)
+    plain_outer = train_tiny(_config("diloco", outer_momentum=0.0, out=f"{tmp}/diloco-momentum0"), env)
+    out["diloco-momentum0"] = trainer_params(plain_outer)
     accum = train_tiny(_config("localsgd", grad_accum=2, out=f"{tmp}/accum-localsgd"), env)
     out["localsgd-accum2"] = trainer_params(accum)
     train_tiny(_config("diloco", amp="bf16", out=f"{tmp}/bf16-diloco"), env)
@@ -92,22 +94,23 @@ def _resume_alone(env: DistEnv, snapshot_file: str, out: str) -> dict:
     return {"params": trainer_params(trainer), "optimizer": trainer.optimizer.state_dict()}
 
 
-def _reference(engine: str) -> list[dict[str, torch.Tensor]]:
+def _reference(engine: str, **changes) -> list[dict[str, torch.Tensor]]:
     """`_simulate` on one thread, as every rank ran (then the thread count is given back)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(engine)
+        return _simulate(engine, **changes)
     finally:
         torch.set_num_threads(threads)
 
 
-def _simulate(engine: str) -> list[dict[str, torch.Tensor]]:
+def _simulate(engine: str, **changes) -> list[dict[str, torch.Tensor]]:
     """Both ranks' replicas in one process, by the algorithm: each steps its own AdamW on its
     own batches (the sampler's rank r share), clipped by its own norm; every SYNC_EVERY steps
-    LocalSGD averages the weights, DiLoCo takes an outer Nesterov SGD step on the mean of
-    (weights at the last sync - weights now). Divide, then sum in rank order: the ranks' math."""
-    config = _config(engine)
+    LocalSGD averages the weights, DiLoCo takes an outer SGD step (Nesterov unless its momentum
+    is 0) on the mean of (weights at the last sync - weights now). Divide, then sum in rank
+    order: the ranks' math. `changes`: config fields the run was given besides the engine's."""
+    config = _config(engine, **changes)
     train_set, _, spec = build_datasets(
         config.data, config.seq_len, config.val_fraction, config.text_max_bytes, model=config.model
     )
@@ -120,7 +123,8 @@ def _simulate(engine: str) -> list[dict[str, torch.Tensor]]:
     params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
     last_sync = [p.detach().clone() for p in params[0]]
     if engine == "diloco":
-        outer = torch.optim.SGD(last_sync, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True)
+        momentum = config.outer_momentum
+        outer = torch.optim.SGD(last_sync, lr=config.outer_lr, momentum=momentum, nesterov=momentum > 0)
     order = ResumableDistributedSampler(train_set, WORLD_SIZE, 0, seed=config.seed).permutation(0).tolist()
     micro, loss_of = config.batch_size // WORLD_SIZE, batch_loss_for(None)
     for step in range(STEPS):
@@ -166,6 +170,17 @@ def test_replicas_equal_a_single_process_simulation_bitwise(ws2, engine):
     exported = torch.load(tmp / f"whole-{engine}" / "model.pt", weights_only=True)
     for name, a in named[0].items():
         assert torch.equal(exported[name], a.detach() / WORLD_SIZE + named[1][name].detach() / WORLD_SIZE), name
+
+
+def test_diloco_outer_momentum_reaches_the_engine(ws2):
+    """`outer_momentum=0` (`--outer-momentum 0`): plain outer SGD, the simulation's bits, which
+    differ from the default momentum's."""
+    results, _ = ws2
+    named = _reference("diloco", outer_momentum=0.0)
+    for rank in range(WORLD_SIZE):
+        for name, expected in named[rank].items():
+            assert torch.equal(results[rank]["diloco-momentum0"][name], expected), (rank, name)
+    assert not all(torch.equal(results[0]["diloco"][n], results[0]["diloco-momentum0"][n]) for n in named[0])
 
 
 def test_resume_at_another_world_size_continues_rank_0s_replica(ws2, tmp_path):

@@ -2,13 +2,15 @@
 
 References: LocalSGD alone is its inner optimizer (the average of one replica is itself); DiLoCo
 alone is the outer SGD stepped on (last sync - now) every `sync_every` inner steps, replayed here
-with torch's own optimizers on a copy of the model.
+with torch's own optimizers on a copy of the model: the paper's Nesterov momentum, and plain SGD
+(`outer_momentum=0`, which torch's SGD takes without Nesterov).
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,13 +47,15 @@ def test_localsgd_without_a_group_is_its_inner_optimizer():
         assert torch.equal(a, b)
 
 
-def test_diloco_without_a_group_is_the_outer_step_on_one_replica():
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_diloco_without_a_group_is_the_outer_step_on_one_replica(momentum):
     assert not dist.is_initialized()
     ours, ref = _model(), _model()
-    _train(ours, nanoddp.DiLoCo(torch.optim.AdamW(ours.parameters(), lr=0.01), sync_every=H))
+    inner = torch.optim.AdamW(ours.parameters(), lr=0.01)
+    _train(ours, nanoddp.DiLoCo(inner, sync_every=H, outer_momentum=momentum))
 
     synced = copy.deepcopy(list(ref.parameters()))
-    outer = torch.optim.SGD(synced, lr=0.7, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(synced, lr=0.7, momentum=momentum, nesterov=momentum > 0)
 
     @torch.no_grad()
     def outer_step(step: int) -> None:

@@ -126,4 +126,18 @@ FAULTS = (
         "    if _SHAPER is None:",
         ("tests/multiproc/test_trainer_lowcomm.py", "-k", "comm_bytes"),
     ),
+    Mutation(
+        "transport: sent_bytes counts elements, not bytes (float32 traffic 4x low)",
+        "nanoddp/comm/transport.py",
+        "        _SENT_BYTES += tensor.numel() * tensor.element_size()\n",
+        "        _SENT_BYTES += tensor.numel()\n",
+        ("tests/multiproc/test_comm_algorithms.py", "-k", "sent_bytes"),
+    ),
+    Mutation(
+        "link: a second simulated link ignored (the first stays in force)",
+        "nanoddp/comm/transport.py",
+        "        _SHAPER.model = model  # one thread",
+        "        pass  # one thread",
+        ("tests/multiproc/test_link_shaper.py", "-k", "second_link"),
+    ),
 )
