@@ -24,8 +24,10 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -107,6 +109,16 @@ class NetnsHosts:
         """Every process whose network is host `host`'s."""
         return _netns_pids(self.names[host])
 
+    def listening(self, host: int) -> set[str]:
+        """The addresses TCP sockets listen on in host `host` (`0.0.0.0`/`::` for every interface),
+        read from the kernel's table of that namespace (`/proc/PID/net/tcp*` of a process inside)."""
+        found: set[str] = set()
+        for pid in self.pids(host)[:1]:
+            for table in ("tcp", "tcp6"):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    found |= _listening_addresses(Path(f"/proc/{pid}/net/{table}").read_text())
+        return found
+
     def kill(self, host: int) -> None:
         """SIGKILL every process of host `host`, until none is left (children forked meanwhile too)."""
         _kill_netns(self.names[host])
@@ -120,6 +132,19 @@ class NetnsHosts:
             subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+def _listening_addresses(table: str) -> set[str]:
+    """Local addresses of the LISTEN rows (state 0A) of a /proc/net/tcp or tcp6 table."""
+    found = set()
+    for row in table.splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        if state == "0A":
+            raw = bytes.fromhex(local.split(":")[0])
+            if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
 
 
 def _netns_pids(name: str) -> list[int]:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"names
 
 # GPT tiny on 32-byte windows (~0.2 s a step on 2 busy cores, so a kill after step 5 lands mid-run)
 TRAIN_ARGS = [
-    "--steps", "24", "--snapshot-every", "5", "--seq-len", "32", "--batch-size", "8",
+    "--steps", "24", "--snapshot-every", "5", "--seq-len", "32", "--batch-size", "12",
     "--text-max-bytes", "200000", "--log-every", "4", "--eval-every", "0", "--no-progress",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 300
@@ -177,15 +177,6 @@ def test_hosts_reads_routes_and_ownership_from_the_interfaces(hosts):
 # ---- training across hosts ---------------------------------------------------------------------
 
 
-def _listeners(hosts: NetnsHosts, host: int) -> set[str]:
-    """The addresses that processes of `host` listen on (TCP)."""
-    found = set()
-    for pid in hosts.pids(host):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            found |= {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    return found
-
-
 def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not path.exists():
@@ -199,7 +190,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
 def test_two_hosts_train_like_one_and_listen_on_their_own_addresses(hosts, one_host_runs, tmp_path):
     procs = [_node(hosts, host, 2, tmp_path) for host in (1, 0)]  # the store's host need not start first
     _wait_for(tmp_path / "snapshots" / "step-00000005.pt", procs)  # every process is up and talking
-    listening = {host: _listeners(hosts, host) for host in (0, 1)}
+    listening = {host: hosts.listening(host) for host in (0, 1)}
     outputs = _finish_all(hosts, procs)
     for host, addresses in listening.items():
         assert addresses == {hosts.addresses[host]}, (host, addresses)
