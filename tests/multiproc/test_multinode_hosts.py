@@ -33,10 +33,11 @@ from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
 
-# GPT tiny on 32-byte windows (~0.2 s a step on 2 busy cores, so a kill after step 5 lands mid-run)
+# GPT tiny on 32-byte windows (~0.2 s a step on 2 busy cores, so a kill after step 5 lands mid-run);
+# logged at each snapshot step, so that a resumed run averages the same steps per record
 TRAIN_ARGS = [
     "--steps", "24", "--snapshot-every", "5", "--seq-len", "32", "--batch-size", "12",
-    "--text-max-bytes", "200000", "--log-every", "4", "--eval-every", "0", "--no-progress",
+    "--text-max-bytes", "200000", "--log-every", "5", "--eval-every", "0", "--no-progress",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 300
 PORT = 29500  # inside the namespaces the test made: nothing else listens there
