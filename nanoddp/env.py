@@ -288,13 +288,13 @@ def init(
         # torchrun >= 2.5 may hand its workers the agent's own store (MASTER_PORT is then the
         # agent's server): only when the workers host their own store can they bind it here.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        own_store = env.torchrun and env.master_port is not None and not agent_store
-        if own_store and env.local_world_size == env.world_size:
-            store = loopback_store(env.master_port, env.rank, env.world_size, timeout)
-        elif own_store and env.master_addr is not None and hosts.is_address(env.master_addr):
+        port = env.master_port if env.torchrun and not agent_store else None
+        if port is not None and env.local_world_size == env.world_size:
+            store = loopback_store(port, env.rank, env.world_size, timeout)
+        elif port is not None and env.master_addr is not None and hosts.is_address(env.master_addr):
             # several nodes, MASTER_ADDR an address of rank 0's host (`nanoddp train` passes
             # torchrun --local-addr): rank 0's server listens on that address only
-            store = bound_store(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
+            store = bound_store(env.master_addr, port, env.rank, env.world_size, timeout)
         elif env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
             init_method = "env://"
         elif env.master_addr is not None and env.master_port is not None:
