@@ -7,6 +7,7 @@ bridge (`nanoddp.bench.netns_hosts`), the hostname resolving to 127.0.0.1 in all
   every listener of a host on its own address (never *, never 127.0.0.1 where peers must dial).
 - Three hosts, one SIGKILLed whole after a snapshot and started again: the job resumes on the
   restart path (`--max-restarts`) and ends bitwise equal to the same job on one host.
+- `nanoddp run` with the static backend: a script's all_reduce across two hosts.
 - An endpoint nobody serves is one line naming it within `--rdzv-timeout`; one without a route
   is refused in one line before anything starts, by `nanoddp train` and `nanoddp run` alike.
 
@@ -211,6 +212,42 @@ def test_three_hosts_one_killed_whole_and_started_again_resume_bitwise(hosts, on
     outputs = _finish_all(hosts, procs)
     assert re.search(r"restart 1: resumed from \S+step-000000(05|10)\.pt", "".join(outputs)), outputs
     _assert_same_run(one_host_runs[3], tmp_path)
+
+
+SCRIPT = """
+import json, os
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+total = torch.full((1,), float(dist.get_rank() + 1))
+dist.all_reduce(total)
+seen = {name: os.environ.get(name) for name in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
+print("ALL-REDUCE " + json.dumps({"rank": dist.get_rank(), "sum": total.item(), **seen}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_nanoddp_run_script_across_hosts_with_the_static_backend(hosts, tmp_path):
+    """`nanoddp run` goes through the same rendezvous; the static backend (node 0 serves) too."""
+    script = tmp_path / "all_reduce.py"
+    script.write_text(SCRIPT)
+    endpoint = f"{hosts.addresses[0]}:{PORT + 1}"
+    procs = [
+        subprocess.Popen(hosts.command(host, [sys.executable, "-m", "nanoddp", "run", "--nproc", "1", "--nnodes", "2",
+                                              "--node-rank", str(host), "--rdzv-backend", "static",
+                                              "--rdzv-endpoint", endpoint, str(script)]),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for host in (1, 0)
+    ]  # fmt: skip
+    outputs = _finish_all(hosts, procs)
+    reports = [json.loads(line.split("ALL-REDUCE ", 1)[1]) for out in outputs for line in out.splitlines()
+               if "ALL-REDUCE " in line]  # fmt: skip
+    assert sorted(r["rank"] for r in reports) == [0, 1], outputs
+    for report in reports:
+        assert report["sum"] == 3.0 and report["MASTER_ADDR"] == hosts.addresses[0], report
+        assert report["GLOO_SOCKET_IFNAME"] == "eth0", report
 
 
 # ---- endpoints that cannot be reached ----------------------------------------------------------

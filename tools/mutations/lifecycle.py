@@ -9,7 +9,7 @@ FAULTS = (
     Mutation(
         "nanoddp run: the single-node store listens on every interface",
         "nanoddp/run/bootstrap.py",
-        "            _loopback_rendezvous(call)",
+        "            _bound_rendezvous(call)",
         "            pass",
         ("tests/reliability/test_loopback.py", "-k", "single_node"),
     ),
