@@ -8,8 +8,9 @@ bridge (`nanoddp.bench.netns_hosts`), the hostname resolving to 127.0.0.1 in all
 - Three hosts, one SIGKILLed whole after a snapshot and started again: the job resumes on the
   restart path (`--max-restarts`) and ends bitwise equal to the same job on one host.
 - `nanoddp run` with the static backend: a script's all_reduce across two hosts.
-- An endpoint nobody serves is one line naming it within `--rdzv-timeout`; one without a route
-  is refused in one line before anything starts, by `nanoddp train` and `nanoddp run` alike.
+- An endpoint nobody serves, or a node left alone, is one line naming the endpoint within
+  `--rdzv-timeout`; one without a route is refused in one line before anything starts, by
+  `nanoddp train` and `nanoddp run` alike.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 """
@@ -254,29 +255,41 @@ def test_nanoddp_run_script_across_hosts_with_the_static_backend(hosts, tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_unreachable_endpoint_is_one_line_naming_it(hosts, tmp_path):
+def test_nodes_that_cannot_meet_are_one_line_naming_the_endpoint(hosts, tmp_path):
+    """Nobody serving the endpoint, a node alone (the others never join), no route: one line each,
+    within --rdzv-timeout, before anything starts for the last (`nanoddp train` and `nanoddp run`)."""
     unserved = f"{hosts.addresses[0].rsplit('.', 1)[0]}.250:{PORT}"  # on the bridge's subnet, no host
-    nowhere = "192.0.2.1:29500"  # no route from the namespaces
-    node = ["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-timeout", "5"]
+    alone = f"{hosts.addresses[0]}:{PORT + 2}"  # host 0 serves it, nobody else comes
+    nowhere = "192.0.2.1:29500"  # TEST-NET-1: no route from the namespaces
+    node = ["--nproc", "1", "--nnodes", "2", "--rdzv-timeout", "5"]
     started = time.monotonic()
-    waits = _train(hosts, 1, *node, "--rdzv-endpoint", unserved, "--out", str(tmp_path / "a"))
+    waiting = [
+        _train(hosts, 1, *node, "--node-rank", "1", "--rdzv-endpoint", unserved, "--out", str(tmp_path / "a")),
+        _train(hosts, 0, *node, "--rdzv-endpoint", alone, "--out", str(tmp_path / "b")),
+    ]
     refused = [
-        _train(hosts, 2, *node, "--rdzv-endpoint", nowhere, "--out", str(tmp_path / "b")),
+        _train(hosts, 2, *node, "--rdzv-endpoint", nowhere, "--out", str(tmp_path / "c")),
         subprocess.Popen(hosts.command(2, [sys.executable, "-m", "nanoddp", "run", *node, "--rdzv-endpoint", nowhere,
                                            "-m", "json.tool"]),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
     ]  # fmt: skip
     try:
-        outputs = [proc.communicate(timeout=200)[0] for proc in [waits, *refused]]
+        outputs = [proc.communicate(timeout=200)[0] for proc in [*waiting, *refused]]
     finally:
-        _kill_everything(None, [waits, *refused])
+        _kill_everything(None, [*waiting, *refused])
     elapsed = time.monotonic() - started
-    lines = [[line for line in out.splitlines() if not line.startswith(("nanoddp: torchrun", "[W"))] for out in outputs]
-    assert waits.returncode == 1 and lines[0] == [
+    noise = ("nanoddp: torchrun ", "[W", f"nanoddp: {tmp_path / 'b'}: ")  # the command, C++ warnings, OUT's status
+    lines = [[line for line in out.splitlines() if not line.startswith(noise)] for out in outputs]
+    assert [proc.returncode for proc in [*waiting, *refused]] == [1, 1, 2, 2], outputs
+    assert lines[0] == [
         f"nanoddp: cannot reach the rendezvous store at {unserved} within 5 s; start node 0 (the host that "
         "owns that address) with the same --rdzv-endpoint, or check the address and port"
     ], outputs[0]
-    assert elapsed < 120, elapsed  # 5 s, not torchrun's 600: start-up on a busy machine is the rest
-    for proc, found in zip(refused, lines[1:], strict=True):
-        assert proc.returncode == 2 and len(found) == 1, found
+    assert lines[1] == [
+        f"nanoddp: rendezvous at {alone} timed out after 5 s: not every node joined; start each node with the "
+        "same --nnodes, --rdzv-endpoint and --rdzv-id"
+    ], outputs[1]
+    assert elapsed < 150, elapsed  # 5 s, not torchrun's 600: start-up on a busy machine is the rest
+    for found in lines[2:]:
+        assert len(found) == 1, found
         assert found[0].startswith(f"nanoddp: error: no route from this host to the rendezvous endpoint {nowhere}")
