@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"names
 # GPT tiny on 32-byte windows (~0.2 s a step on 2 busy cores, so a kill after step 5 lands mid-run);
 # logged at each snapshot step, so that a resumed run averages the same steps per record
 TRAIN_ARGS = [
-    "--steps", "24", "--snapshot-every", "5", "--seq-len", "32", "--batch-size", "12",
+    "--steps", "15", "--snapshot-every", "5", "--seq-len", "32", "--batch-size", "12",
     "--text-max-bytes", "200000", "--log-every", "5", "--eval-every", "0", "--no-progress",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 300
