@@ -80,7 +80,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=rendezvous.RDZV_TIMEOUT_S,
         metavar="S",
-        help=f"seconds a node waits to reach the rendezvous and for all nodes (default: {rendezvous.RDZV_TIMEOUT_S})",
+        help=f"multi-node: seconds a node waits for the store and for all nodes (default: {rendezvous.RDZV_TIMEOUT_S})",
     )
     group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
     group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")

@@ -46,13 +46,13 @@ def launch_argv(args: argparse.Namespace, nproc: int) -> list[str]:
     timeout = max(1, round(args.rdzv_timeout))  # torchrun takes whole seconds
     argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
     argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id, "--max-restarts", str(args.max_restarts)]
-    # how long a node waits to reach the store (read_timeout) and for every node (join_timeout)
-    argv += ["--rdzv-conf", f"join_timeout={timeout},read_timeout={timeout}"]
     single_node = str(args.nnodes).split(":")[-1] == "1" and not args.rdzv_endpoint
     if args.standalone or single_node:
         argv.append("--standalone")
     elif args.rdzv_endpoint:
         argv += ["--rdzv-endpoint", args.rdzv_endpoint]
+        # how long a node waits to reach the store (read_timeout) and for every node (join_timeout)
+        argv += ["--rdzv-conf", f"join_timeout={timeout},read_timeout={timeout}"]
     return argv
 
 
@@ -109,7 +109,7 @@ def multinode_rendezvous(torchrun_argv: list[str]) -> tuple[list[str], object | 
     if store is None and not hosts.wait_reachable(route.address, route.port, timeout):
         raise RendezvousUnreachable(unreachable_line(endpoint, timeout))
     if backend == "c10d":
-        conf = argv.index("--rdzv-conf") + 1
+        conf = argv.index("--rdzv-conf") + 1  # launch_argv wrote it
         argv[conf] = f"{argv[conf]},is_host={int(store is not None)}"
     return ["--local-addr", route.local_address, *argv], store
 
@@ -140,4 +140,5 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def _rdzv_conf(argv: list[str]) -> dict[str, str]:
-    return dict(pair.split("=", 1) for pair in _flag(argv, "--rdzv-conf").split(",") if "=" in pair)
+    text = _flag(argv, "--rdzv-conf") if "--rdzv-conf" in argv else ""
+    return dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
