@@ -22,6 +22,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from nanoddp import hosts
 from nanoddp.torchrun import inside_torchrun, scheduler_vars
 
 if TYPE_CHECKING:
@@ -182,21 +183,34 @@ def free_port() -> int:
 
 
 def loopback_store(port: int, rank: int, world_size: int, timeout: timedelta = DEFAULT_PG_TIMEOUT) -> dist.TCPStore:
-    """A TCPStore on 127.0.0.1:`port` that listens on loopback only (the rank-0 server).
+    """A TCPStore on 127.0.0.1:`port` that listens on loopback only (the rank-0 server)."""
+    return bound_store("127.0.0.1", port, rank, world_size, timeout)
 
-    torch's TCPStore server listens on every interface, whatever host it is given, so a local
-    job would accept connections from the network. Rank 0 binds the listening socket to loopback
-    itself and hands it over (`master_listen_fd`); `multi_tenant` lets a later TCPStore for the
-    same port in this process (torchrun's rendezvous) reuse this server.
+
+def bound_store(
+    address: str, port: int, rank: int, world_size: int, timeout: timedelta = DEFAULT_PG_TIMEOUT
+) -> dist.TCPStore:
+    """A TCPStore on `address`:`port` whose server (rank 0) listens on that address only.
+
+    torch's TCPStore server listens on every interface, whatever host it is given, so a job
+    would accept connections from any network. Rank 0 binds the listening socket itself and
+    hands it over (`master_listen_fd`); `multi_tenant` lets a later TCPStore for the same port in
+    this process (torchrun's rendezvous) reuse this server. Raises OSError (EADDRINUSE) when the
+    port is taken on that address.
     """
     if rank != 0:
-        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(128)
+        return dist.TCPStore(address, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
     store = dist.TCPStore(
-        "127.0.0.1",
+        address,
         listener.getsockname()[1],
         world_size,
         True,
@@ -262,7 +276,9 @@ def init(
     Private by default: a single-process env without MASTER_ADDR gets a loopback-only rendezvous
     (so code written for N ranks runs unchanged with one), and so does a torchrun job whose ranks
     all run on this node; whenever every rank runs here, gloo listens on loopback too
-    (`pin_gloo_to_loopback`). Multi-node jobs use torch's env:// rendezvous at MASTER_ADDR.
+    (`pin_gloo_to_loopback`). Multi-node jobs meet at MASTER_ADDR (rank 0's store bound to it when
+    it is an address, else torch's env:// rendezvous), and gloo listens on the interface towards
+    it (`hosts.route_to`) unless GLOO_SOCKET_IFNAME says otherwise.
     """
     env = env or DistEnv.from_environ()
     if dist.is_initialized():
@@ -272,8 +288,13 @@ def init(
         # torchrun >= 2.5 may hand its workers the agent's own store (MASTER_PORT is then the
         # agent's server): only when the workers host their own store can they bind it here.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        if env.torchrun and env.local_world_size == env.world_size and env.master_port is not None and not agent_store:
-            store = loopback_store(env.master_port, env.rank, env.world_size, timeout)
+        port = env.master_port if env.torchrun and not agent_store else None
+        if port is not None and env.local_world_size == env.world_size:
+            store = loopback_store(port, env.rank, env.world_size, timeout)
+        elif port is not None and env.master_addr is not None and hosts.is_address(env.master_addr):
+            # several nodes, MASTER_ADDR an address of rank 0's host (`nanoddp train` passes
+            # torchrun --local-addr): rank 0's server listens on that address only
+            store = bound_store(env.master_addr, port, env.rank, env.world_size, timeout)
         elif env.torchrun:  # torch's env:// rendezvous keys the store by restart attempt
             init_method = "env://"
         elif env.master_addr is not None and env.master_port is not None:
@@ -284,6 +305,10 @@ def init(
             raise ValueError(f"world_size={env.world_size} needs MASTER_ADDR/MASTER_PORT or init_method")
     if all_ranks_here(env, init_method):
         pin_gloo_to_loopback()
+    elif env.master_addr is not None and env.master_port is not None:
+        # gloo would listen on the hostname's address (127.0.0.1 in many containers): the
+        # interface towards rank 0's host instead, unless the user chose one
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", hosts.route_to(f"{env.master_addr}:{env.master_port}").interface)
     if env.backend == "nccl":
         torch.cuda.set_device(env.device)
     dist.init_process_group(

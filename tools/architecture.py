@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # `python tools/architecture.py` imports this che
 # Layers, lowest first: a module may import its own layer and the layers below it. `cli`,
 # `__main__` and the root `nanoddp/__init__.py` (the public API re-exported) sit on top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("env", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
+    ("base", ("env", "hosts", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
     ("models", ("models",)),
     ("comm", ("comm",)),
     ("parallel", ("parallel", "fsdp")),  # `nanoddp.fsdp` is the face of parallel/fsdp/

@@ -19,8 +19,9 @@ MASTER_ADDR=<this host>, rank 0's TCPStore server listens on every interface wha
 it is given, and gloo's device follows the hostname's address. So, when every rank runs here,
 MASTER_ADDR becomes 127.0.0.1, gloo is pinned to the loopback interface (GLOO_SOCKET_IFNAME,
 unless the user set it), and a script's env:// `init_process_group` gets rank 0's store bound
-to loopback (`nanoddp.env.loopback_store`, as `nanoddp.env.init` does). Multi-node jobs keep
-the addresses torchrun and the user's endpoint give.
+to loopback (`nanoddp.env.bound_store`, as `nanoddp.env.init` does). On several nodes the agent
+has chosen the addresses (`nanoddp.train.launcher.rendezvous`): MASTER_ADDR is rank 0's host's
+address, where its store is bound the same way, and gloo's interface is set.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from nanoddp import env as nd
-from nanoddp import torchrun
+from nanoddp import hosts, torchrun
 from nanoddp.comm import watchdog
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train.launcher.agent import AGENT_PID_VAR
@@ -103,11 +104,12 @@ def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> boo
     return True
 
 
-def _loopback_rendezvous(call: inspect.BoundArguments) -> None:
-    """An env:// `init_process_group` call of a single-node job, given a loopback-only store.
+def _bound_rendezvous(call: inspect.BoundArguments) -> None:
+    """An env:// `init_process_group` call given a store whose server listens on MASTER_ADDR only.
 
     torch's env:// rendezvous makes rank 0's TCPStore server listen on every interface; the
-    store `nanoddp.env.loopback_store` makes for MASTER_PORT listens on 127.0.0.1 only. Calls
+    store `nanoddp.env.bound_store` makes for MASTER_PORT listens on MASTER_ADDR only: 127.0.0.1
+    on one node (`single_node_loopback`), rank 0's host's address on several. Calls
     that bring their own store or another init_method, and workers told to use the agent's
     store (a client, nothing to bind), are left as they are."""
     arguments = call.arguments
@@ -122,13 +124,13 @@ def _loopback_rendezvous(call: inspect.BoundArguments) -> None:
     arguments["world_size"] = int(os.environ["WORLD_SIZE"]) if world_size == -1 else world_size
     arguments["init_method"] = None
     timeout = arguments.get("timeout") or nd.DEFAULT_PG_TIMEOUT
-    port = int(os.environ["MASTER_PORT"])
-    arguments["store"] = nd.loopback_store(port, arguments["rank"], arguments["world_size"], timeout)
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    arguments["store"] = nd.bound_store(address, port, arguments["rank"], arguments["world_size"], timeout)
 
 
-def arm_watchdog(timeout_s: float, loopback: bool = False) -> None:
+def arm_watchdog(timeout_s: float, bind_store: bool = False) -> None:
     """Patch torch.distributed so that the script's collectives are watched (see the docstring);
-    with `loopback`, its env:// process group also gets a loopback-only store."""
+    with `bind_store`, its env:// process group also gets a store listening on MASTER_ADDR only."""
     original_init = dist.init_process_group
     original_destroy = dist.destroy_process_group
     signature = inspect.signature(original_init)
@@ -138,8 +140,8 @@ def arm_watchdog(timeout_s: float, loopback: bool = False) -> None:
         call = signature.bind(*args, **kwargs)
         if call.arguments.get("timeout") is None:
             call.arguments["timeout"] = timedelta(seconds=timeout_s + PG_TIMEOUT_MARGIN_S)
-        if loopback:
-            _loopback_rendezvous(call)
+        if bind_store:
+            _bound_rendezvous(call)
         excepthook = sys.excepthook
         original_init(*call.args, **call.kwargs)
         sys.excepthook = excepthook  # torch's adds "[rank1]: " to tracebacks; the launcher prefixes already
@@ -175,7 +177,10 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("target")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    arm_watchdog(parsed.collective_timeout, loopback=single_node_loopback())
+    # one node: MASTER_ADDR is now 127.0.0.1; several: an address when the agent passed torchrun
+    # --local-addr (`nanoddp run` does), else a name, left to torch's env:// rendezvous
+    single_node_loopback()
+    arm_watchdog(parsed.collective_timeout, bind_store=hosts.is_address(os.environ.get("MASTER_ADDR", "")))
     try:
         run_script(parsed.target, parsed.args, parsed.as_module)
     finally:

@@ -42,6 +42,7 @@ from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, watched_agent
 from nanoddp.train.launcher import preflight
 from nanoddp.train.launcher.agent import AgentJob, failure_reason, run_torchrun_agent
 from nanoddp.train.launcher.cli import add_launch_args, default_nproc
+from nanoddp.train.launcher.rendezvous import check_launch_args, launch_argv
 
 BOOTSTRAP_MODULE = "nanoddp.run.bootstrap"
 RANK_PREFIX_TEMPLATE = "[rank ${rank}] "  # torchrun's template macros: ${rank}, ${local_rank}, ${role_name}
@@ -110,6 +111,7 @@ def check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    check_launch_args(args)
     if not args.collective_timeout > 0:
         raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
     if not args.finished_grace >= 0:
@@ -122,14 +124,7 @@ def check_args(args: argparse.Namespace) -> int:
 
 def agent_argv(args: argparse.Namespace, nproc: int) -> list[str]:
     """torchrun's command line for this launch (without the program name and the log dir)."""
-    argv = ["--nproc-per-node", str(nproc), "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
-    argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-id", args.rdzv_id, "--max-restarts", str(args.max_restarts)]
-    argv += ["--tee", "3"]  # tee: torchrun prefixes each line it copies
-    single_node = str(args.nnodes).split(":")[-1] == "1" and not args.rdzv_endpoint
-    if args.standalone or single_node:
-        argv.append("--standalone")
-    elif args.rdzv_endpoint:
-        argv += ["--rdzv-endpoint", args.rdzv_endpoint]
+    argv = [*launch_argv(args, nproc), "--tee", "3"]  # tee: torchrun prefixes each line it copies
     worker = ["-m", BOOTSTRAP_MODULE, "--collective-timeout", str(args.collective_timeout)]
     worker += ["-m"] if args.as_module else []
     return [*argv, *worker, "--", args.script, *args.script_args]

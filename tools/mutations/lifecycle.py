@@ -9,9 +9,16 @@ FAULTS = (
     Mutation(
         "nanoddp run: the single-node store listens on every interface",
         "nanoddp/run/bootstrap.py",
-        "            _loopback_rendezvous(call)",
+        "            _bound_rendezvous(call)",
         "            pass",
         ("tests/reliability/test_loopback.py", "-k", "single_node"),
+    ),
+    Mutation(
+        "multi-node: the store's host not decided by this host's interfaces",
+        "nanoddp/hosts.py",
+        "    is_local = ipaddress.ip_address(address).is_loopback or interface_of(address) is not None",
+        "    is_local = ipaddress.ip_address(address).is_loopback",
+        ("tests/multiproc/test_multinode_hosts.py", "-k", "hosts_reads_routes"),
     ),
     Mutation(
         "nanoddp run: workers outlive a SIGKILLed launcher",

@@ -8,10 +8,11 @@ dumps. A worker failure becomes the command's failure line(s) (exception type an
 rank: `failure_reason`); a SIGTERM/SIGINT, which torchrun forwards to the workers (`nanoddp
 train`'s stop at an agreed step and snapshot it, see `signals`), becomes one line and exit
 128 + signal. Around the agent, for both commands: a fresh rendezvous store per restart
-(`torchrun.prepare_torchrun_launch`), workers that die with this process (`AGENT_PID_VAR`), a
-single-node rendezvous store on loopback only (`private_rendezvous`), torchrun's warnings kept
-quiet unless `-v`, and torchrun's log directory (error files, tee'd output) in a private temp
-dir removed at the end unless the command keeps it.
+(`torchrun.prepare_torchrun_launch`), workers that die with this process (`AGENT_PID_VAR`), the
+rendezvous completed for this host (`rendezvous`: loopback on one node; on several, the store's
+host and every listener's address from this host's interfaces, and one line when the nodes
+cannot meet), torchrun's warnings kept quiet unless `-v`, and torchrun's log directory (error
+files, tee'd output) in a private temp dir removed at the end unless the command keeps it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanoddp import env as nd
 from nanoddp import torchrun
 from nanoddp.comm.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import TrainConfig, filled
+from nanoddp.train.launcher import rendezvous
 
 AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main, run.bootstrap)
 MESSAGE_CHARS = 300
@@ -70,6 +70,7 @@ def run_torchrun_agent(job: AgentJob) -> int:
     """Run torchrun's agent for `job` here; return the exit code: 0, 1 on a failure, 128 + signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
     torchrun.prepare_torchrun_launch()
@@ -78,11 +79,20 @@ def run_torchrun_agent(job: AgentJob) -> int:
         _quiet_torchrun_logs()  # its warnings on a stop or a failure: the job's one line instead
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     log_dir = job.log_dir or make_private_dir(job.scratch_prefix)  # else torchelastic leaves its own
-    argv, rendezvous_store = private_rendezvous(["--log-dir", log_dir, *job.torchrun_argv])
-    print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
+    argv: list[str] = []
+    hosted: list[object] = []  # the rendezvous store this process serves, if any: kept while the agent runs
     try:
+        argv, store = rendezvous.rendezvous(["--log-dir", log_dir, *job.torchrun_argv])
+        hosted.append(store)
+        print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
         with job.watch():
             run(get_args_parser().parse_args(argv))
+    except rendezvous.RendezvousUnreachable as exc:
+        _say([str(exc)])
+        return 1
+    except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
+        _say([rendezvous.failure_line(argv, exc)])
+        return 1
     except ChildFailedError as exc:
         _say(job.failure_lines(exc.failures))
         return 1
@@ -94,7 +104,7 @@ def run_torchrun_agent(job: AgentJob) -> int:
         _say([job.stopped_line(sig)])
         return 128 + sig
     finally:
-        del rendezvous_store  # referenced until the agent is done with it
+        hosted.clear()
         if job.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
     if job.done_line is not None:
@@ -138,23 +148,6 @@ def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = Fal
         verbose=verbose,
     )
     return run_torchrun_agent(job)
-
-
-def private_rendezvous(torchrun_argv: list[str]) -> tuple[list[str], object | None]:
-    """Single node (`--standalone`): host the rendezvous store on loopback only.
-
-    torchrun's standalone store listens on every interface. Instead this process starts a
-    loopback-only store (`env.loopback_store`) and points torchrun's c10d rendezvous at it;
-    torchrun's own TCPStore for that port then shares it (multi-tenant). Returns the new argv
-    and the store, which must stay referenced while the agent runs."""
-    if "--standalone" not in torchrun_argv:
-        return torchrun_argv, None
-    store = nd.loopback_store(0, 0, 1)
-    argv = list(torchrun_argv)
-    argv.remove("--standalone")
-    argv[argv.index("--rdzv-id") + 1] = secrets.token_hex(8)
-    argv[argv.index("--rdzv-backend") + 1] = "c10d"
-    return ["--rdzv-endpoint", f"127.0.0.1:{store.port}", *argv], store
 
 
 def failure_reason(exitcode: int, message: object) -> str:

@@ -48,7 +48,7 @@ from nanoddp.train.checkpoint import atomic, rundir
 from nanoddp.train.config import TrainConfig, filled, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
-from nanoddp.train.launcher import agent, preflight
+from nanoddp.train.launcher import agent, preflight, rendezvous
 
 if TYPE_CHECKING:  # torch is imported where it is used: `nanoddp --help` stays fast
     import torch
@@ -75,6 +75,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
     group.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default: c10d)")
     group.add_argument("--rdzv-id", default="none", help="job id shared by all nodes")
+    group.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=rendezvous.RDZV_TIMEOUT_S,
+        metavar="S",
+        help=f"multi-node: seconds a node waits for the store and for all nodes (default: {rendezvous.RDZV_TIMEOUT_S})",
+    )
     group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
     group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
 
@@ -189,6 +196,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    rendezvous.check_launch_args(args)
     world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
     preflight.check_worker_environ()
@@ -224,26 +232,7 @@ def config_to_argv(config: TrainConfig) -> list[str]:
 
 def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> list[str]:
     """The `torchrun ...` command line (without the program name) for this launch."""
-    argv = [
-        "--nproc-per-node",
-        str(nproc),
-        "--nnodes",
-        str(args.nnodes),
-        "--node-rank",
-        str(args.node_rank),
-        "--rdzv-backend",
-        args.rdzv_backend,
-        "--rdzv-id",
-        args.rdzv_id,
-        "--max-restarts",
-        str(args.max_restarts),
-    ]
-    single_node = _max_nodes(args.nnodes) == 1 and not args.rdzv_endpoint
-    if args.standalone or single_node:
-        argv.append("--standalone")
-    elif args.rdzv_endpoint:
-        argv += ["--rdzv-endpoint", args.rdzv_endpoint]
-    return [*argv, "-m", WORKER_MODULE, *config_to_argv(config)]
+    return [*rendezvous.launch_argv(args, nproc), "-m", WORKER_MODULE, *config_to_argv(config)]
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -1,0 +1,179 @@
+"""Hosts with their own addresses on one Linux machine: network namespaces joined by a bridge.
+
+Multi-node means separate addresses, so a multi-node feature is tested (and benchmarked) where
+every node is a network namespace with `lo` up and one address on a veth pair whose other end is
+a port of one bridge, as machines on a switch. Processes run inside a host with `ip netns exec`;
+the filesystem, the process table and the hostname stay shared (the hostname resolving to
+127.0.0.1 everywhere, as in many containers). Killing a host is SIGKILL to every process in its
+namespace (`ip netns pids`), the closest thing to pulling its power cord.
+
+The fabric is private to the process that makes it: names carry its pid and a random token, and
+the subnet is a random /24 in 10.200-254.x.x (the namespaces' routes are their own, and the
+bridge holds no address, so even two fabrics on one subnet could not meet). `close()` kills what
+runs inside, deletes the veths, the namespaces and the bridge; a fabric left by a SIGKILLed
+maker is removed by the next `NetnsHosts()` (its pid is gone). Needs root and iproute2's `ip`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
+KILL_WAIT_S = 10.0
+
+
+def unavailable_reason() -> str | None:
+    """Why namespace hosts cannot be made here (a one-line reason), or None when they can."""
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    return None
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+class NetnsHosts:
+    """`count` namespace hosts on one bridge; use as a context manager (closes on any exit).
+
+    `addresses[i]` is host i's address; `command(i, argv)` is argv run inside host i.
+    """
+
+    def __init__(self, count: int):
+        if count < 1:
+            raise ValueError(f"count must be >= 1 host, got {count}")
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"cannot make namespace hosts: {reason}")
+        remove_stale()
+        token = secrets.token_hex(3)
+        self.names = [f"{NAME_PREFIX}{os.getpid()}-{token}-{i}" for i in range(count)]
+        self.bridge = f"ndb{token}"
+        self._veths = [f"nd{token}v{i}" for i in range(count)]  # the bridge's ends (15 chars at most)
+        subnet = ipaddress.ip_network(f"10.{200 + secrets.randbelow(55)}.{secrets.randbelow(256)}.0/24")
+        self.addresses = [str(subnet.network_address + 1 + i) for i in range(count)]
+        try:
+            self._build(subnet.prefixlen)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, prefixlen: int) -> None:
+        for name in self.names:
+            _ip("netns", "add", name)
+        _ip("link", "add", "name", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for name, veth, address in zip(self.names, self._veths, self.addresses, strict=True):
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+            _ip("link", "set", veth, "master", self.bridge, "up")
+            _ip("-n", name, "addr", "add", f"{address}/{prefixlen}", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+
+    def __enter__(self) -> NetnsHosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside host `host` (its network; everything else is shared)."""
+        return ["ip", "netns", "exec", self.names[host], *argv]
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start `argv` inside host `host` (subprocess.Popen's keyword arguments)."""
+        return subprocess.Popen(self.command(host, argv), **kwargs)
+
+    def pids(self, host: int) -> list[int]:
+        """Every process whose network is host `host`'s."""
+        return _netns_pids(self.names[host])
+
+    def listening(self, host: int) -> set[str]:
+        """The addresses TCP sockets listen on in host `host` (`0.0.0.0`/`::` for every interface),
+        read from the kernel's table of that namespace (`/proc/PID/net/tcp*` of a process inside)."""
+        found: set[str] = set()
+        for pid in self.pids(host)[:1]:
+            for table in ("tcp", "tcp6"):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    found |= _listening_addresses(Path(f"/proc/{pid}/net/{table}").read_text())
+        return found
+
+    def kill(self, host: int) -> None:
+        """SIGKILL every process of host `host`, until none is left (children forked meanwhile too)."""
+        _kill_netns(self.names[host])
+
+    def close(self) -> None:
+        """Kill every process inside, delete the veths, namespaces and bridge; safe to call twice."""
+        for name, veth in zip(self.names, self._veths, strict=True):
+            with contextlib.suppress(RuntimeError):
+                _kill_netns(name)
+            # deleting one end deletes the pair now (a namespace's own teardown is asynchronous)
+            subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+def _listening_addresses(table: str) -> set[str]:
+    """Local addresses of the LISTEN rows (state 0A) of a /proc/net/tcp or tcp6 table."""
+    found = set()
+    for row in table.splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        if state == "0A":
+            raw = bytes.fromhex(local.split(":")[0])
+            if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def _netns_pids(name: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
+    return [int(pid) for pid in done.stdout.split()]
+
+
+def _kill_netns(name: str) -> None:
+    deadline = time.monotonic() + KILL_WAIT_S
+    while pids := _netns_pids(name):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)  # never reaped here: a killed child's exit status stays its parent's to read
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} of namespace {name} survived SIGKILL for {KILL_WAIT_S} s")
+
+
+def remove_stale() -> None:
+    """Remove the fabrics of makers that are gone (SIGKILLed before their `close()`)."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    for line in done.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name[len(NAME_PREFIX) :].split("-") if name.startswith(NAME_PREFIX) else []
+        if len(parts) != 3 or not parts[0].isdigit() or psutil.pid_exists(int(parts[0])):
+            continue
+        logger.info("removing namespace host %s left by a dead process", name)
+        with contextlib.suppress(RuntimeError):
+            _kill_netns(name)
+        subprocess.run(["ip", "link", "del", f"nd{parts[1]}v{parts[2]}"], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", f"ndb{parts[1]}"], capture_output=True, timeout=30)
