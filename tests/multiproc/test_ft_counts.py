@@ -40,7 +40,7 @@ FAILING_REPLICA = """
 import os, sys
 name = f"{os.environ['NANODDP_FT_REPLICA']}-{os.environ['NANODDP_FT_ATTEMPT']}"
 open(os.path.join(sys.argv[1], name), "x").close()
-sys.exit(3)
+sys.exit(1)  # a crash: replaced (exit 3 would be a stop on purpose, never replaced)
 """
 
 
