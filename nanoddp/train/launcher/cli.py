@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import math
 import os
 import sys
 import traceback
-from collections.abc import Sized
+from collections.abc import Callable, Iterator, Sized
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -90,10 +91,10 @@ class _OwnUsageParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-class _Generates(Protocol):
+class _Streams(Protocol):
     """The text models `sample` builds (GPT, SmolLM2): `build_model` types them as nn.Module."""
 
-    def generate(self, idx: torch.Tensor, new_tokens: int, **kwargs: Any) -> torch.Tensor: ...
+    def stream(self, idx: torch.Tensor, new_tokens: int, **kwargs: Any) -> Iterator[torch.Tensor]: ...
 
 
 def _load_config(args: argparse.Namespace) -> TrainConfig:
@@ -383,13 +384,32 @@ def run_sample(args: argparse.Namespace) -> int:
         # a sharded run's model is in per-rank files: this one process reads every piece
         user_state.load_objects(found[0], {"model": model}, restore_rng=False, manifest=found[1])
     model.eval()
-    prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
+    ids = encode(args.prompt or "\n")
     generator = torch.Generator().manual_seed(args.seed)
-    out = cast(_Generates, model).generate(
-        prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator
-    )
-    sys.stdout.write(decode(out[0].tolist()) + "\n")
+    tokens = cast(_Streams, model).stream(
+        torch.tensor([ids], dtype=torch.long), args.tokens, temperature=args.temperature, top_k=args.top_k,
+        generator=generator,
+    )  # fmt: skip
+    try:
+        _write_as_generated(ids, tokens, decode)
+    except BrokenPipeError:  # `nanoddp sample ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
+
+
+def _write_as_generated(ids: list[int], tokens: Iterator[torch.Tensor], decode: Callable[[list[int]], str]) -> None:
+    """Write the text of `ids` (the prompt), then each token's text the moment it is drawn."""
+    printed = 0
+    for token in itertools.chain([None], tokens):  # None: the prompt, shown before the first token
+        if token is not None:
+            ids.append(int(token[0, 0]))
+        # A character split over tokens decodes to U+FFFD until its last piece arrives: hold it back.
+        ready = decode(ids).rstrip("\ufffd") if token is not None else decode(ids)
+        if len(ready) > printed:
+            sys.stdout.write(ready[printed:])
+            sys.stdout.flush()  # a pipe is block-buffered: show the text as it comes
+            printed = len(ready)
+    sys.stdout.write(decode(ids)[printed:] + "\n")
 
 
 def _text_codec(model: str):
