@@ -1,5 +1,5 @@
 """Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`), `nanoddp.launch`, notebook recovery and its
-test harness."""
+test harness, and how a process started by a scheduler finds its job (`nanoddp/torchrun.py`)."""
 
 from __future__ import annotations
 
