@@ -19,6 +19,7 @@ SUBCOMMAND_REGISTRARS = (
     ("nanoddp.cli", "register_check_cli"),
     ("nanoddp.bench", "register_cli"),
     ("nanoddp.train.launcher.cli", "register_cli"),
+    ("nanoddp.train.sample", "register_cli"),
     ("nanoddp.run", "register_cli"),
 )
 

@@ -75,11 +75,13 @@ def scheduler_vars(environ: Mapping[str, str]) -> dict[str, str] | None:
             f"MASTER_ADDR=<the first node's host> MASTER_PORT=<a free port> before {scheduler.launch} "
             "(or start the job with torchrun / `nanoddp run`)"
         )
-    local_rank = _int(environ, scheduler.local_rank) if scheduler.local_rank in environ else None
+    local_rank = _optional_int(environ, scheduler.local_rank)
     local_size = _local_size(environ, scheduler)
     if local_rank is None or local_size is None:  # the scheduler does not say: one node, as torchrun's defaults
         local_rank, local_size = rank, size
-    node_rank = _int(environ, scheduler.node_rank) if scheduler.node_rank in environ else rank // local_size
+    node_rank = _optional_int(environ, scheduler.node_rank)
+    if node_rank is None:
+        node_rank = rank // local_size
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(size),
@@ -93,7 +95,7 @@ def scheduler_vars(environ: Mapping[str, str]) -> dict[str, str] | None:
 
 def _local_size(environ: Mapping[str, str], scheduler: Scheduler) -> int | None:
     if scheduler.local_size is not None:
-        return _int(environ, scheduler.local_size) if scheduler.local_size in environ else None
+        return _optional_int(environ, scheduler.local_size)
     # SLURM: SLURM_TASKS_PER_NODE lists tasks per node in node order, runs compressed as
     # "2(x3),1"; this node's entry is at SLURM_NODEID.
     spec, node = environ.get("SLURM_TASKS_PER_NODE"), environ.get("SLURM_NODEID", "0")
@@ -108,8 +110,15 @@ def _local_size(environ: Mapping[str, str], scheduler: Scheduler) -> int | None:
     return counts[int(node)] if int(node) < len(counts) else None
 
 
-def _int(environ: Mapping[str, str], name: str | None) -> int:
-    assert name is not None
+def _optional_int(environ: Mapping[str, str], name: str | None) -> int | None:
+    """The variable's value; None when it is unset or the scheduler has no such variable (`name`
+    None). Asked before the lookup: `None in os.environ` raises TypeError, unlike a dict's."""
+    if name is None or name not in environ:
+        return None
+    return _int(environ, name)
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
     raw = environ[name]
     if not raw.isdigit():
         raise ValueError(f"environment variable {name} must be a non-negative integer, got {raw!r}")

@@ -25,6 +25,7 @@ import nanoddp
 from nanoddp import LaunchError
 from nanoddp.env import DistEnv
 from nanoddp.models import GPT, MLPClassifier, gpt_config
+from nanoddp.models.gpt import sample_next
 from nanoddp.train.config import TrainConfig
 from nanoddp.train.trainer import Trainer
 
@@ -250,6 +251,18 @@ def train_tiny(config: TrainConfig, env: DistEnv, stop_after: int | None = None)
 
 def trainer_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+
+
+def generate_by_full_recompute(
+    model: GPT, idx: torch.Tensor, new_tokens: int, temperature: float, top_k: int | None, generator: torch.Generator
+) -> torch.Tensor:
+    """Generation without a cache, the reference for `GPT.stream` and `nanoddp sample`: every new
+    token from a full forward over the last seq_len tokens."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(idx[:, -model.cfg.seq_len :])[:, -1, :]  # (B, V)
+            idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)
+    return idx
 
 
 # ---- a small one-process run, as a config and as flags -----------------------------------------

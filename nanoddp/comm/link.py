@@ -119,6 +119,16 @@ def link_environ(bandwidth: str | None, latency: str | None) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """What a shaper holds back right now: `messages` of `nbytes` in all, the last one due to
+    arrive `due_in_s` seconds from now (what the hang watchdog names when the link is the wait)."""
+
+    messages: int
+    nbytes: int
+    due_in_s: float
+
+
 class LinkShaper:
     """Holds each message back as its link would, then runs its `post` on the shaper's one thread.
 
@@ -129,9 +139,10 @@ class LinkShaper:
     def __init__(self, model: LinkModel) -> None:
         self.model = model
         self._free_at: dict[Hashable, float] = {}  # when each link's last queued byte leaves
-        self._due: list[tuple[float, int, Callable[[], None]]] = []  # a heap of (due, order, post)
+        self._due: list[tuple[float, int, int, Callable[[], None]]] = []  # a heap of (due, order, nbytes, post)
         self._order = itertools.count()
         self._posting = 0  # 1 while the thread runs a `post` (popped, not yet posted)
+        self._held_bytes = 0  # of the messages queued or being posted
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -143,7 +154,8 @@ class LinkShaper:
             leaves = max(now, self._free_at.get(link, now)) + 8 * nbytes / self.model.bandwidth_bits_per_s
             self._free_at[link] = leaves
             due = leaves + self.model.latency_s
-            heapq.heappush(self._due, (due, next(self._order), post))
+            heapq.heappush(self._due, (due, next(self._order), nbytes, post))
+            self._held_bytes += nbytes
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="nanoddp-link-shaper", daemon=True)
                 self._thread.start()
@@ -155,6 +167,12 @@ class LinkShaper:
         with self._cond:
             return len(self._due) + self._posting
 
+    def backlog(self) -> Backlog:
+        """The messages held back now, their bytes, and when the last of them arrives."""
+        with self._cond:
+            last_due = max((due for due, *_ in self._due), default=time.monotonic())
+            return Backlog(len(self._due) + self._posting, self._held_bytes, max(last_due - time.monotonic(), 0.0))
+
     def _loop(self) -> None:
         while True:
             self._post_next()
@@ -165,10 +183,11 @@ class LinkShaper:
         with self._cond:
             while not self._due or self._due[0][0] > time.monotonic():
                 self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
-            post = heapq.heappop(self._due)[2]
+            _, _, nbytes, post = heapq.heappop(self._due)
             self._posting = 1
         try:
             post()  # never raises: transport's post hands an error to the message's waiter
         finally:
             with self._cond:
                 self._posting = 0
+                self._held_bytes -= nbytes

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.link import LinkModel, LinkShaper, link_from_environ
+from nanoddp.comm.link import Backlog, LinkModel, LinkShaper, link_from_environ
 from nanoddp.groups import group_ranks
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
@@ -228,6 +228,11 @@ def use_link(model: LinkModel | None) -> None:
 def link_model() -> LinkModel | None:
     """The simulated link in force, None when sends run at full speed."""
     return None if _SHAPER is None else _SHAPER.model
+
+
+def link_backlog() -> Backlog | None:
+    """What the simulated link holds back now; None when sends run at full speed."""
+    return None if _SHAPER is None else _SHAPER.backlog()
 
 
 def posted(work: dist.Work | None) -> dist.Work:

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoddp.comm import link, transport
+
 logger = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 86
@@ -125,8 +127,7 @@ class CollectiveWatchdog:
         return (
             f"collective hang on rank {self.rank}: {stuck.op} #{stuck.seq} ({stuck.numel} elements, "
             f"group {list(stuck.group_ranks)}) has waited {waited:.0f}s > timeout {self.timeout_s:g}s; "
-            f"arrived: ranks {arrived}; not arrived: ranks {missing} ({behind or 'none'}). "
-            "Those ranks are stuck elsewhere (a skipped collective, a data-dependent branch, a crash)."
+            f"arrived: ranks {arrived}; not arrived: ranks {missing} ({behind or 'none'}). " + _likely_cause(missing)
         )
 
     def _run(self) -> None:
@@ -148,6 +149,27 @@ class CollectiveWatchdog:
                     handler.flush()
                 os._exit(HANG_EXIT_CODE)
             return
+
+
+def _likely_cause(missing: list[int]) -> str:
+    """Why the collective waits: this rank's simulated slow link when it still holds messages (the
+    shaper knows), else the ranks that have not arrived, else the transport itself."""
+    backlog, model = transport.link_backlog(), transport.link_model()
+    if backlog is not None and model is not None and backlog.messages:
+        return (
+            f"The simulated slow link is the wait, not a rank: it still holds {backlog.messages} message(s) "
+            f"({backlog.nbytes / 1e6:.3g} MB) of this rank, the last due in {backlog.due_in_s:.0f}s "
+            f"({link.BANDWIDTH_VAR}/{link.LATENCY_VAR}: {model.describe()}); raise the collective timeout "
+            "above that, or the link's bandwidth."
+        )
+    if missing:
+        return "Those ranks are stuck elsewhere (a skipped collective, a data-dependent branch, a crash)."
+    if model is not None:
+        return (
+            f"Every rank arrived: the data is in flight on a peer's simulated slow link ({model.describe()}); "
+            "raise the collective timeout, or the link's bandwidth."
+        )
+    return "Every rank arrived: the collective is stuck inside (a rank that died in it, a lost connection)."
 
 
 _active: CollectiveWatchdog | None = None

@@ -3,13 +3,16 @@
 `GPT` is the DDP tutorials' TinyTransformerLM (sinusoidal positions, SDPA causal attention, GELU MLP,
 pre-LN blocks) with the loss computed inside `forward` when targets are given (DataParallel's
 "loss in forward": DataParallel then gathers one scalar per replica instead of the logits).
+Generation keeps each block's past keys and values (`KVCache`), so a new token costs one position's
+forward instead of the whole context's; training never passes a cache and runs the same ops as without one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -61,18 +64,49 @@ def sinusoidal_positions(seq_len: int, d_model: int) -> torch.Tensor:
     return table
 
 
+@dataclass
+class KVCache:
+    """The keys and values every block has computed so far for the tokens at positions [0, length):
+    one (B, H, length, C/H) pair per block, grown by `CausalSelfAttention` as generation feeds tokens."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+    """Positions held (the same in every block once a forward has finished)."""
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append block `layer`'s keys/values for the new positions; return all of them so far."""
+        if layer == len(self.keys):  # the first forward through this block
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)  # (B, H, T_past + T, C/H)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.layer = layer  # this block's slot in a KVCache
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        if cache is None or cache.length == 0:
+            if cache is not None:
+                cache.extend(self.layer, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        else:
+            past = cache.length
+            k, v = cache.extend(self.layer, k, v)  # (B, H, past + T, C/H)
+            # query i sits at position past + i: it sees every cached key and the new ones up to itself
+            allowed = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, T, C/H)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -89,15 +123,15 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -125,17 +159,22 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(self.cfg.vocab_size, self.cfg.d_model)
         # A buffer, not a parameter: fixed, and excluded from the state_dict (recomputed).
         self.register_buffer("pos_emb", sinusoidal_positions(self.cfg.seq_len, self.cfg.d_model), persistent=False)
-        self.blocks = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(self.cfg, layer) for layer in range(self.cfg.n_layers))
         self.ln_f = nn.LayerNorm(self.cfg.d_model)
         self.head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Logits for the tokens `idx` (B, T); with `cache`, `idx` continues the positions it holds
+        (generation: the cache grows by T)."""
         B, T = idx.shape
-        if self.cfg.seq_len < T:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
-        x = self.tok_emb(idx) + self.pos_emb[:T].unsqueeze(0)  # (B, T, C)
+        start = 0 if cache is None else cache.length
+        if self.cfg.seq_len < start + T:
+            raise ValueError(f"sequence length {start + T} exceeds the model's seq_len={self.cfg.seq_len}")
+        x = self.tok_emb(idx) + self.pos_emb[start : start + T].unsqueeze(0)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cache)
+        if cache is not None:
+            cache.length += T
         logits = self.head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits
@@ -143,6 +182,31 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield `new_tokens` sampled continuations of `idx` (B, T) one step at a time, each (B, 1),
+        as soon as it is drawn. Each step sees the last seq_len tokens, as a full forward would.
+
+        [Note: the cache past seq_len] Positions are absolute (token i of the window gets
+        pos_emb[i]), so once the text outgrows the window every token's position shifts by one
+        each step and no cached key or value stays valid: from there each step recomputes the
+        window (the last seq_len tokens), which is what a full forward without a cache does.
+        """
+        cache, context = KVCache(), idx[:, -self.cfg.seq_len :]
+        for _ in range(new_tokens):
+            if cache.length + context.size(1) > self.cfg.seq_len:  # the window slides: start over
+                cache, context = KVCache(), idx[:, -self.cfg.seq_len :]
+            next_token = sample_next(self(context, cache=cache)[:, -1, :], temperature, top_k, generator)  # (B, 1)
+            idx = torch.cat([idx, next_token], dim=1)
+            context = next_token
+            yield next_token
+
     def generate(
         self,
         idx: torch.Tensor,
@@ -151,12 +215,8 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Sample `new_tokens` continuations of `idx` (B, T) autoregressively."""
-        for _ in range(new_tokens):
-            context = idx[:, -self.cfg.seq_len :]
-            next_token = sample_next(self(context)[:, -1, :], temperature, top_k, generator)  # (B, 1)
-            idx = torch.cat([idx, next_token], dim=1)
-        return idx
+        """`idx` (B, T) followed by `new_tokens` sampled continuations (B, T + new_tokens)."""
+        return torch.cat([idx, *self.stream(idx, new_tokens, temperature, top_k, generator)], dim=1)
 
 
 class MLPClassifier(nn.Module):

@@ -1,7 +1,7 @@
 """The pretrained SmolLM2-135M: find the checkpoint, convert it once to an fp32 cache, load it.
 
 `load_smollm2()` returns the model wrapped in `HFCausalLM`, which gives it GPT's
-`forward(idx, targets) -> (logits, loss)` and `generate`, so the trainer, every engine,
+`forward(idx, targets) -> (logits, loss)`, `generate` and `stream`, so the trainer, every engine,
 snapshots and `nanoddp sample` treat it like any other model.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,28 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
     @torch.no_grad()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield up to `new_tokens` sampled continuations of `idx` (B, T), each (B, 1) as soon as it
+        is drawn, reusing the key/value cache; stops once every row has produced the end-of-text
+        token. `top_k=1` is greedy."""
+        context, past, done = idx, None, torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for _ in range(new_tokens):
+            out = self.lm(input_ids=context, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            next_token = sample_next(out.logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
+            context = next_token
+            yield next_token
+            done |= next_token[:, 0] == self.eos_token_id
+            if bool(done.all()):
+                break
+
     def generate(
         self,
         idx: torch.Tensor,
@@ -210,15 +233,5 @@ class HFCausalLM(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Sample up to `new_tokens` continuations of `idx` (B, T), reusing the key/value cache;
-        stops early once every row has produced the end-of-text token. `top_k=1` is greedy."""
-        context, past, done = idx, None, torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-        for _ in range(new_tokens):
-            out = self.lm(input_ids=context, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            next_token = sample_next(out.logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
-            idx, context = torch.cat([idx, next_token], dim=1), next_token
-            done |= next_token[:, 0] == self.eos_token_id
-            if bool(done.all()):
-                break
-        return idx
+        """`idx` (B, T) followed by up to `new_tokens` sampled continuations (see `stream`)."""
+        return torch.cat([idx, *self.stream(idx, new_tokens, temperature, top_k, generator)], dim=1)

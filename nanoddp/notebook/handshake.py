@@ -116,6 +116,9 @@ def accept_workers(listener: Listener, address: str, authkey: bytes, workers: li
             except OSError as exc:  # the listener closed under us
                 accepted.put(exc)
                 return
+            if stop.is_set():  # the wake-up below, or a latecomer: every worker is in, so no handshake
+                conn.close()
+                return
             threading.Thread(target=authenticate, args=(conn, authkey, accepted), daemon=True).start()
 
     thread = threading.Thread(target=accept_loop, name="nanoddp-accept", daemon=True)

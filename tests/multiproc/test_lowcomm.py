@@ -1,15 +1,17 @@
-"""LocalSGD and DiLoCo against their references, on 2 gloo ranks (one launch).
+"""LocalSGD and DiLoCo against their references, on 2 gloo ranks (one launch), LocalSGD on 3 too.
 
 - LocalSGD equals torch's post-local SGD (`PostLocalSGDOptimizer` over a
   `PeriodicModelAverager` set to average after the same steps) bitwise, and a single-process
-  replay of the two replicas bitwise;
+  replay of the two replicas bitwise; at 3 ranks, bitwise only where the sums run in the same
+  order: torch's with comm_backend="torch" (the same gloo all-reduce), close otherwise;
 - DiLoCo equals a single-process replay (two replicas, inner AdamW, the pseudo-gradients
   averaged, an outer Nesterov SGD) bitwise, for both comm backends;
 - DiLoCo resumed from `state_dict()` mid-way equals the uninterrupted run bitwise.
 
 Bitwise by construction: with two ranks the all-reduce adds two numbers (x/2 + y/2), and float
 addition of two terms does not depend on their order; every other operation is the same
-sequence of torch ops on the same values as in the replay.
+sequence of torch ops on the same values as in the replay. Three terms added in another order
+can round differently (by an ulp), so there only the same all-reduce gives the same bits.
 """
 
 from __future__ import annotations
@@ -107,8 +109,14 @@ def case_localsgd_matches_torch_post_local_sgd(env, backend):
     # the collective first, so that a failed assertion on one rank cannot leave the other waiting
     gathered = [torch.empty(0)] * env.world_size
     dist.all_gather_object(gathered, params(model)[0])
-    assert_bitwise(params(model), params(theirs_model), "LocalSGD vs torch's PostLocalSGDOptimizer")
-    assert_bitwise(params(model), replay_localsgd(env.world_size, env.rank), "LocalSGD vs the single-process replay")
+    torch_same_sums = env.world_size == 2 or backend == "torch"  # the docstring's "bitwise by construction"
+    replay = replay_localsgd(env.world_size, env.rank)
+    for want, what, bitwise in [(params(theirs_model), "torch's PostLocalSGDOptimizer", torch_same_sums),
+                                (replay, "the single-process replay", env.world_size == 2)]:  # fmt: skip
+        if bitwise:
+            assert_bitwise(params(model), want, f"LocalSGD vs {what}")
+        else:  # a sum of 3 in another order: an ulp or so, carried through 7 steps of momentum SGD
+            torch.testing.assert_close(params(model), want, rtol=0, atol=1e-6, msg=f"LocalSGD vs {what}")
     # step 7 is not a sync step: the replicas drifted apart since step 6 (else nothing was local)
     assert not torch.equal(gathered[0], gathered[1]), "replicas equal between syncs: nothing trained locally"
     assert ours.last_sync_bytes == 0 and ours.local_step == STEPS
@@ -155,14 +163,18 @@ CASES = [
 ]
 
 
-def cases():
+def cases(world_size: int = 2):
+    """Every case at 2 ranks; at 3 the one whose claim changes with the world size."""
+    chosen = CASES if world_size == 2 else [case_localsgd_matches_torch_post_local_sgd]
     return [
-        (f"{b}-{fn.__name__.removeprefix('case_')}", functools.partial(fn, backend=b)) for b in BACKENDS for fn in CASES
+        (f"{b}-{fn.__name__.removeprefix('case_')}", functools.partial(fn, backend=b))
+        for b in BACKENDS
+        for fn in chosen
     ]
 
 
 def lowcomm_suite(env, out_dir):
-    run_cases(env, cases(), out_dir)
+    run_cases(env, cases(env.world_size), out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +186,9 @@ def suite(tmp_path_factory):
 @pytest.mark.parametrize("case", [name for name, _ in cases()])
 def test_lowcomm(suite, case):
     suite(2).check(case)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", [name for name, _ in cases(3)])
+def test_localsgd_at_three_ranks(suite, case):
+    suite(3).check(case)

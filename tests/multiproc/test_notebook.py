@@ -166,6 +166,8 @@ def test_magics_in_a_real_kernel(tmp_path):
 
     for rank in range(WORLD_SIZE):  # the status table: rank, pid, device, state, memory
         assert re.search(rf"^{rank}\s+\d+\s+cpu\s+idle\s+\d+ MiB$", cell_text(cells["init"]), re.M)
+    for name in ("init", "restart"):  # startup says what it did and nothing of its own socket's wake-up
+        assert "Broken pipe" not in cell_text(cells[name]) and "ignored a connection" not in cell_text(cells[name])
     hello_out, hello_err = _stream(cells["hello"], "stdout"), _stream(cells["hello"], "stderr")
     for rank in range(WORLD_SIZE):
         assert f"[rank {rank}] hello from {rank} of {WORLD_SIZE}\n" in hello_out

@@ -289,22 +289,60 @@ nanoddp.cleanup()
 """
 
 
-def test_srun_tasks_join_one_job(tmp_path):
-    """Two processes with srun's variables and a rendezvous address: one group of 2, not two of 1."""
-    torchrun = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"}
-    base = {k: v for k, v in os.environ.items() if k not in torchrun}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURM_NTASKS="2", SLURM_NODEID="0",
-                SLURM_TASKS_PER_NODE="2", OMP_NUM_THREADS="1")  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SRUN_RANK],
-            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert [o.strip().splitlines()[-1] for o in outs] == ["0 2 0 2 3.0", "1 2 1 2 3.0"], outs
+# Each launcher's variables for rank r of n on one node (MASTER_ADDR/PORT added by the test);
+# torchrun's own are read by every run of tests/multiproc/test_torchrun.py.
+SCHEDULER_VARS = {
+    "srun": lambda r, n: {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(n), "SLURM_LOCALID": str(r),
+                          "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": str(n)},
+    "mpirun (Open MPI)": lambda r, n: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": str(n),
+                                       "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": str(n)},
+    "mpirun (MPICH/PMI)": lambda r, n: {"PMI_RANK": str(r), "PMI_SIZE": str(n)},
+}  # fmt: skip
+
+
+def _start_ranks(variables: list[dict[str, str]]) -> list[subprocess.Popen]:
+    """One `python -c SRUN_RANK` per entry, its os.environ this one's without any launcher's
+    variables, plus the entry's."""
+    launcher_prefixes = ("SLURM_", "OMPI_", "PMI_", "MPI_", "MASTER_", "TORCHELASTIC_")
+    torchrun = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+    base = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith(launcher_prefixes)}
+    base["OMP_NUM_THREADS"] = "1"
+    return [
+        subprocess.Popen([sys.executable, "-c", SRUN_RANK], env={**base, **extra}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for extra in variables
+    ]  # fmt: skip
+
+
+def _outputs(procs: list[subprocess.Popen]) -> list[str]:
+    try:
+        return [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(("launcher", "world_size"), [("srun", 2), ("mpirun (Open MPI)", 2), ("mpirun (MPICH/PMI)", 3)])
+def test_scheduler_tasks_join_one_job(launcher, world_size):
+    """Processes holding only a launcher's variables and a rendezvous address in their real
+    environment: one group of N that all-reduces, not N groups of 1."""
+    addr = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = _start_ranks([{**SCHEDULER_VARS[launcher](r, world_size), **addr} for r in range(world_size)])
+    outs = _outputs(procs)
+    assert [p.returncode for p in procs] == [0] * world_size, outs
+    total = float(sum(range(1, world_size + 1)))
+    want = [f"{r} {world_size} {r} {world_size} {total}" for r in range(world_size)]
+    assert [o.strip().splitlines()[-1] for o in outs] == want, outs
+
+
+def test_mpich_task_without_rendezvous_is_refused_in_one_line():
+    """mpirun's MPICH/Intel MPI variables and no MASTER_ADDR: `nanoddp.init()` stops in one line
+    (the rank plays no part in it, so every rank prints the same)."""
+    (out,) = _outputs(procs := _start_ranks([SCHEDULER_VARS["mpirun (MPICH/PMI)"](1, 2)]))
+    assert procs[0].returncode == 1, out
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("ValueError: mpirun (MPICH/PMI) started 2 processes but MASTER_ADDR and MASTER_PORT are not set")
+    ), out

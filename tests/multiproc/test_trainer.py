@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, run_on_ranks, train_tiny, trainer_params
+from helpers import TINY, generate_by_full_recompute, run_on_ranks, train_tiny, trainer_params
 
 from nanoddp import cli
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
+from nanoddp.train.config import build_model
+from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
 from nanoddp.train.metrics import REQUIRED_KEYS
 from nanoddp.train.trainer import Trainer
 
@@ -199,12 +203,34 @@ def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
 
 
 def test_sample_generates_text_from_a_run(tmp_path, capsys):
+    """`sample` writes what generation without a cache gives for the run's model.pt, past its
+    16-token window too; then, as a user runs it, the text reaches the pipe while it is still
+    generating (a million tokens: it cannot be done, it must be streaming)."""
     config = replace(TINY, engine="single", steps=2, out=str(tmp_path))
     train_tiny(config, DistEnv.single_process("gloo"))
-    assert cli.main(["sample", "--run", str(tmp_path), "--prompt", "import ", "--tokens", "20"]) == 0
-    assert capsys.readouterr().out.startswith("import ")
+    assert cli.main(["sample", "--run", str(tmp_path), "--prompt", "import ", "--tokens", "40", "--seed", "3"]) == 0
+    model = build_model(config, DataSpec("lm", BYTE_VOCAB))
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    prompt = torch.tensor([list(b"import ")])
+    want = generate_by_full_recompute(model.eval(), prompt, 40, 0.8, 40, torch.Generator().manual_seed(3))
+    assert capsys.readouterr().out == bytes(want[0].tolist()).decode("utf-8", errors="replace") + "\n"
     assert cli.main(["sample", "--run", str(tmp_path / "nope")]) == 2
     assert "config.json not found" in capsys.readouterr().err
+
+    cmd = [sys.executable, "-m", "nanoddp", "sample", "--run", str(tmp_path), "--prompt", "import "]
+    cmd += ["--tokens", "1000000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        seen, deadline = b"", time.monotonic() + 120  # start-up on a loaded machine, then one token
+        while len(seen) <= len(b"import ") and proc.poll() is None and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:  # the prompt, then generated text
+                seen += proc.stdout.read1(4096)
+        assert seen.startswith(b"import ") and len(seen) > len(b"import "), seen
+        assert proc.poll() is None  # still generating: the text came as it was drawn
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 def _train(env: DistEnv, config) -> None:

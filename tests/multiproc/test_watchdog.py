@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
@@ -12,8 +14,8 @@ import torch
 import torch.distributed as dist
 from helpers import run_on_ranks
 
-from nanoddp import LaunchError
-from nanoddp.comm import watchdog
+from nanoddp import LaunchError, comm
+from nanoddp.comm import link, watchdog
 
 TIMEOUT_S = 3.0
 
@@ -73,6 +75,30 @@ def test_engine_collectives_are_watched_without_explicit_tracking(tmp_path, back
     report = Path(tmp_path, "rank0.log").read_text()
     assert "broadcast #3 (70000 elements, group [0, 1])" in report, report
     assert "not arrived: ranks [1] (rank 1 at #2)" in report, report
+
+
+def _all_reduce_over_a_slow_link(env, log_dir):
+    """Both ranks join, but 1 MB over a 200 kbit/s simulated link takes 20 to 40 s (by the plan's path)."""
+    logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
+    os.environ[link.BANDWIDTH_VAR] = "200kbit"  # read as a user's shell sets it: when the group is first used
+    watchdog.enable(TIMEOUT_S, poll_s=0.2)
+    comm.all_reduce(torch.ones(250_000))
+    return "not reached"
+
+
+def test_hang_on_a_slow_link_names_the_link(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        run_on_ranks(_all_reduce_over_a_slow_link, 2, str(tmp_path), timeout=90)
+    assert info.value.exitcode == watchdog.HANG_EXIT_CODE
+    report = Path(tmp_path, f"rank{info.value.rank}.log").read_text()
+    assert "arrived: ranks [0, 1]; not arrived: ranks [] (none)." in report, report
+    held = (
+        r"The simulated slow link is the wait, not a rank: it still holds \d+ message\(s\) \((0\.5|1) MB\) of this rank"
+    )
+    assert re.search(
+        held + r", the last due in \d+s \(NANODDP_LINK_BANDWIDTH/NANODDP_LINK_LATENCY: 0.2 Mbit/s, 0 ms\)", report
+    )
+    assert "stuck elsewhere" not in report, report
 
 
 def test_watchdog_rejects_bad_timeout():

@@ -1,9 +1,11 @@
 """srun's and mpirun's variables become one job of N ranks or one clear refusal; the Trainer does
 not clip unless asked; our collectives after the group is gone raise torch's error under -O too.
-(The 2-process srun run that joins one group is in tests/multiproc/test_seams.py.)"""
+The variables are set in this process's real `os.environ`, which refuses lookups a dict allows.
+(Each scheduler's processes joining one group are in tests/multiproc/test_seams.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +19,18 @@ import nanoddp
 from nanoddp.env import DistEnv
 
 ADDR = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_", "MASTER_", "TORCHELASTIC_")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def from_real_environ(monkeypatch, variables: dict[str, str]) -> DistEnv:
+    """`DistEnv.from_environ()` reading os.environ holding exactly `variables` of any launcher."""
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_VARS:
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return DistEnv.from_environ(backend="gloo")
 
 
 @pytest.mark.parametrize(
@@ -29,10 +43,11 @@ ADDR = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
         ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (1, 2, 1, 2, 0)),
         ({"PMI_RANK": "2", "PMI_SIZE": "3"}, (2, 3, 2, 3, 0)),  # no local layout: one node, as torchrun's default
+        ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, (3, 4, 1, 2, 1)),
     ],
 )  # fmt: skip
-def test_scheduler_vars_make_one_job(environ, want):
-    env = DistEnv.from_environ({**environ, **ADDR}, backend="gloo")
+def test_scheduler_vars_make_one_job(monkeypatch, environ, want):
+    env = from_real_environ(monkeypatch, {**environ, **ADDR})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == want
     assert (env.master_addr, env.master_port) == ("10.0.0.1", 29511)
 
@@ -45,19 +60,19 @@ def test_scheduler_vars_make_one_job(environ, want):
         ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "1"}, "mpirun (MPICH/PMI)"),
     ],
 )
-def test_scheduler_without_rendezvous_is_refused_in_one_line(environ, launcher):
+def test_scheduler_without_rendezvous_is_refused_in_one_line(monkeypatch, environ, launcher):
     with pytest.raises(ValueError) as raised:
-        DistEnv.from_environ(environ, backend="gloo")
+        from_real_environ(monkeypatch, environ)
     message = str(raised.value)
     assert message.startswith(f"{launcher} started 2 processes but MASTER_ADDR")
     assert "export MASTER_ADDR=" in message and "\n" not in message
 
 
-def test_one_task_and_torchrun_keep_their_meaning():
-    single = DistEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, backend="gloo")
+def test_one_task_and_torchrun_keep_their_meaning(monkeypatch):
+    single = from_real_environ(monkeypatch, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert single.world_size == 1  # `srun -n 1`: needs no rendezvous
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", **ADDR}
-    env = DistEnv.from_environ(torchrun, backend="gloo")  # `srun torchrun ...`: torchrun's ranks
+    env = from_real_environ(monkeypatch, torchrun)  # `srun torchrun ...`: torchrun's ranks
     assert (env.rank, env.world_size) == (1, 2)
 
 

@@ -6,6 +6,13 @@ from mutations.fault import Mutation
 
 FAULTS = (
     Mutation(
+        "watchdog: a hang on a simulated slow link blamed on the ranks",
+        "nanoddp/comm/watchdog.py",
+        "    if backlog is not None and model is not None and backlog.messages:",
+        "    if False:",
+        ("tests/multiproc/test_watchdog.py", "-k", "slow_link"),
+    ),
+    Mutation(
         "ring reduction: pipelined ring drops the received piece",
         "nanoddp/comm/ring.py",
         "reduce_into(op, piece, scratch[j % 2, a:b])",

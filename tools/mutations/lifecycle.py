@@ -1,11 +1,18 @@
 """Planted faults in process lifecycles: `nanoddp run` (`nanoddp/run/`), `nanoddp.launch`, notebook recovery and its
-test harness."""
+test harness, and how a process started by a scheduler finds its job (`nanoddp/torchrun.py`)."""
 
 from __future__ import annotations
 
 from mutations.fault import Mutation
 
 FAULTS = (
+    Mutation(
+        "scheduler env: a variable the scheduler lacks is looked up in os.environ (MPICH: TypeError)",
+        "nanoddp/torchrun.py",
+        "    if name is None or name not in environ:",
+        "    if name not in environ:  # type: ignore[operator]",
+        ("tests/unit/test_seams_env.py", "-k", "one_job"),
+    ),
     Mutation(
         "nanoddp run: the single-node store listens on every interface",
         "nanoddp/run/bootstrap.py",

@@ -1,10 +1,25 @@
-"""Planted faults in the trainer and its checkpoints (`nanoddp/train/`) and the benchmarks."""
+"""Planted faults in the trainer and its checkpoints (`nanoddp/train/`), the benchmarks, and the
+models' generation (`nanoddp sample`)."""
 
 from __future__ import annotations
 
 from mutations.fault import Mutation
 
 FAULTS = (
+    Mutation(
+        "generation: a cached step attends one key short (misses itself)",
+        "nanoddp/models/gpt.py",
+        ".tril(diagonal=past)",
+        ".tril(diagonal=past - 1)",
+        ("tests/unit/test_generation.py", "-k", "cached_forward"),
+    ),
+    Mutation(
+        "generation: a cached token gets the first position's embedding",
+        "nanoddp/models/gpt.py",
+        "self.pos_emb[start : start + T]",
+        "self.pos_emb[:T]",
+        ("tests/unit/test_generation.py", "-k", "full_recompute_tokens"),
+    ),
     Mutation(
         "sampler resume: position not restored",
         "nanoddp/train/data/sampler.py",

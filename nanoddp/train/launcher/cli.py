@@ -1,4 +1,4 @@
-"""`nanoddp train` and `nanoddp sample`, and the torchrun worker entry point.
+"""`nanoddp train` and the torchrun worker entry point.
 
 `nanoddp train` is two programs in one:
 
@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import sys
 import traceback
 from collections.abc import Sized
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
+from typing import NoReturn, cast
 
 from nanoddp import env as nd
 from nanoddp import torchrun
@@ -38,9 +37,7 @@ from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
     add_dataclass_args,
-    build_config,
     config_from_args,
-    load_config_file,
 )
 from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import signals
@@ -49,9 +46,6 @@ from nanoddp.train.config import TrainConfig, filled, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
 from nanoddp.train.launcher import agent, preflight, rendezvous
-
-if TYPE_CHECKING:  # torch is imported where it is used: `nanoddp --help` stays fast
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +91,6 @@ class _OwnUsageParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-class _Generates(Protocol):
-    """The text models `sample` builds (GPT, SmolLM2): `build_model` types them as nn.Module."""
-
-    def generate(self, idx: torch.Tensor, new_tokens: int, **kwargs: Any) -> torch.Tensor: ...
-
-
 def _load_config(args: argparse.Namespace) -> TrainConfig:
     """The config from defaults, --config FILE and flags; a malformed file is named."""
     import json
@@ -128,14 +116,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     train.__class__ = _OwnUsageParser
     _add_all_train_flags(train)
     train.set_defaults(run=run_train)
-    sample = subparsers.add_parser("sample", help="generate text from a trained run")
-    sample.add_argument("--run", dest="run_dir", required=True, metavar="DIR", help="run directory of `nanoddp train`")
-    sample.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    sample.add_argument("--tokens", type=int, default=300, help="tokens to generate (bytes; smollm2: BPE tokens)")
-    sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
-    sample.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest (default: 40)")
-    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    sample.set_defaults(run=run_sample)
 
 
 def _add_all_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -356,62 +336,6 @@ def _worker_entry(argv: list[str] | None = None) -> int:
 def _worker_config(args: argparse.Namespace) -> TrainConfig:
     """A worker's config: defaults, --config FILE and flags, as the launcher reads them."""
     return config_from_args(TrainConfig, args, args.config)
-
-
-# --- sample -------------------------------------------------------------------------------
-
-
-def run_sample(args: argparse.Namespace) -> int:
-    import torch
-
-    from nanoddp.train.checkpoint import snapshot, user_state
-    from nanoddp.train.config import build_model
-    from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
-
-    run_dir = Path(args.run_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: --run must be a `nanoddp train` output directory")
-    values = load_config_file(config_path)
-    for key in ("run_id", "fingerprint"):  # the run's identity, stored beside its config
-        values.pop(key, None)
-    config = build_config(TrainConfig, values, source=str(config_path))
-    if config.model == "mlp" or config.data in ("synthetic", "copy", "digits"):
-        raise ValueError(f"sample generates text, but run {run_dir} was trained on {config.data!r}")
-    if args.tokens < 1:
-        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
-    if args.top_k < 1:
-        raise ValueError(f"--top-k must be >= 1 (1 = always the likeliest byte), got {args.top_k}")
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise ValueError(f"--temperature must be a finite number > 0, got {args.temperature}")
-    encode, decode = _text_codec(config.model)
-    model = build_model(config, DataSpec("lm", BYTE_VOCAB))
-    if (run_dir / "model.pt").is_file():
-        model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
-    else:
-        found = snapshot.find_latest_valid(run_dir / "snapshots")
-        if found is None:
-            raise FileNotFoundError(f"no model.pt and no valid snapshot in {run_dir}")
-        # a sharded run's model is in per-rank files: this one process reads every piece
-        user_state.load_objects(found[0], {"model": model}, restore_rng=False, manifest=found[1])
-    model.eval()
-    prompt = torch.tensor([encode(args.prompt or "\n")], dtype=torch.long)  # (1, T)
-    generator = torch.Generator().manual_seed(args.seed)
-    out = cast(_Generates, model).generate(
-        prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=generator
-    )
-    sys.stdout.write(decode(out[0].tolist()) + "\n")
-    return 0
-
-
-def _text_codec(model: str):
-    """(encode, decode) between text and the run's token ids: bytes, or SmolLM2's tokenizer."""
-    if model == "smollm2":
-        from nanoddp.models import load_smollm2_tokenizer
-
-        tokenizer = load_smollm2_tokenizer()
-        return (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]), tokenizer.decode
-    return (lambda text: list(text.encode())), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
 
 
 def worker_entry() -> int:
