@@ -1,4 +1,4 @@
-"""The benchmark tables in docs/performance.md and README.md are exactly what their committed
+"""The benchmark tables in docs/performance.md are exactly what their committed
 JSON (docs/bench/*.json) renders to, figure for figure; training JSON keeps its raw samples, and
 collectives JSON rows are consistent with their own timings and the collectives' switch point.
 
