@@ -90,18 +90,26 @@ def _both(launcher) -> list[int] | None:
 
 def test_both_replicas_lost_resume_from_the_newest_snapshot_bitwise(tmp_path):
     """Both replicas SIGKILLed once a snapshot exists (held first, so they die together): the
-    replacements start empty, so they resume from the newest snapshot, the steps after it are
-    recorded again after one `resumed_from_snapshot` record, and `model.pt` equals a replay of
-    the uninterrupted run bitwise (a resume from a snapshot is exact)."""
+    replacements start empty, so they resume from the newest snapshot; the records past it are
+    dropped, as a resumed run drops them, so every step is recorded once, before or after one
+    `resumed_from_snapshot` record, with the loss of a replay of the uninterrupted run, and
+    `model.pt` equals that replay bitwise (a resume from a snapshot is exact). Before, the steps
+    between the snapshot and the kill were recorded twice."""
     out, steps = tmp_path / "run", 40
     command = _command(out, steps, "--snapshot-every", "5", "--max-restarts", "1", "--no-warm-spare")
     command += ["--collective-timeout", "30"]
 
+    recorded: list[int] = []  # the steps recorded when they were killed
+
+    def past_a_snapshot() -> bool:  # a step past the newest snapshot is recorded (if none is being written)
+        done = _steps(out)
+        return bool(done) and done[-1] > 5 and done[-1] % 5 != 0
+
     def act(launcher, stopped):
-        pids = wait_for(lambda: (out / "snapshots" / "step-00000005.pt").exists() and _both(launcher),
-                        time.monotonic() + 90)  # fmt: skip
+        pids = wait_for(lambda: past_a_snapshot() and _both(launcher), time.monotonic() + 90)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
+        recorded.extend(_steps(out))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
@@ -114,10 +122,13 @@ def test_both_replicas_lost_resume_from_the_newest_snapshot_bitwise(tmp_path):
     before = [r["step"] for r in records[: resumed[0]] if "event" not in r]
     after = [r["step"] for r in records[resumed[0] :] if "event" not in r]
     assert event["snapshot_step"] >= 5 and event["step"] == event["snapshot_step"] + 1, event
-    assert before == list(range(1, len(before) + 1)) and len(before) >= event["snapshot_step"], before
+    assert recorded[-1] > event["snapshot_step"], recorded  # steps past the snapshot were recorded once
+    assert before == list(range(1, event["snapshot_step"] + 1)), before  # and are dropped
     assert after == list(range(event["snapshot_step"] + 1, steps + 1)), after  # never from step 1 again
     assert output.count("resume from the snapshot of step") == 1, output[-5000:]
-    _assert_same(torch.load(out / "model.pt"), replay_continue_run([2] * steps, replicas=2))
+    losses: list[float] = []
+    _assert_same(torch.load(out / "model.pt"), replay_continue_run([2] * steps, replicas=2, losses=losses))
+    assert [r["loss"] for r in records if "event" not in r] == losses
 
 
 def test_the_holder_lost_while_its_joiner_waits_stops_in_one_line(tmp_path):
