@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -257,6 +258,47 @@ def test_a_collective_that_fails_the_same_way_stops_in_one_line(tmp_path):
     assert done.returncode == STOPPED, output[-5000:]
     assert output.count("step 1 failed 3 times in a row the same way, with no replica lost") == 1, output[-5000:]
     assert "NANODDP_LINK_BANDWIDTH must be a number and a unit" in output and "Traceback" not in output
+
+
+def test_a_replacement_that_stops_alone_ends_no_holder(tmp_path):
+    """3 replicas of a user's loop (`nanoddp run`); replica 2 SIGKILLs itself at step 3 and its
+    replacement sets a bad `NANODDP_LINK_BANDWIDTH`, so its every collective fails alike and it
+    raises the same-failure stop, alone: replicas 0 and 1, which hold the state, go on without
+    it. The launcher then treats it as a failed replica (one line; no restarts left) and the
+    holders finish, exit 0 (before: the lone stop ended the run, and the launcher killed both
+    holders after the collective timeout, exit 3 with no line saying why)."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import torch\n"
+        "from nanoddp.ft import FaultTolerant\n"
+        "replica, attempt = os.environ['NANODDP_FT_REPLICA'], os.environ['NANODDP_FT_ATTEMPT']\n"
+        "if (replica, attempt) == ('2', '1'):\n"
+        "    os.environ['NANODDP_LINK_BANDWIDTH'] = 'fast'\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "ft = FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_len=24, batch_size=6)\n"
+        "joined, committed = False, 0\n"
+        "for step in ft.steps(600):\n"
+        "    if step == 3 and (replica, attempt) == ('2', '0'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    joined = joined or (step > 3 and ft.world_size == 3)\n"
+        "    if not (joined and ft.world_size == 2):\n"
+        "        time.sleep(0.1)  # slow until the replacement has joined and is gone: then fast to the end\n"
+        "    model(torch.ones(len(ft.batch_for(step)), 4)).mean().backward()\n"
+        "    ft.average_gradients(model.weight.sum())\n"
+        "    committed += ft.commit()\n"
+        "print('committed', committed, 'of', ft.manager.current_step())\n"
+        "ft.close()\n"
+    )
+    command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", "3",
+               "--max-restarts", "1", "--no-warm-spare", "--collective-timeout", "10", str(script)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert output.count("replica 2 stopped the run while the others went on without it; no restarts left") == 1
+    assert "did not finish with the others" not in output, output[-5000:]
+    for replica in (0, 1):  # the holders ran to the end
+        assert re.search(rf"^\[replica {replica}\] committed \d+ of 600$", output, re.M), output[-5000:]
 
 
 @pytest.mark.parametrize(

@@ -350,4 +350,18 @@ FAULTS = (
         "        return any(r.exitcode == 0 for r in self.replicas)\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "fsdp_losing_weights"),
     ),
+    Mutation(
+        "ft launcher: a replica that stopped alone ends the run, and the holders with it",
+        "nanoddp/ft/supervisor.py",
+        "            self._stopped_alone()\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "stops_alone"),
+    ),
+    Mutation(
+        "ft continue: a resume from a snapshot keeps the records past it (steps recorded twice)",
+        "nanoddp/train/ft_boundary.py",
+        "                MetricsLogger(filled(self.config.out)).truncate_after(step)\n",
+        "                pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
+    ),
 )
