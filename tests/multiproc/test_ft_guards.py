@@ -1,6 +1,7 @@
 """`--on-failure continue` never starts a run over, and keeps the restart path's guards.
 
-Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, or none:
+Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, of a user's
+loop, or none:
 - both replicas SIGKILLed at once after a snapshot: the replacements, which hold nothing, resume
   from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
   uninterrupted run, with no step recorded twice;
@@ -11,6 +12,8 @@ Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, or 
   snapshot is kept by pruning, and `model.pt` equals the replay that skips the same steps;
 - a snapshot write that fails on every replica, and a collective that fails the same way each
   try (a bad `NANODDP_LINK_BANDWIDTH` set inside the script): one line and exit 3, bounded;
+- a replacement whose own collectives fail alike stops alone (3 replicas, `nanoddp run`): the
+  holders finish and are never ended for it;
 - a bad `NANODDP_LINK_*` in the launching shell: one line and exit 2 before any worker starts,
   in both modes, for `nanoddp train` and `nanoddp run`.
 """
