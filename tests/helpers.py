@@ -297,13 +297,16 @@ def replay_continue_run(
     *,
     replicas: int = 3,
     lr: float | None = None,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The built-in job of `FT_TINY_GPT` in this process, as `--on-failure continue` runs it: each
     step's global batch split over the world size the step really had (`history`), the weighted
     pieces summed in rank order, clipped, AdamW, the schedule; a step whose loss is not finite on
     some piece changes no weight (`--on-nan skip`). `refills`: {step index: (snapshot step,
     parameter names)}: before that step, those parameters' AdamW state is put back to what it was
-    after the snapshot's step. `replicas`: the run's, which set its thread count."""
+    after the snapshot's step. `replicas`: the run's, which set its thread count. `losses`, if
+    given, receives each step's loss as its record holds it: the weighted piece losses summed
+    in rank order, as the replicas sum them with the gradients (`WeightedPieceSum`)."""
     import copy
 
     from nanoddp.ft import GlobalBatches, piece_weight, share
@@ -329,7 +332,7 @@ def replay_continue_run(
                 snap, names = refills[step]
                 for name in names:
                     opt.state[named[name]] = copy.deepcopy(saved[snap][name])
-            total, finite = None, True
+            total, loss_sum, finite = None, None, True
             for rank in range(world_size):
                 piece = batches.indices(step)[share(12, rank, world_size)]
                 model.zero_grad(set_to_none=True)
@@ -338,6 +341,10 @@ def replay_continue_run(
                 loss.backward()
                 flat = torch.cat([p.grad.reshape(-1) for p in params]) * piece_weight(12, rank, world_size)
                 total = flat if total is None else total + flat
+                weighted = loss.detach().reshape(1) * piece_weight(12, rank, world_size)
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted
+            if losses is not None:
+                losses.append(float(loss_sum))
             if finite:
                 at = 0
                 for p in params:

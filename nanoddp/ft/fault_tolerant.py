@@ -81,7 +81,8 @@ class FaultTolerant:
     joiner must receive too (a scheduler's, say); `tokens_per_sample`, if the data has tokens,
     gives the step records their `tokens_per_s`; `restore` loads the newest snapshot (returning
     its step and history, or None when there is none), for a group in which nobody holds the
-    state any more."""
+    state any more; it is also where a caller drops its own records past that step (the
+    built-in loop's `Boundary.restore` does), before the `resumed_from_snapshot` record."""
 
     def __init__(
         self,
@@ -262,7 +263,7 @@ class FaultTolerant:
         if self.is_master:
             logger.warning(
                 "nanoddp.ft: every replica that held the run's state was lost: the %d replicas left resume from the "
-                "snapshot of step %d (the steps after it are redone and recorded again)",
+                "snapshot of step %d (the steps after it are redone)",
                 self.world_size, snapshot_step,
             )  # fmt: skip
             self.metrics.write({"event": "resumed_from_snapshot", "step": snapshot_step + 1,

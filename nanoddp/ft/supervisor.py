@@ -18,7 +18,20 @@ The run ends when a replica finishes (exit 0) and the rest have finished too, or
 the collective timeout more: those are killed, and a replacement that never reached a step (it
 has nobody left to join) at once. A replica that exits with `STOPPED_EXIT_CODE` stopped the run
 on purpose (`nanoddp.ft.stopped`: its line says why): it is not replaced, the run ends the same
-way, and its exit code is the run's.
+way, and its exit code is the run's; unless another replica marks a step after it, within the
+collective timeout: then it stopped alone and is a failed replica (`_stopped_alone`).
+
+[Note: the launcher never ends the last holder] What a kill can take is the committed state of a
+replica that holds it while no other live one does. The hung-replica kill needs another replica
+to have marked a step within the timeout: a quorum formed without the silent one, and a quorum
+needs a majority (`majority`), so at 2 replicas it never happens, and at more the group that
+went on holds the state (a commit needs every member), or found nobody holding it and resumed
+from a snapshot itself (`FaultTolerant`) before the kill: at 3 replicas or more, a holder that
+stopped heartbeating (hung) while two replacements formed such a group is given up at the
+quorum's heartbeat timeout, not the collective timeout. The end-of-run kills follow a replica
+that finished (the state is written) or a stop. A stop is one group's verdict, reached by all its
+members at once; the one verdict a member reaches alone, the same error thrice, came from a
+replica whose peers went on: that is the stop the launcher no longer takes for the run's.
 Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
 replica dies with the launcher even if the launcher is SIGKILLed (it asks Linux for that with
 the launcher's pid, `ReplicaEnv.launcher_pid`), and each replica's own children go with it.
@@ -64,6 +77,7 @@ class Replica:
     exitcode: int | None = None  # of the current process, once it ended
     started: float = 0.0  # time.time() when the current process started (or took this replica)
     killed: bool = False  # the launcher has SIGKILLed the current process (said once)
+    stopped_at: float | None = None  # time.time() when the current process exited with STOPPED_EXIT_CODE
     copiers: list[threading.Thread] = field(default_factory=list)
     prefix: list[str] = field(default_factory=lambda: [""])  # read by the copiers: a spare changes it
 
@@ -130,6 +144,7 @@ class Supervisor:
             start_new_session=True,
         )  # fmt: skip
         holder.proc, holder.exitcode, holder.started, holder.killed = proc, None, time.time(), False
+        holder.stopped_at = None
         holder.copiers = [
             threading.Thread(target=_copy_prefixed, args=(stream, out, holder.prefix), daemon=True)
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
@@ -161,6 +176,7 @@ class Supervisor:
         except BrokenPipeError:  # it died just now
             return False
         replica.proc, replica.exitcode, replica.started, replica.killed = waiting.proc, None, time.time(), False
+        replica.stopped_at = None
         replica.copiers, replica.prefix = waiting.copiers, waiting.prefix
         replica.prefix[0] = f"[replica {replica.replica}] "
         return True
@@ -174,6 +190,7 @@ class Supervisor:
         while True:
             for replica in self.replicas:
                 self._poll(replica)
+            self._stopped_alone()
             if self._over() and finished_at is None:
                 finished_at = time.monotonic()
             running = [r for r in self.replicas if r.exitcode is None]
@@ -205,8 +222,30 @@ class Supervisor:
 
     @property
     def stopped(self) -> bool:
-        """A replica stopped the run on purpose (`nanoddp.ft.stopped`)."""
-        return any(r.exitcode == STOPPED_EXIT_CODE for r in self.replicas)
+        """A replica stopped the run on purpose (`nanoddp.ft.stopped`) and nobody went on
+        without it (`_stopped_alone`)."""
+        return any(r.stopped_at is not None for r in self.replicas) and not self._stop_pending()
+
+    def _stop_pending(self) -> bool:
+        """A replica stopped the run at most the collective timeout ago, and others still run:
+        they may be stopping with it (its group's members stop at the same point) or going on
+        without it (`_stopped_alone`); wait and see."""
+        stops = [r.stopped_at for r in self.replicas if r.stopped_at is not None]
+        running = any(r.exitcode is None for r in self.replicas)
+        return bool(stops) and running and time.time() - min(stops) <= self.launch.timeout_s
+
+    def _stopped_alone(self) -> None:
+        """[Note: a stop is the group's] Every member of a group raises `RunStopped` at the same
+        point, so after a real stop no replica marks a step again. One that does went on
+        without the stopper (the same error try after try was the stopper's own: a
+        replacement's bad setting, say): the stopper was not the run, and the replicas that
+        hold the state must not be ended for it. It is then a failed replica, replaced as one."""
+        for replica in self.replicas:
+            at = replica.stopped_at
+            if at is None or not any(self._last_mark(r) > at for r in self.replicas if r.exitcode is None):
+                continue
+            replica.stopped_at = None
+            self._replace(replica, f"replica {replica.replica} stopped the run while the others went on without it")
 
     def _over(self) -> bool:
         """The run has ended for every replica: one finished, or one stopped it."""
@@ -235,13 +274,18 @@ class Supervisor:
             return
         replica.exitcode = code
         _kill_session(replica.proc, signal.SIGKILL)  # whatever it started goes with it
-        if code == 0 or self._over():  # this one stopped the run, or another did, or one finished:
+        if code == STOPPED_EXIT_CODE:
+            replica.stopped_at = time.time()  # the run's stop, unless others go on (`_stopped_alone`)
+        if code in (0, STOPPED_EXIT_CODE) or self._over():  # one stopped the run, or finished:
             return  # a replacement would meet what stopped the run, or have nobody to join
+        self._replace(replica, f"replica {replica.replica} failed ({_describe_exit(code)})")
+
+    def _replace(self, replica: Replica, failed: str) -> None:
+        """Start `replica`'s next attempt (the warm spare if there is one), if it has one left."""
         if replica.attempt >= self.launch.max_restarts:
-            self._say(f"replica {replica.replica} failed ({_describe_exit(code)}); no restarts left")
+            self._say(f"{failed}; no restarts left")
             return
         replica.attempt += 1
-        failed = f"replica {replica.replica} failed ({_describe_exit(code)})"
         if self._take_spare(replica):
             self._say(f"{failed}; the warm spare is replacement {replica.attempt}")
             return

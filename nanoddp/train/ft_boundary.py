@@ -179,6 +179,18 @@ class Boundary:
         if final or _every(step, config.eval_every):
             self.evaluate(step)
 
+    def restore(self) -> tuple[int, list[int]] | None:
+        """`FaultTolerant(restore=)`, for a group in which nobody holds the state: every member
+        loads the newest snapshot (`restore_newest`); rank 0 then drops the records past it, as a
+        resumed run does (`resume`), so that the steps redone after it are each recorded once."""
+        restored = restore_newest(self.config, self.job, self.facts)
+        if restored is not None:
+            step = restored[0]
+            self._evaluated = {done for done in self._evaluated if done <= step}  # those past it are redone
+            if self._group().is_master:
+                MetricsLogger(filled(self.config.out)).truncate_after(step)
+        return restored
+
     def _group(self) -> FaultTolerant:
         assert self.ft is not None, "Boundary.ft must be set before the loop starts"
         return self.ft

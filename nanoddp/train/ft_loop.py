@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import sys
 from pathlib import Path
@@ -95,7 +94,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         tokens_per_sample=job.tokens_per_sample,
         boundary=boundary,
         shards=shards,
-        restore=functools.partial(ft_boundary.restore_newest, config, job, facts),  # when nobody holds the state
+        restore=boundary.restore,  # when nobody holds the state
     )
     boundary.ft = ft
     if resumed is not None:

@@ -1,6 +1,7 @@
 """`--on-failure continue` never starts a run over, and keeps the restart path's guards.
 
-Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, or none:
+Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, of a user's
+loop, or none:
 - both replicas SIGKILLed at once after a snapshot: the replacements, which hold nothing, resume
   from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
   uninterrupted run, with no step recorded twice;
@@ -11,6 +12,8 @@ Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, or 
   snapshot is kept by pruning, and `model.pt` equals the replay that skips the same steps;
 - a snapshot write that fails on every replica, and a collective that fails the same way each
   try (a bad `NANODDP_LINK_BANDWIDTH` set inside the script): one line and exit 3, bounded;
+- a replacement whose own collectives fail alike stops alone (3 replicas, `nanoddp run`): the
+  holders finish and are never ended for it;
 - a bad `NANODDP_LINK_*` in the launching shell: one line and exit 2 before any worker starts,
   in both modes, for `nanoddp train` and `nanoddp run`.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,18 +94,26 @@ def _both(launcher) -> list[int] | None:
 
 def test_both_replicas_lost_resume_from_the_newest_snapshot_bitwise(tmp_path):
     """Both replicas SIGKILLed once a snapshot exists (held first, so they die together): the
-    replacements start empty, so they resume from the newest snapshot, the steps after it are
-    recorded again after one `resumed_from_snapshot` record, and `model.pt` equals a replay of
-    the uninterrupted run bitwise (a resume from a snapshot is exact)."""
+    replacements start empty, so they resume from the newest snapshot; the records past it are
+    dropped, as a resumed run drops them, so every step is recorded once, before or after one
+    `resumed_from_snapshot` record, with the loss of a replay of the uninterrupted run, and
+    `model.pt` equals that replay bitwise (a resume from a snapshot is exact). Before, the steps
+    between the snapshot and the kill were recorded twice."""
     out, steps = tmp_path / "run", 40
     command = _command(out, steps, "--snapshot-every", "5", "--max-restarts", "1", "--no-warm-spare")
     command += ["--collective-timeout", "30"]
 
+    recorded: list[int] = []  # the steps recorded when they were killed
+
+    def past_a_snapshot() -> bool:  # a step past the newest snapshot is recorded (if none is being written)
+        done = _steps(out)
+        return bool(done) and done[-1] > 5 and done[-1] % 5 != 0
+
     def act(launcher, stopped):
-        pids = wait_for(lambda: (out / "snapshots" / "step-00000005.pt").exists() and _both(launcher),
-                        time.monotonic() + 90)  # fmt: skip
+        pids = wait_for(lambda: past_a_snapshot() and _both(launcher), time.monotonic() + 90)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
+        recorded.extend(_steps(out))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
@@ -114,10 +126,13 @@ def test_both_replicas_lost_resume_from_the_newest_snapshot_bitwise(tmp_path):
     before = [r["step"] for r in records[: resumed[0]] if "event" not in r]
     after = [r["step"] for r in records[resumed[0] :] if "event" not in r]
     assert event["snapshot_step"] >= 5 and event["step"] == event["snapshot_step"] + 1, event
-    assert before == list(range(1, len(before) + 1)) and len(before) >= event["snapshot_step"], before
+    assert recorded[-1] > event["snapshot_step"], recorded  # steps past the snapshot were recorded once
+    assert before == list(range(1, event["snapshot_step"] + 1)), before  # and are dropped
     assert after == list(range(event["snapshot_step"] + 1, steps + 1)), after  # never from step 1 again
     assert output.count("resume from the snapshot of step") == 1, output[-5000:]
-    _assert_same(torch.load(out / "model.pt"), replay_continue_run([2] * steps, replicas=2))
+    losses: list[float] = []
+    _assert_same(torch.load(out / "model.pt"), replay_continue_run([2] * steps, replicas=2, losses=losses))
+    assert [r["loss"] for r in records if "event" not in r] == losses
 
 
 def test_the_holder_lost_while_its_joiner_waits_stops_in_one_line(tmp_path):
@@ -246,6 +261,47 @@ def test_a_collective_that_fails_the_same_way_stops_in_one_line(tmp_path):
     assert done.returncode == STOPPED, output[-5000:]
     assert output.count("step 1 failed 3 times in a row the same way, with no replica lost") == 1, output[-5000:]
     assert "NANODDP_LINK_BANDWIDTH must be a number and a unit" in output and "Traceback" not in output
+
+
+def test_a_replacement_that_stops_alone_ends_no_holder(tmp_path):
+    """3 replicas of a user's loop (`nanoddp run`); replica 2 SIGKILLs itself at step 3 and its
+    replacement sets a bad `NANODDP_LINK_BANDWIDTH`, so its every collective fails alike and it
+    raises the same-failure stop, alone: replicas 0 and 1, which hold the state, go on without
+    it. The launcher then treats it as a failed replica (one line; no restarts left) and the
+    holders finish, exit 0 (before: the lone stop ended the run, and the launcher killed both
+    holders after the collective timeout, exit 3 with no line saying why)."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import torch\n"
+        "from nanoddp.ft import FaultTolerant\n"
+        "replica, attempt = os.environ['NANODDP_FT_REPLICA'], os.environ['NANODDP_FT_ATTEMPT']\n"
+        "if (replica, attempt) == ('2', '1'):\n"
+        "    os.environ['NANODDP_LINK_BANDWIDTH'] = 'fast'\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "ft = FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_len=24, batch_size=6)\n"
+        "joined, committed = False, 0\n"
+        "for step in ft.steps(600):\n"
+        "    if step == 3 and (replica, attempt) == ('2', '0'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    joined = joined or (step > 3 and ft.world_size == 3)\n"
+        "    if not (joined and ft.world_size == 2):\n"
+        "        time.sleep(0.1)  # slow until the replacement has joined and is gone: then fast to the end\n"
+        "    model(torch.ones(len(ft.batch_for(step)), 4)).mean().backward()\n"
+        "    ft.average_gradients(model.weight.sum())\n"
+        "    committed += ft.commit()\n"
+        "print('committed', committed, 'of', ft.manager.current_step())\n"
+        "ft.close()\n"
+    )
+    command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", "3",
+               "--max-restarts", "1", "--no-warm-spare", "--collective-timeout", "10", str(script)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert output.count("replica 2 stopped the run while the others went on without it; no restarts left") == 1
+    assert "did not finish with the others" not in output, output[-5000:]
+    for replica in (0, 1):  # the holders ran to the end
+        assert re.search(rf"^\[replica {replica}\] committed \d+ of 600$", output, re.M), output[-5000:]
 
 
 @pytest.mark.parametrize(

@@ -361,8 +361,8 @@ FAULTS = (
     Mutation(
         "ft launcher: a replica that stopped the run is replaced",
         "nanoddp/ft/supervisor.py",
-        "        return self.stopped or any(r.exitcode == 0 for r in self.replicas)\n",
-        "        return any(r.exitcode == 0 for r in self.replicas)\n",
+        "        if code in (0, STOPPED_EXIT_CODE) or self._over():  # one stopped the run, or finished:\n",
+        "        if code == 0 or self._over():  # one stopped the run, or finished:\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "fsdp_losing_weights"),
     ),
     Mutation(
@@ -413,5 +413,19 @@ FAULTS = (
         "            snapshot.prune(directory, self.config.keep_snapshots, protect=",
         "            (lambda *args, **kwargs: None)(directory, self.config.keep_snapshots, protect=",
         ("tests/multiproc/test_ft_counts.py", "-k", "prunes"),
+    ),
+    Mutation(
+        "ft launcher: a replica that stopped alone ends the run, and the holders with it",
+        "nanoddp/ft/supervisor.py",
+        "            self._stopped_alone()\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "stops_alone"),
+    ),
+    Mutation(
+        "ft continue: a resume from a snapshot keeps the records past it (steps recorded twice)",
+        "nanoddp/train/ft_boundary.py",
+        "                MetricsLogger(filled(self.config.out)).truncate_after(step)\n",
+        "                pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
     ),
 )
