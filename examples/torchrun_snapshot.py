@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import nanoddp
+from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.models import GPT, gpt_config
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.data.datasets import BYTE_VOCAB, byte_text_splits
@@ -65,7 +66,7 @@ class Trainer:
     def _save_snapshot(self) -> None:
         """Collective (every rank sends its RNG state); rank 0 writes the file."""
         rng = [None] * self.env.world_size if self.env.is_master else None
-        dist.gather_object(snapshot.capture_rng_state(), rng, dst=0)
+        dist.gather_object(capture_rng_state(), rng, dst=0)
         if not self.env.is_master:
             return
         state = {
@@ -84,7 +85,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])  # epoch + how many samples the job consumed
         if len(state["rng"]) == self.env.world_size:  # else (new world size) keep the fresh seeds
-            snapshot.restore_rng_state(state["rng"][self.env.rank])
+            restore_rng_state(state["rng"][self.env.rank])
         self.step = state["step"]
         if self.env.is_master:
             print(f"resumed from {path.name} at step {self.step} (restart {self.env.restart_count})", flush=True)

@@ -4,14 +4,13 @@ Why not plain `mp.spawn`? When one rank dies the others sit in a collective fore
 parent learns nothing useful. Here the parent watches every child; the first failure (an
 exception, a non-zero exit, a signal) stops the rest within seconds and is re-raised in the
 parent with the rank and its traceback. Children also die with the parent (PR_SET_PDEATHSIG),
-and each takes its own descendants along (`take_descendants_along`), so nothing is left even if
+and each takes its own descendants along (`base.processes.take_descendants_along`), so nothing is left even if
 the parent is SIGKILLed. `notebook_launch` does the same for a function that spawn cannot import
 (defined in a notebook cell or `python -c`), sent by value instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import linecache
 import logging
 import marshal
@@ -21,8 +20,6 @@ import pickle
 import queue
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import traceback
 import types
@@ -32,11 +29,11 @@ from datetime import timedelta
 from typing import Any
 
 from nanoddp import env as nd
+from nanoddp.base.processes import die_with_parent, stop, take_descendants_along
 from nanoddp.tempdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 3.0  # SIGTERM first, SIGKILL after this long
 POLL_S = 0.05
 SETTLE_S = 1.0  # after a failure, how long to wait for the others' reports
 
@@ -50,66 +47,6 @@ class LaunchError(RuntimeError):
         self.exitcode = exitcode
         self.other_failures: dict[int, str] = {}  # usually consequences: peers losing rank `rank`
         super().__init__(f"rank {rank} failed: {details}")
-
-
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent (thread) dies (no-op elsewhere).
-
-    Shared by launch's ranks, the notebook's workers and `nanoddp train`'s workers. With
-    `parent_pid`, a parent that died before the request (the child was already re-parented)
-    ends this process at once, closing the window between fork and prctl."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        return
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(128 + signal.SIGKILL)
-
-
-# The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
-# environment is imported) in the rank's process group, which it kills once the rank is gone.
-_GUARD = """# nanoddp: the guard of a rank's process group
-import ctypes, os, signal, sys, time
-rank_pid = int(sys.argv[1])
-def sweep(*_):
-    os.killpg(0, signal.SIGKILL)  # the rank's group: every descendant still in it, and this guard
-for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
-signal.signal(signal.SIGUSR1, sweep)
-try:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG: told as the rank dies
-except OSError:
-    pass
-while os.getppid() == rank_pid:  # also closes the window before prctl, and covers non-Linux
-    time.sleep(1.0)
-sweep()
-"""
-_guards: dict[int, subprocess.Popen] = {}  # by the pid of the process it guards (one each)
-
-
-def take_descendants_along(new_group: bool = False) -> None:
-    """Kill this process's descendants as soon as it dies, however it dies (SIGKILL included).
-
-    `die_with_parent` ends a rank with its launcher, but what the rank started (a subprocess, a
-    data service) would live on. So the rank leads a process group of its own, which its
-    children join by default, and a small guard process in that group kills the whole group
-    when the rank is gone. A process already leading a session (torchrun starts each worker in
-    one) is guarded as it is; with `new_group` the process first leaves its parent's group for a
-    new one (launch's ranks). Anything else is left alone: its group may hold unrelated processes
-    (a shell pipeline's). What leaves the group on purpose (setsid) is not followed."""
-    if os.getpid() in _guards:
-        return
-    if new_group:
-        os.setpgid(0, 0)
-    elif os.getsid(0) != os.getpid():
-        return
-    _guards[os.getpid()] = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
 
 
 def _worker(
@@ -150,20 +87,6 @@ def _describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode} without reporting a result"
 
 
-def _stop_all(procs: Sequence[mp.process.BaseProcess]) -> None:
-    """SIGTERM every live child, then SIGKILL whoever is still there after the grace period."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -201,7 +124,7 @@ def launch(
             procs.append(proc)
         return _collect(procs, results, timeout)
     finally:
-        _stop_all(procs)
+        stop(procs)
         results.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
 

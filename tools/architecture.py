@@ -32,7 +32,8 @@ if str(ROOT) not in sys.path:  # `python tools/architecture.py` imports this che
 # Layers, lowest first: a module may import its own layer and the layers below it. `cli`,
 # `__main__` and the root `nanoddp/__init__.py` (the public API re-exported) sit on top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("env", "hosts", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
+    ("base", ("base",)),  # files, RNG, processes, limits: written once, imports nothing of nanoddp above it
+    ("env", ("env", "hosts", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
     ("models", ("models",)),
     ("comm", ("comm",)),
     ("parallel", ("parallel", "fsdp")),  # `nanoddp.fsdp` is the face of parallel/fsdp/
@@ -88,6 +89,11 @@ RULES = """\
   they are written to a temp file, fsynced and `os.replace`d, with a checksum verified on load;
   resume from step k gives bitwise the parameters of an uninterrupted run.
 - `world_size == 1` is a path, not a different object shape.
+- **Each ground-floor idea once, in `nanoddp/base/`**: the atomic writer and the append-only
+  writer (`files.py`), RNG capture and restore (`rng.py`), starting, stopping and becoming a
+  worker process (`processes.py`), the shared timeouts (`limits.py`). The calls that make them
+  (`os.replace`, `O_EXCL`, `os.killpg`, `torch.get_rng_state`, ...) appear nowhere else
+  (checked by `tests/unit/test_base_services.py`).
 - `env.py` is the only reader of `os.environ` for rank, world size, device and backend.
 """
 

@@ -13,7 +13,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 
-from nanoddp.bench.child import ChildFailed
+from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.inputs import BenchParser
 
 BENCHMARK_MODULES = (

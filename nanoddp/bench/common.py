@@ -12,8 +12,13 @@ import io
 import json
 from typing import Any
 
+from nanoddp.base.files import atomic_write_bytes
 from nanoddp.bench.inputs import output_file
-from nanoddp.train.checkpoint.atomic import atomic_write_bytes
+
+
+class ChildFailed(RuntimeError):
+    """A child run (`base.processes.child_run`) failed, and with it the measurement; the message
+    carries its output's tail, which `nanoddp bench` reports without a traceback (exit code 1)."""
 
 
 def parse_world_sizes(text: str, minimum: int = 1) -> list[int]:

@@ -37,7 +37,8 @@ from typing import Any
 
 import psutil
 
-from nanoddp.bench.child import ChildFailed, child_run, finish
+from nanoddp.base.processes import child_run, finish
+from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
 

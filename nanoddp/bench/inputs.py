@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from nanoddp.train.checkpoint.atomic import UnsafePath, open_directory, refuse_planted
+from nanoddp.base.files import UnsafePath, open_directory, refuse_planted
 
 
 class BenchParser(argparse.ArgumentParser):

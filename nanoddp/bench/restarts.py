@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from nanoddp.base.processes import child_run, finish
 from nanoddp.bench import failure_cost
-from nanoddp.bench.child import ChildFailed, child_run, finish
-from nanoddp.bench.common import add_output_args, write_json
+from nanoddp.bench.common import ChildFailed, add_output_args, write_json
 from nanoddp.bench.inputs import count, number
 
 logger = logging.getLogger(__name__)

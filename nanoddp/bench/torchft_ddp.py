@@ -53,13 +53,13 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from nanoddp.base import files
 from nanoddp.env import loopback_store, pin_gloo_to_loopback
 from nanoddp.ft.events import MetricsFile
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
 from nanoddp.train.build import Job, build_job
-from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.ft_loop import start_replica
@@ -189,7 +189,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
                 logger.info("%s | world %d", format_log_line(record), world_size)
         job.scheduler.step()
     if manager.participating_rank() == 0 and config.out is not None:
-        atomic.atomic_torch_save(Path(config.out) / "model.pt", job.module.state_dict())
+        files.atomic_torch_save(Path(config.out) / "model.pt", job.module.state_dict())
         logger.info("saved %s", Path(config.out) / "model.pt")
     manager.shutdown(wait=False)
     pg.shutdown()

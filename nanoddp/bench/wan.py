@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanoddp.bench.child import ChildFailed, child_run, finish
-from nanoddp.bench.common import add_output_args, save_figure, write_json
+from nanoddp.base.processes import child_run, finish
+from nanoddp.bench.common import ChildFailed, add_output_args, save_figure, write_json
 from nanoddp.bench.inputs import count
 from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
 from nanoddp.train.launcher.cli import check_train_argv

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from nanoddp.base import files
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,5 @@ class MetricsFile:
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        # One write of a whole line, O_APPEND: concurrent writers' lines stay whole; never through a link.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-        finally:
-            os.close(fd)
+        # one write of a whole line, appended: concurrent writers' lines stay whole
+        files.append_text(self.path, json.dumps(record) + "\n")

@@ -12,12 +12,12 @@ tensor; the Manager holds the optimizer back (`should_commit`) until the transfe
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.ft.packed_state import pack, unpack
 
 
@@ -53,10 +53,8 @@ class LiveState:
             "optimizer": self.optimizer_state[0](),
             "history": list(self.history),
             "holds_state": self.holds_state,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": capture_rng_state(),  # the same generators a snapshot holds, numpy included
         }
-        if torch.cuda.is_available():
-            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         if self.extra is not None:
             state["extra"] = self.extra[0]()
         return pack(state)
@@ -68,9 +66,6 @@ class LiveState:
         self.optimizer_state[1](state["optimizer"])
         self.history[:] = state["history"]
         self.holds_state = bool(state["holds_state"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        restore_rng_state(state["rng"])
         if self.extra is not None:
             self.extra[1](state["extra"])

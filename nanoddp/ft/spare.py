@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from nanoddp.launch import die_with_parent
+from nanoddp.base.processes import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:

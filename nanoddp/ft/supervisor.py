@@ -53,13 +53,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from nanoddp.base import processes
+from nanoddp.base.limits import STOP_GRACE_S
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.stopped import STOPPED_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 
 POLL_S = 0.05
 BEATS_PREFIX = "nanoddp-ft-beats-"  # the launcher's private dir of step marks, named by its pid
-STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 STARTUP_GRACE_S = 120.0  # a replica's first step mark may take this long (imports, data, joining)
 SILENT_MARGIN_S = 2.0  # past the collective timeout: the others' quorum (join timeout) comes first
 # The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
@@ -330,16 +331,8 @@ class Supervisor:
         still there."""
         holders = [*self.replicas, *([self.spare] if self.spare is not None else [])]
         running = [r for r in holders if r.proc is not None and r.proc.poll() is None]
+        processes.stop([r.proc for r in running if r.proc is not None], whole_group=True, first=sig)
         for replica in running:
-            _kill_session(replica.proc, sig)
-        if sig != signal.SIGKILL:
-            deadline = time.monotonic() + STOP_GRACE_S
-            while any(r.proc.poll() is None for r in running) and time.monotonic() < deadline:  # type: ignore[union-attr]
-                time.sleep(POLL_S)
-            for replica in running:
-                _kill_session(replica.proc, signal.SIGKILL)
-        for replica in running:
-            replica.proc.wait()  # type: ignore[union-attr]
             replica.exitcode = replica.proc.returncode  # type: ignore[union-attr]
 
     def _say(self, line: str) -> None:
@@ -357,8 +350,7 @@ def _spare_command(replica_command: list[str]) -> list[str] | None:
 def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
     if proc is None:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the replica leads its session's group (start_new_session)
+    processes.signal_group(proc, sig)  # the replica leads its session's group (start_new_session)
 
 
 def majority(nproc: int) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from nanoddp.base.processes import stop
 from nanoddp.notebook.handshake import (
     DIR_PREFIX,
     PoolError,
@@ -44,7 +45,7 @@ from nanoddp.notebook.handshake import (
     wait_ready,
 )
 from nanoddp.notebook.outcome import DROP, CellOutcome, Sink
-from nanoddp.notebook.processes import WorkerHandle, catch_sigint, spawn_worker, terminate
+from nanoddp.notebook.processes import WorkerHandle, catch_sigint, spawn_worker
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class WorkerPool:
                 try:
                     worker.process.wait(timeout=SHUTDOWN_GRACE_S)  # EOF: it is exiting; reap it
                 except subprocess.TimeoutExpired:
-                    terminate(worker.process)
+                    stop([worker.process])
                 worker.alive  # noqa: B018  (records the exit code in worker.death)
                 worker.busy = False
                 outcome.died[rank] = worker.death or "closed its connection"
@@ -369,15 +370,13 @@ class WorkerPool:
                     worker.conn.send(("shutdown",))
         self._interrupt({w.rank for w in self.workers})
         self._drain_until_exit(time.monotonic() + grace_s)
+        lingering = [w for w in self.workers if w.process.poll() is None]
+        for worker in lingering:
+            logger.warning(
+                "rank %d did not exit in %.0fs; terminating pid %d", worker.rank, grace_s, worker.process.pid
+            )
+        stop([w.process for w in lingering])  # one grace for all of them together
         for worker in self.workers:
-            if worker.process.poll() is None:
-                logger.warning(
-                    "rank %d did not exit in %.0fs; terminating pid %d",
-                    worker.rank,
-                    grace_s,
-                    worker.process.pid,
-                )
-                terminate(worker.process)
             if worker.conn is not None:
                 worker.conn.close()
         self.workers = []

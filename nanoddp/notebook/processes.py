@@ -81,12 +81,3 @@ def spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
     process.stdin.write(json.dumps(settings).encode())
     process.stdin.close()
     return process
-
-
-def terminate(process: subprocess.Popen, grace_s: float = 2.0) -> None:
-    process.terminate()
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()

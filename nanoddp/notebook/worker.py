@@ -31,7 +31,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from nanoddp.launch import die_with_parent  # `-m nanoddp.notebook.worker` has loaded the package already
+from nanoddp.base.processes import die_with_parent  # `-m nanoddp.notebook.worker` has loaded the package already
 from nanoddp.notebook.recovery import Inbox, abort_collectives, comm_in_flight, rebuild_group
 
 logger = logging.getLogger(__name__)

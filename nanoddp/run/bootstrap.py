@@ -44,11 +44,10 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from nanoddp import env as nd
 from nanoddp import hosts, torchrun
+from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
+from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.comm import watchdog
-from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train.launcher.agent import AGENT_PID_VAR
-
-PG_TIMEOUT_MARGIN_S = 30  # torch's C++ collectives give up this long after the watchdog would
 
 
 def _positional_group_ok(original: Callable[..., Any], watched: Callable[..., Any]) -> Callable[..., Any]:

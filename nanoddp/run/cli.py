@@ -16,7 +16,7 @@ What it adds to plain `torchrun`:
   watchdog's report) rather than torchrun's multi-line failure table;
 - workers that die with the launcher: SIGTERM or Ctrl-C stops them (torchrun forwards the signal)
   and ends in one line and exit 128 + signal; a SIGKILLed launcher takes them along too, with
-  whatever they started (each worker asks Linux for that, `nanoddp.launch.die_with_parent`, and
+  whatever they started (each worker asks Linux for that, `nanoddp.base.processes.die_with_parent`, and
   leaves a guard over its process group, `take_descendants_along`), and its temp dir, named by
   its pid, is removed by the next start (`nanoddp.tempdirs`);
 - a rank that exits 0 while others run on is named after `--finished-grace` seconds, or ends the

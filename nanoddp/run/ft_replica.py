@@ -13,9 +13,9 @@ import argparse
 import signal
 import sys
 
+from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.stopped import run_replica
-from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.run.bootstrap import run_script
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset, default_collate
 
+from nanoddp.base.rng import restore_rng_state
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv
 from nanoddp.ft import FaultTolerant, ReplicaEnv
@@ -93,7 +94,7 @@ def _load(path: Path, state: dict[str, Any], job: Job) -> tuple[int, list[int]]:
     step = int(train["step"])
     history = list(train.get("history") or [int(train["world_size"])] * step)  # a restart run's: fixed size
     # Every replica steps with the same RNG stream (a joiner receives its source's): rank 0's.
-    snapshot.restore_rng_state(state["rng"][0])
+    restore_rng_state(state["rng"][0])
     return step, history
 
 

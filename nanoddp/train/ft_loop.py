@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from nanoddp.base import files
+from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.ft import FaultTolerant, OptimizerShards, ReplicaEnv
 from nanoddp.ft.stopped import RunStopped, run_replica
-from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import ft_boundary, step_check
 from nanoddp.train.build import Job, build_job
-from nanoddp.train.checkpoint import atomic
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.metrics import format_log_line
@@ -138,7 +138,7 @@ def _export(ft: FaultTolerant, module: torch.nn.Module, out: str) -> None:
     if bad:
         raise RunStopped(step_check.export_refusal(bad, ft.manager.current_step()), ft.is_master)
     if ft.is_master:
-        atomic.atomic_torch_save(Path(out) / "model.pt", state)
+        files.atomic_torch_save(Path(out) / "model.pt", state)
         logger.info("saved %s", Path(out) / "model.pt")
 
 

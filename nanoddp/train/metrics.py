@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.train.checkpoint.atomic import append_text, atomic_write_bytes, open_private
+from nanoddp.base.files import append_text, atomic_write_bytes, open_private
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp import env as nd
+from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, validate_loop
@@ -53,7 +54,6 @@ BUILTIN_ONLY = {
 SETUP_FILES = frozenset({"config.json", "metrics.jsonl"})
 _CREATED: dict[int, str] = {}  # lock fd -> the run directory claim_run_dir created for it
 logger = logging.getLogger(__name__)
-PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives give up this long after our watchdog would
 
 
 def options_config(options: dict[str, Any], model: torch.nn.Module, optimizer: Any, dataset: Any) -> TrainConfig:

@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, record_function
 
+from nanoddp.base.files import atomic_write_bytes
 from nanoddp.env import DistEnv
-from nanoddp.train.checkpoint.atomic import atomic_write_bytes
 from nanoddp.train.engines import Engine, build_engine
 
 logger = logging.getLogger(__name__)

@@ -31,13 +31,15 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from nanoddp.base import files
+from nanoddp.base.rng import restore_rng_state
 from nanoddp.comm import transport
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import evaluation, signals, step_check
-from nanoddp.train.checkpoint import atomic, rundir, snapshot, user_state
+from nanoddp.train.checkpoint import rundir, snapshot, user_state
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
 from nanoddp.train.data.batches import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
@@ -163,7 +165,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, config.metrics) if env.is_master else None
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
-            atomic.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
+            files.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
 
     def _maybe_resume(self) -> Path | None:
         """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
@@ -232,7 +234,7 @@ class Trainer:
             logger.warning("%s", note)
         saved = state["rng"]
         if len(saved) == self.env.world_size:
-            snapshot.restore_rng_state(saved[self.env.rank])
+            restore_rng_state(saved[self.env.rank])
         else:
             if self.env.is_master:
                 logger.warning(
@@ -420,7 +422,7 @@ class Trainer:
         step_check.refuse_nonfinite_export(model_state, self.step, self.env)  # same error on every rank
         if not self.env.is_master:
             return
-        atomic.atomic_torch_save(self.run_dir / "model.pt", model_state)
+        files.atomic_torch_save(self.run_dir / "model.pt", model_state)
         logger.info("saved %s", self.run_dir / "model.pt")
 
 

@@ -30,7 +30,7 @@ ALL_REDUCE_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import nanoddp
-    from nanoddp.train.checkpoint.atomic import atomic_write_bytes
+    from nanoddp.base.files import atomic_write_bytes
 
     @dataclasses.dataclass
     class Shard:  # a class of __main__: travels by value, and comes back as this very class

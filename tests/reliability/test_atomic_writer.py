@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from nanoddp.train.checkpoint import atomic
+from nanoddp.base import files
 
 OLD = b"the previous snapshot\n"
 
@@ -43,7 +43,7 @@ def calls(monkeypatch) -> list[tuple[str, int | str]]:
 
 def test_the_temp_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path, calls):
     target = tmp_path / "ckpt" / "state.pt"
-    atomic.atomic_write_bytes(target, [b"chunk one ", b"chunk two"])
+    files.atomic_write_bytes(target, [b"chunk one ", b"chunk two"])
     assert target.read_bytes() == b"chunk one chunk two"
     file_inode, dir_inode = target.stat().st_ino, target.parent.stat().st_ino
     assert calls == [("fsync", file_inode), ("replace", "state.pt"), ("fsync", dir_inode)], calls
@@ -78,10 +78,10 @@ def test_a_failed_write_leaves_the_directory_as_it_was(tmp_path, monkeypatch, fa
     if failure == "fsync_eio":
         _fsync_fails(monkeypatch)
         with pytest.raises(OSError, match=r"cannot write .*state\.pt: Input/output error"):
-            atomic.atomic_write_bytes(target, b"new bytes")
+            files.atomic_write_bytes(target, b"new bytes")
     else:
         with pytest.raises(Interrupted):
-            atomic.atomic_write_bytes(target, chunks_then_failure())  # type: ignore[arg-type]
+            files.atomic_write_bytes(target, chunks_then_failure())  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary file left behind
     if existing:
         assert target.read_bytes() == OLD

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nanoddp
+from nanoddp.base import files
 from nanoddp.env import DistEnv
-from nanoddp.train.checkpoint import atomic, snapshot
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.launcher import agent
 from nanoddp.train.launcher import cli as launcher_cli
 from nanoddp.train.metrics import MetricsLogger
@@ -64,13 +65,13 @@ def test_save_state_ignores_a_link_at_the_old_predictable_temp_name(tmp_path, vi
 def test_a_planted_name_we_draw_is_never_opened(tmp_path, victim, monkeypatch):
     """Even a correctly guessed random name is refused by O_EXCL|O_NOFOLLOW; another is drawn."""
     names = iter(["guessed", "fresh"])
-    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(names))
     out = tmp_path / "shared"
-    _plant(out / f".model.pt{atomic.TEMP_MARK}{os.getpid()}-guessed", victim)
-    atomic.atomic_torch_save(out / "model.pt", {"w": torch.ones(2)})
+    _plant(out / f".model.pt{files.TEMP_MARK}{os.getpid()}-guessed", victim)
+    files.atomic_torch_save(out / "model.pt", {"w": torch.ones(2)})
     assert victim.read_text() == VICTIM_TEXT
     assert torch.equal(torch.load(out / "model.pt")["w"], torch.ones(2))
-    assert sorted(p.name for p in out.iterdir()) == [f".model.pt{atomic.TEMP_MARK}{os.getpid()}-guessed", "model.pt"]
+    assert sorted(p.name for p in out.iterdir()) == [f".model.pt{files.TEMP_MARK}{os.getpid()}-guessed", "model.pt"]
 
 
 def test_a_link_at_the_destination_is_replaced_not_written_through(tmp_path, victim):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict, namedtuple
 
+import numpy as np
 import torch
 
 from nanoddp.ft.live_state import LiveState
@@ -77,16 +78,19 @@ def test_a_live_state_moves_a_trained_gpt_and_adamw_bitwise():
     source_model, source_optimizer = trained(1)
     source_history = [3, 3, 2]
     random.seed(5)
+    np.random.seed(6)
     torch.manual_seed(7)
     sent = LiveState(source_model, source_optimizer, source_history).take()
-    want_rng, want_random = torch.get_rng_state(), random.random()
+    want_rng, want_random, want_numpy = torch.get_rng_state(), random.random(), np.random.random()
 
     model, optimizer = trained(2)  # other weights, another optimizer step count
     history: list[int] = []
     torch.manual_seed(99)
+    np.random.seed(98)
     LiveState(model, optimizer, history).put(sent)
 
     _assert_same(model.state_dict(), source_model.state_dict())
     _assert_same(optimizer.state_dict(), source_optimizer.state_dict())
     assert history == source_history
     assert torch.equal(torch.get_rng_state(), want_rng) and random.random() == want_random
+    assert np.random.random() == want_numpy  # a healed rank restores every generator a resumed one does

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.train.checkpoint import snapshot
 
 
@@ -24,7 +25,7 @@ def _state(step: int) -> dict:
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "rng": [snapshot.capture_rng_state()],
+        "rng": [capture_rng_state()],
         "config": {"lr": 1e-3, "data": "text"},
     }
 
@@ -136,12 +137,12 @@ def test_rng_state_survives_a_snapshot(tmp_path):
     np.random.seed(2)
     torch.manual_seed(3)
     np.random.randn()  # leave numpy with a cached gaussian, the awkward part of its state
-    snapshot.save(tmp_path / "step-00000001.pt", {"rng": snapshot.capture_rng_state()})
+    snapshot.save(tmp_path / "step-00000001.pt", {"rng": capture_rng_state()})
     expected = (random.random(), np.random.randn(3), torch.rand(3))
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)
-    snapshot.restore_rng_state(snapshot.load(tmp_path / "step-00000001.pt")["rng"])
+    restore_rng_state(snapshot.load(tmp_path / "step-00000001.pt")["rng"])
     got = (random.random(), np.random.randn(3), torch.rand(3))
     assert got[0] == expected[0]
     np.testing.assert_array_equal(got[1], expected[1])

@@ -1,1 +1,1 @@
-"""What survives a run: the atomic snapshot writer, user save_state/load_state, optimizer-state layout, run dir."""
+"""What survives a run: snapshot files, user save_state/load_state, optimizer-state layout, run dir."""

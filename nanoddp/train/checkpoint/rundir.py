@@ -27,8 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from nanoddp.base.files import try_lock
 from nanoddp.train.checkpoint import snapshot
-from nanoddp.train.checkpoint.atomic import try_lock
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def lock_run_dir(out: str | Path) -> int:
 
     Keep the descriptor open while the run lasts; closing it, or the process dying, releases the
     lock. A second run on the same directory gets `RunDirBusy` naming the holder's pid at once;
-    a `.lock` that is a symlink or not a regular file is a ValueError (`atomic.open_private`: a
+    a `.lock` that is a symlink or not a regular file is a ValueError (`files.open_private`: a
     planted `.lock -> ~/.bashrc` would otherwise be truncated and overwritten with our pid).
     """
     fd, holder = try_lock(Path(out) / LOCK_NAME)

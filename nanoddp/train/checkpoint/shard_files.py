@@ -27,7 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanoddp.train.checkpoint import atomic, snapshot
+from nanoddp.base import files
+from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.ranks import distributed
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class SaveInProgress(RuntimeError):
 SAME_ON_EVERY_RANK = {
     kind.__name__: kind
     for kind in (TypeError, ValueError, KeyError, OSError, FileNotFoundError, RuntimeError, snapshot.SnapshotError)
-    + (SaveInProgress, atomic.UnsafePath)
+    + (SaveInProgress, files.UnsafePath)
 }
 
 
@@ -69,7 +70,7 @@ def begin_save(target: Path) -> tuple[str, int | None]:
     fd, refusal = None, None
     if not distributed() or dist.get_rank() == 0:
         try:
-            fd, holder = atomic.try_lock(lock_name(target))
+            fd, holder = files.try_lock(lock_name(target))
             if fd is None:
                 refusal = (SaveInProgress.__name__, str(_busy(target, holder)))
         except (ValueError, OSError) as exc:  # a planted link as the lock file; a read-only directory
@@ -90,7 +91,7 @@ def replacing_sharded(target: Path) -> Iterator[None]:
     if not any(target.parent.glob(f"{glob.escape(target.name)}.*.rank*-of-*")):
         yield
         return
-    fd, holder = atomic.try_lock(lock_name(target))
+    fd, holder = files.try_lock(lock_name(target))
     if fd is None:
         raise _busy(target, holder)
     try:
@@ -166,8 +167,8 @@ def remove_unlisted(target: Path, keep: set[str]) -> None:
     Best effort: a leftover costs space only."""
     name = glob.escape(target.name)
     leftovers = [p for p in target.parent.glob(f"{name}.*.rank*-of-*") if p.name not in keep]
-    leftovers += target.parent.glob(f".{name}.*.rank*-of-*{atomic.TEMP_MARK}*")  # a killed rank's shard
-    leftovers += [p for p in target.parent.glob(f".{name}{atomic.TEMP_MARK}*") if atomic.is_stale_temp(p)]
+    leftovers += target.parent.glob(f".{name}.*.rank*-of-*{files.TEMP_MARK}*")  # a killed rank's shard
+    leftovers += [p for p in target.parent.glob(f".{name}{files.TEMP_MARK}*") if files.is_stale_temp(p)]
     for path in leftovers:
         try:
             path.unlink()

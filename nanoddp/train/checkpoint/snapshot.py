@@ -8,7 +8,7 @@ snapshot, which is a `save_state` file with fixed names) is a short text header 
     <sha256 of payload> <payload length>\\n
     <payload bytes>
 
-Written by `atomic.atomic_write_bytes` (a fresh temp file, fsynced, renamed over the final name),
+Written by `files.atomic_write_bytes` (a fresh temp file, fsynced, renamed over the final name),
 so a reader sees either the old file or the complete new one, never half of one. The
 header lets `load` reject a truncated or corrupted file before unpickling anything, which is
 what lets `--resume auto` skip a bad snapshot (a job killed mid-write, a full disk) and fall
@@ -21,14 +21,13 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import random
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanoddp.train.checkpoint import atomic
+from nanoddp.base import files
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ def save(path: str | Path, state: dict[str, Any]) -> Path:
     torch.save(state, buffer)
     payload = buffer.getvalue()
     header = MAGIC + f"{hashlib.sha256(payload).hexdigest()} {len(payload)}\n".encode()
-    atomic.atomic_write_bytes(path, [header, payload])
+    files.atomic_write_bytes(path, [header, payload])
     return Path(path)
 
 
@@ -164,8 +163,8 @@ def prune(directory: str | Path, keep: int, protect: int | None = None) -> list[
         if step and int(step.group(1)) not in kept:
             path.unlink(missing_ok=True)
             removed.append(path)
-    for tmp in directory.glob(f".step-*.pt*{atomic.TEMP_MARK}*"):
-        if atomic.is_stale_temp(tmp):  # left by a writer killed mid-write
+    for tmp in directory.glob(f".step-*.pt*{files.TEMP_MARK}*"):
+        if files.is_stale_temp(tmp):  # left by a writer killed mid-write
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
@@ -195,37 +194,3 @@ def model_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     layout = entry["state"]  # sharded: the manifest records each tensor's whole shape
     shapes = {key: tuple(spec["shape"]) for key, spec in layout["specs"].items()}
     return shapes | {key: tuple(value.shape) for key, value in layout["whole"].items()}
-
-
-# --- RNG state, in a form that torch.load(weights_only=True) accepts -----------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from: python, numpy, torch CPU and CUDA."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        legacy = np.random.get_state()  # legacy=True, the default: MT19937's 5-tuple, never the dict
-        assert isinstance(legacy, tuple)
-        kind, keys, pos, has_gauss, cached = legacy
-        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `capture_rng_state`."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

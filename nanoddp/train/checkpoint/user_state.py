@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 from nanoddp.parallel.dp.data_parallel import DataParallel
 from nanoddp.parallel.manual import SimpleDDP
@@ -176,7 +177,7 @@ def _save_locked(target: Path, objects: dict[str, Any], classified, shards: list
     """`save_objects` once the save lock is held."""
     rank, world_size = _rank(), _world_size()
     modules, registry, kinds = classified
-    rng = snapshot.capture_rng_state()
+    rng = capture_rng_state()
     saved = {
         name: {"kind": kinds[name], "state": _capture(obj, kinds[name], rank == 0)}
         for name, obj in objects.items()
@@ -384,7 +385,7 @@ def load_objects(
     shard_files.agree(error)
     rng = state["rng"]
     if restore_rng and len(rng) == _world_size():
-        snapshot.restore_rng_state(rng[_rank()])
+        restore_rng_state(rng[_rank()])
     elif restore_rng and distributed() and _rank() == 0:  # one process reading a job's weights needs none
         logger.warning(
             "state saved at world size %d, loaded at %d: RNG streams not restored (reseed them)",

@@ -33,15 +33,17 @@ from typing import NoReturn, cast
 
 from nanoddp import env as nd
 from nanoddp import torchrun
+from nanoddp.base import files
+from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
+from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.comm import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
     add_dataclass_args,
     config_from_args,
 )
-from nanoddp.launch import die_with_parent, take_descendants_along
 from nanoddp.train import signals
-from nanoddp.train.checkpoint import atomic, rundir
+from nanoddp.train.checkpoint import rundir
 from nanoddp.train.config import TrainConfig, filled, validate
 from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
@@ -50,7 +52,6 @@ from nanoddp.train.launcher import agent, preflight, rendezvous
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "nanoddp.train"
-PG_TIMEOUT_MARGIN_S = 30  # torch's own collectives time out this long after the watchdog fires
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -282,8 +283,8 @@ def _setup_worker_logging(rank: int, out: str | None) -> None:
     if out is not None:
         path = agent.rank_log(out, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # through no planted link: the run directory may be shared (atomic.open_private)
-        file_handler = logging.StreamHandler(os.fdopen(atomic.open_private(path, os.O_WRONLY | os.O_APPEND), "a"))
+        # through no planted link: the run directory may be shared (files.open_private)
+        file_handler = logging.StreamHandler(os.fdopen(files.open_private(path, os.O_WRONLY | os.O_APPEND), "a"))
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(file_handler)
         _RANK_LOG["path"] = path
@@ -352,7 +353,7 @@ def worker_entry() -> int:
         error_handler.record_exception(exc)
         if "path" not in _RANK_LOG:
             raise
-        atomic.append_text(_RANK_LOG["path"], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        files.append_text(_RANK_LOG["path"], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         return 1
 
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from nanoddp.base import files
 from nanoddp.comm.link import link_from_environ
 from nanoddp.dataclass_cli import to_dict
-from nanoddp.train.checkpoint import atomic, rundir, snapshot
+from nanoddp.train.checkpoint import rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, filled
 from nanoddp.train.data.datasets import DataSpec
 
@@ -40,7 +41,7 @@ def check_out_dir(out: str | Path) -> None:
         raise ValueError(f"--out {out} is not writable ({exc.strerror}); choose another directory") from None
     # appended to in place (everything else is written by an atomic rename, never through a link)
     for appended in [out / "metrics.jsonl", *sorted((out / "logs").glob("rank*.log"))]:
-        atomic.refuse_planted(appended)
+        files.refuse_planted(appended)
 
 
 def check_worker_environ() -> None:

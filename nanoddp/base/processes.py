@@ -1,0 +1,188 @@
+"""The life of nanoddp's processes, written once: start a child with a deadline, stop one, and
+become a worker that ends with its parent.
+
+Every launcher here (`nanoddp.launch`, the agent's workers, `nanoddp run`, the fault-tolerant
+supervisor, the notebook's pool, a benchmark's child runs) must leave nothing behind, however it
+ends. Each used to carry its own copy of these steps with its own wait; one copy means one rule:
+
+- stopping is SIGTERM, one grace period (`limits.STOP_GRACE_S`) to save and exit, then SIGKILL,
+  of the process or of its whole process group, and every process is reaped (no zombie);
+- a child with a deadline (`child_run`, `finish`) leads a session of its own, so the SIGKILLs a
+  trial sends inside it never reach us, and its whole tree ends when the block is left;
+- a worker asks Linux to SIGKILL it when its parent dies (`die_with_parent`), and leaves a guard
+  over its process group that kills what it started once it is gone (`take_descendants_along`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import psutil
+
+from nanoddp.base.limits import STOP_GRACE_S
+
+POLL_S = 0.05
+
+# --- becoming a worker -----------------------------------------------------------------------
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent (thread) dies (no-op elsewhere).
+
+    With `parent_pid`, a parent that died before the request (the child was already re-parented)
+    ends this process at once, closing the window between fork and prctl."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(128 + signal.SIGKILL)
+
+
+# The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
+# environment is imported) in the rank's process group, which it kills once the rank is gone.
+_GUARD = """# nanoddp: the guard of a rank's process group
+import ctypes, os, signal, sys, time
+rank_pid = int(sys.argv[1])
+def sweep(*_):
+    os.killpg(0, signal.SIGKILL)  # the rank's group: every descendant still in it, and this guard
+for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
+signal.signal(signal.SIGUSR1, sweep)
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG: told as the rank dies
+except OSError:
+    pass
+while os.getppid() == rank_pid:  # also closes the window before prctl, and covers non-Linux
+    time.sleep(1.0)
+sweep()
+"""
+_guards: dict[int, subprocess.Popen] = {}  # by the pid of the process it guards (one each)
+
+
+def take_descendants_along(new_group: bool = False) -> None:
+    """Kill this process's descendants as soon as it dies, however it dies (SIGKILL included).
+
+    `die_with_parent` ends a rank with its launcher, but what the rank started (a subprocess, a
+    data service) would live on. So the rank leads a process group of its own, which its
+    children join by default, and a small guard process in that group kills the whole group
+    when the rank is gone. A process already leading a session (torchrun starts each worker in
+    one) is guarded as it is; with `new_group` the process first leaves its parent's group for a
+    new one (launch's ranks). Anything else is left alone: its group may hold unrelated processes
+    (a shell pipeline's). What leaves the group on purpose (setsid) is not followed."""
+    if os.getpid() in _guards:
+        return
+    if new_group:
+        os.setpgid(0, 0)
+    elif os.getsid(0) != os.getpid():
+        return
+    _guards[os.getpid()] = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+# --- stopping --------------------------------------------------------------------------------
+
+Stoppable = subprocess.Popen | mp.process.BaseProcess
+
+
+def _running(proc: Stoppable) -> bool:
+    return proc.poll() is None if isinstance(proc, subprocess.Popen) else proc.is_alive()
+
+
+def _signal(proc: Stoppable, sig: signal.Signals, whole_group: bool) -> None:
+    assert proc.pid is not None  # started
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if whole_group:
+            os.killpg(proc.pid, sig)  # it leads its group (start_new_session, or a guarded rank)
+        else:
+            os.kill(proc.pid, sig)
+
+
+def signal_group(proc: Stoppable, sig: signal.Signals) -> None:
+    """Send `sig` to the process group `proc` leads (started with `start_new_session`): it and
+    whatever it started; a group already gone is no error."""
+    _signal(proc, sig, whole_group=True)
+
+
+def stop(
+    procs: Sequence[Stoppable],
+    *,
+    whole_group: bool = False,
+    first: signal.Signals = signal.SIGTERM,
+    grace_s: float = STOP_GRACE_S,
+) -> None:
+    """Stop every running process of `procs` and reap it: `first` (SIGTERM: save and exit), up
+    to `grace_s` for all of them together, then SIGKILL whoever is still there. `whole_group`
+    signals each one's process group (it leads one), and SIGKILLs the group even when its
+    leader left in time: what it started goes too."""
+    running = [p for p in procs if _running(p)]
+    for proc in running:
+        _signal(proc, first, whole_group)
+    if first != signal.SIGKILL:
+        deadline = time.monotonic() + grace_s
+        while any(_running(p) for p in running) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        for proc in running:
+            if whole_group or _running(proc):
+                _signal(proc, signal.SIGKILL, whole_group)
+    for proc in running:
+        if isinstance(proc, subprocess.Popen):
+            proc.wait()
+        else:
+            proc.join()
+
+
+def end_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, every descendant it has (torchrun's workers lead sessions of their own) and
+    whatever is left in its process group, then reap it."""
+    family = []
+    if proc.returncode is None:  # not reaped yet, so its pid is still its own
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(proc.pid)
+            family = [parent, *parent.children(recursive=True)]
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    # its group: what its tree lost by re-parenting (Linux keeps a group's id while it has members)
+    signal_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+# --- a child with a deadline -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def child_run(argv: Sequence[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start `argv` in a session of its own, its stdout and stderr in one text pipe; on leaving
+    the block, however it is left, end it and everything it started (a no-op for a child that
+    finished cleanly). Nothing else ends it: Ctrl-C in the terminal reaches only us."""
+    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        end_tree(proc)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait for `proc` to exit and return its output; past `timeout_s`, end its tree first."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        end_tree(proc)
+        return proc.communicate()[0] + f"\n(killed after {timeout_s:g}s)"
