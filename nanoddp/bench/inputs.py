@@ -5,7 +5,7 @@ output path in a missing or read-only directory after every measurement (the res
 delay of `nan` a minute in, with a child training on. So every benchmark's flags are checked
 where argparse reads them, by the types here: a count is an integer in its range, a number is
 finite and in its range, an output file or directory is one the atomic writer
-(`nanoddp.train.checkpoint.atomic`) will be able to write, and nothing is created to find that
+(`nanoddp.base.files`) will be able to write, and nothing is created to find that
 out. Every benchmark's parser is a `BenchParser`, so a refusal, from a type here or from a
 benchmark's own check, is one line (`nanoddp bench NAME: error: ...`) and exit code 2.
 """
