@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from nanoddp.comm import transport
+from nanoddp.comm.transport import transport
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.grad_scaler import ShardedGradScaler

@@ -33,7 +33,7 @@ from typing import NoReturn, cast
 
 from nanoddp import env as nd
 from nanoddp import torchrun
-from nanoddp.comm import watchdog
+from nanoddp.comm.transport import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
     add_dataclass_args,
