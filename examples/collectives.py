@@ -3,7 +3,7 @@
 1. send/recv: the only primitive; everything below is built from it (`nanoddp.comm`).
 2. broadcast, reduce, all_reduce, scatter, gather, all_gather, all_gather_into_tensor,
    reduce_scatter_tensor: per-rank values before -> after, checked against torch.distributed.
-3. The ring all-reduce, one step at a time, driving nanoddp's own ring (`nanoddp.comm.ring.ring`):
+3. The ring all-reduce, one step at a time, driving nanoddp's own ring (`nanoddp.comm.algorithms.ring.ring`):
    n-1 share-reduce steps (each rank adds what its left neighbour sends), then n-1 share-only
    steps (finished chunks travel round). Rank r starts with 2**r in every chunk, so a chunk's
    value says whose contributions it holds: 0+1 means ranks 0 and 1 have been summed in.
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import nanoddp
 from nanoddp import comm
-from nanoddp.comm import ring
-from nanoddp.comm.runner import runner_for
+from nanoddp.comm.algorithms import ring
+from nanoddp.comm.transport.runner import runner_for
 from nanoddp.groups import even_ranks_group, group_ranks
 from nanoddp.parallel.replicas import gather_json
 

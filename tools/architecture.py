@@ -43,26 +43,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 LAYER_OF_TOP = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 
-# nanoddp.comm's own layers, lowest first, each with what it holds: a comm module imports its own
-# layer and those below it, at any level (`comm_upward_imports`). "" is `nanoddp/comm/__init__.py`.
+# nanoddp.comm's own layers, lowest first, a folder each: a module's layer is its folder (comm/__init__.py
+# is the api's face; outside a folder is an error); it imports its layer and those below (any level).
 # [Note: plan below the algorithms] `plan` is a table of thresholds and a pure function of them;
 # the algorithms cut their pieces by its sizes, and it names them only as `Path` members.
-COMM_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("transport", "send/recv by group rank and tags, one runner thread per group, the hang watchdog, "
-     "groups that have collectives only, the simulated slow link", ("transport", "link", "runner", "watchdog",
-     "collectives_only")),
-    ("plan", "`plan()` and the one table of thresholds it reads; the α–β cost model", ("cost_model", "plan")),
-    ("algorithms", "the bulk algorithms over send/recv, each readable on its own",
-     ("reduce", "pieces", "ring", "exchange", "chain", "halving_doubling", "tree", "van_de_geijn")),
+COMM_LAYERS: tuple[tuple[str, str], ...] = (
+    ("transport", "send/recv by group rank and tags, byte counting, one runner thread per group, the hang "
+     "watchdog, groups that have collectives only, the simulated slow link"),
+    ("plan", "`plan()` and the one table of thresholds it reads; the α–β cost model"),
+    ("algorithms", "the bulk algorithms over send/recv, each readable on its own"),
     ("protocol", "the wire (the one header format, tag counter, verdict), the header round, settling a "
-     "failed call, argument checks", ("settle", "wire", "header_round", "checks")),
-    ("prepared rounds", "optional: the rounds a loop repeats, made once per call signature, where `plan()` "
-     "says so", ("cached_rounds",)),
-    ("api", "torch.distributed's collectives, each check -> plan -> run", ("collectives", "rooted", "alltoall",
-     "objects")),
-    ("face", "`nanoddp.comm`'s re-exports; the switch between ours and torch's", ("", "backend")),
+     "failed call, argument checks; the optional prepared rounds a loop repeats, where `plan()` says so"),
+    ("api", "torch.distributed's collectives, each check -> plan -> run; the switch between ours and torch's "
+     "(`backend`); `nanoddp/comm/__init__.py` is their face"),
 )  # fmt: skip
-COMM_LAYER_OF = {name: i for i, (_, _, names) in enumerate(COMM_LAYERS) for name in names}
+COMM_LAYER_OF = {folder: i for i, (folder, _) in enumerate(COMM_LAYERS)}
 
 # Imports that run upward on purpose, each with its reason: (importer, imported) -> why.
 # The test fails on an upward import not listed here, so a new one is a decision, not a slip.
@@ -155,7 +150,7 @@ def module_summary(path: Path) -> str:
 
 
 def top_of(module: str) -> str:
-    """The top-level part a module belongs to: 'comm' for nanoddp.comm.ring, '' for nanoddp."""
+    """The top-level part a module belongs to: 'comm' for nanoddp.comm.algorithms.ring, '' for nanoddp."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -281,11 +276,19 @@ def upward_imports(edges: list[Edge]) -> list[Edge]:
 
 
 def comm_part(module: str) -> str | None:
-    """A module's name inside nanoddp.comm ('ring' for nanoddp.comm.ring, '' for the package
-    itself); None outside it."""
+    """A module's name inside nanoddp.comm ('algorithms.ring' for nanoddp.comm.algorithms.ring,
+    '' for the package itself); None outside it."""
     if module == "nanoddp.comm":
         return ""
     return module.removeprefix("nanoddp.comm.") if module.startswith("nanoddp.comm.") else None
+
+
+def comm_layer_of(part: str) -> int:
+    """The COMM_LAYERS index of a `comm_part`: its folder's; the face (part '') is the api's."""
+    folder = part.split(".")[0] if part else "api"
+    if folder not in COMM_LAYER_OF:
+        raise ValueError(f"nanoddp.comm.{part} is in no layer: move it into one of {list(COMM_LAYER_OF)}")
+    return COMM_LAYER_OF[folder]
 
 
 def comm_upward_imports(edges: list[Edge]) -> list[Edge]:
@@ -293,7 +296,7 @@ def comm_upward_imports(edges: list[Edge]) -> list[Edge]:
     upward = []
     for e in edges:
         source, target = comm_part(e.source), comm_part(e.target)
-        if source is not None and target is not None and COMM_LAYER_OF[source] < COMM_LAYER_OF[target]:
+        if source is not None and target is not None and comm_layer_of(source) < comm_layer_of(target):
             upward.append(e)
     return upward
 
@@ -418,14 +421,18 @@ def _render_comm_layers(modules: dict[str, Path]) -> str:
     """The section on nanoddp.comm's own layers, top first, as a reader meets them."""
     lines = [
         "## Inside `nanoddp.comm`: layers\n",
-        "Top first, the order to read it in: each layer imports only the ones below it (checked, "
-        "at any import level), and the plain algorithms read on their own. "
-        "[comm.md](comm.md) walks through them.\n",
+        "One folder per layer under `nanoddp/comm/`, top first, the order to read it in: each layer "
+        "imports only the ones below it (checked, at any import level), and the plain algorithms read "
+        "on their own. `nanoddp/comm/__init__.py` is the api's face. [comm.md](comm.md) walks through them.\n",
         "| layer | what it holds | modules |\n|---|---|---|",
     ]
-    for label, what, names in reversed(COMM_LAYERS):
-        files = ", ".join(f"`{modules[f'nanoddp.comm.{n}' if n else 'nanoddp.comm'].name}`" for n in names)
-        lines.append(f"| {label} | {_cell(what)} | {files} |")
+    for folder, what in reversed(COMM_LAYERS):
+        files = ", ".join(
+            f"`{path.name}`"
+            for name, path in sorted(modules.items(), key=lambda item: item[1])
+            if name.startswith(f"nanoddp.comm.{folder}.")
+        )
+        lines.append(f"| `{folder}/` | {_cell(what)} | {files} |")
     return "\n".join(lines) + "\n"
 
 

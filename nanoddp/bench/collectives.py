@@ -32,8 +32,8 @@ from nanoddp.bench import add_output_args, parse_world_sizes, save_figure, write
 from nanoddp.bench.floor import bare_pattern
 from nanoddp.bench.inputs import count
 from nanoddp.bench.machine import command_line, git_commit
-from nanoddp.comm import plan
-from nanoddp.comm.plan import Path
+from nanoddp.comm.plan import plan
+from nanoddp.comm.plan.plan import Path
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +152,11 @@ _ALGORITHM = {
 
 
 def comm_path(op: str, size: int, n: int, gloo: bool = True) -> str:
-    """How nanoddp.comm moves this message, as `nanoddp.comm.plan.plan` decides it: data in the
+    """How nanoddp.comm moves this message, as `nanoddp.comm.plan.plan.plan` decides it: data in the
     header round's frames (one round, the check costs nothing extra) or the bulk algorithm after
     the header round, whose first piece travels *with* the round where `plan.early_bytes` allows.
     The header round is one exchange at 2 ranks, a star through rank 0 above
-    (`nanoddp.comm.header_round`)."""
+    (`nanoddp.comm.protocol.header_round`)."""
     if op == "all_to_all":
         return "header round (split sizes), then pairwise exchange"
     round_shape = "exchange" if n <= 2 else "star via rank 0"

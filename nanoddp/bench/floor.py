@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.transport.transport import Peers, wait_all
 
 TAG_BARE = 0x6E6420  # a tag of its own: a bare message can never land in one of comm's receives
 

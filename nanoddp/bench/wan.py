@@ -4,7 +4,7 @@
 `nanoddp` (DDP: every step all-reduces every gradient) and engine `diloco --sync-every H` (each
 rank takes H AdamW steps alone, then one all-reduce of the pseudo-gradient), with every gloo send
 of nanoddp's collectives shaped as a link of `--bandwidth` and `--latency` would carry it
-(`nanoddp.comm.link`, a simulation: no loss, no jitter, no shared bottleneck). Then the same pair
+(`nanoddp.comm.transport.link`, a simulation: no loss, no jitter, no shared bottleneck). Then the same pair
 unshaped (loopback), unless `--no-unshaped`. Each run's metrics.jsonl gives its validation curve
 and the bytes rank 0 sent (`comm_bytes`); the report puts side by side the training time, the
 bytes, the final validation loss and the training time at which each run first reached DDP's final
@@ -30,7 +30,7 @@ from typing import Any
 from nanoddp.base.processes import child_run, finish
 from nanoddp.bench.common import ChildFailed, add_output_args, save_figure, write_json
 from nanoddp.bench.inputs import count
-from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
+from nanoddp.comm.transport.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
 from nanoddp.train.launcher.cli import check_train_argv
 
 logger = logging.getLogger(__name__)

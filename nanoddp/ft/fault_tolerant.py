@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.transport import sent_bytes
+from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.env import loopback_store
 from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events

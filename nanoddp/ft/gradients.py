@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 import nanoddp.comm as comm
-from nanoddp.comm.reduce import reduce_in_rank_order
+from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
 from nanoddp.parallel.tensors import write_grads
 
 

@@ -1,7 +1,7 @@
 """Group rebuild: the process group torchft's Manager reconfigures is torch's default group.
 
 Why the default group: every collective of `nanoddp.comm` (and every wrapper built on it) runs on
-`group=None` unless told otherwise, and `nanoddp.comm.transport.Peers` reads its ranks through
+`group=None` unless told otherwise, and `nanoddp.comm.transport.transport.Peers` reads its ranks through
 `torch.distributed` (`dist.get_rank(group)`, the group's global ranks), which only knows groups
 made by `init_process_group`/`new_group`. So when the quorum changes, the survivors destroy the
 default group and make a new one over the quorum's store, with their new ranks; nothing else
@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.runner import forget_groups
-from nanoddp.comm.transport import Waitable, send_on
+from nanoddp.comm.transport.runner import forget_groups
+from nanoddp.comm.transport.transport import Waitable, send_on
 from nanoddp.env import pin_gloo_to_loopback
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ def abort_collectives(peer_pids: Iterable[int], backend: str) -> int:
 def comm_in_flight(exc: BaseException | None) -> bool:
     """True when a failed cell may have left communication half-done on this rank: its exception
     came out of torch.distributed / nanoddp code, or nanoddp still has collectives pending."""
-    from nanoddp.comm.runner import pending_work
+    from nanoddp.comm.transport.runner import pending_work
 
     if pending_work():
         return True
@@ -109,7 +109,7 @@ def rebuild_group(env: Any, init_method: str, timeout_s: float, peer_pids: Itera
     import torch.distributed as dist
 
     from nanoddp import env as nd
-    from nanoddp.comm import runner, watchdog
+    from nanoddp.comm.transport import runner, watchdog
 
     abort_collectives(peer_pids, env.backend)  # again: connections made since the first abort
     active = watchdog.active()

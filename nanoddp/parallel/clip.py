@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 
 # ZeRO-2's shard pieces -> (their group, the collectives that reduce over it); filled by `zero2`.
 # By identity: a tensor's `==` compares elements.

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.replicas import check_same_structure, group_size_rank_src
 from nanoddp.parallel.tensors import write_grads
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, Collectives, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, Collectives, collectives_for
 from nanoddp.parallel.tensors import through_flat
 
 logger = logging.getLogger(__name__)

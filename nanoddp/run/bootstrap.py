@@ -2,7 +2,7 @@
 
 torchrun starts `python -m nanoddp.run.bootstrap --collective-timeout S -- SCRIPT ARGS...` on
 every rank. Before the script runs, torch.distributed's collectives are replaced by the
-watched versions in `nanoddp.comm.watchdog` (a pass-through while no watchdog is active), and
+watched versions in `nanoddp.comm.transport.watchdog` (a pass-through while no watchdog is active), and
 `init_process_group` is wrapped so that the watchdog starts as soon as the script creates its
 process group: it needs that group's store to compare the ranks' progress. The script then runs
 as `__main__`, exactly as `python SCRIPT ARGS...` would run it.
@@ -46,7 +46,7 @@ from nanoddp import env as nd
 from nanoddp import hosts, torchrun
 from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
 from nanoddp.base.processes import die_with_parent, take_descendants_along
-from nanoddp.comm import watchdog
+from nanoddp.comm.transport import watchdog
 from nanoddp.train.launcher.agent import AGENT_PID_VAR
 
 

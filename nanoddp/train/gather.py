@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.watchdog import TORCH_COLLECTIVES
+from nanoddp.comm.transport.watchdog import TORCH_COLLECTIVES
 
 
 def _interleave_positions(counts: list[int]) -> list[tuple[int, int]]:

@@ -128,7 +128,7 @@ def joined_env(config: TrainConfig) -> DistEnv:
     env = DistEnv.from_environ()
     nd.init(env, timeout=timedelta(seconds=config.collective_timeout + PG_TIMEOUT_MARGIN_S))
     if env.torchrun:
-        from nanoddp.comm import watchdog
+        from nanoddp.comm.transport import watchdog
 
         if watchdog.active() is None:
             watchdog.enable(config.collective_timeout)

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from nanoddp.base import files
 from nanoddp.base.rng import restore_rng_state
-from nanoddp.comm import transport
+from nanoddp.comm.transport import transport
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv, seed_everything
 from nanoddp.parallel.grad_scaler import ShardedGradScaler

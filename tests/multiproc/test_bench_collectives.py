@@ -15,7 +15,8 @@ from helpers import run_on_ranks
 from nanoddp.bench import collectives as bench
 from nanoddp.bench import floor
 from nanoddp.bench.render import render_text
-from nanoddp.comm import plan, runner_for
+from nanoddp.comm import runner_for
+from nanoddp.comm.plan import plan
 
 
 def _limits(env) -> tuple[int, int]:

@@ -18,8 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, pieces, plan, runner, wire
-from nanoddp.comm.runner import runner_for
+from nanoddp.comm import ReduceOp
+from nanoddp.comm.algorithms import pieces
+from nanoddp.comm.plan import plan
+from nanoddp.comm.protocol import wire
+from nanoddp.comm.transport import runner
+from nanoddp.comm.transport.runner import runner_for
 from nanoddp.groups import new_group, subgroups_by
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
@@ -228,7 +232,7 @@ def test_collectives_match_torch(world_size):
 def _grouped_rounds(env) -> None:
     """The path nccl takes (one grouped send+receive per round, exact sizes, no tags), run here
     on gloo, which accepts it too: same results as torch's built-ins."""
-    from nanoddp.comm.runner import runner_for
+    from nanoddp.comm.transport.runner import runner_for
 
     runner_for(None).peers.gloo = False
     for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):

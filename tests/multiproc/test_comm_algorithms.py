@@ -25,10 +25,11 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, plan
-from nanoddp.comm.plan import Path
-from nanoddp.comm.runner import runner_for
-from nanoddp.comm.transport import sent_bytes
+from nanoddp.comm import ReduceOp
+from nanoddp.comm.plan import plan
+from nanoddp.comm.plan.plan import Path
+from nanoddp.comm.transport.runner import runner_for
+from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.groups import new_group
 
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]

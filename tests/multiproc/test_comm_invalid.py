@@ -14,7 +14,7 @@ from helpers import run_on_ranks
 
 from nanoddp import comm
 from nanoddp.comm import ReduceOp
-from nanoddp.comm.runner import runner_for
+from nanoddp.comm.transport.runner import runner_for
 
 BAD_ON_ONE_RANK = [  # (name, fn(rank, n, bad: bool), exception type, words of the bad rank's message)
     (

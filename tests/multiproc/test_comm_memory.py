@@ -18,7 +18,7 @@ from helpers import run_on_ranks
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from nanoddp import comm
-from nanoddp.comm import plan
+from nanoddp.comm.plan import plan
 
 NUMEL = 2**20 + 3  # float32, 4 MB + 12 bytes: past the frames, so the bulk paths and their pieces run
 

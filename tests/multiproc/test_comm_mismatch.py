@@ -1,7 +1,7 @@
 """Calls the ranks disagree on raise the same error on every rank, and leave the group usable.
 
 Each launched function makes mismatched calls (numel, dtype, op, root, collective; the general
-round, the prepared rounds of `nanoddp.comm.cached_rounds`, run fresh and run again, and bulk
+round, the prepared rounds of `nanoddp.comm.protocol.cached_rounds`, run fresh and run again, and bulk
 paths whose receives and early data were posted before the verdict) and checks that every rank
 raised the same words and that later calls still give torch.distributed's results.
 """
@@ -16,8 +16,9 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 
 from nanoddp import comm
-from nanoddp.comm import ReduceOp, wire
-from nanoddp.comm.runner import runner_for
+from nanoddp.comm import ReduceOp
+from nanoddp.comm.protocol import wire
+from nanoddp.comm.transport.runner import runner_for
 
 BIG = 2**20 + 3  # float32: over the one-round limit at every world size, so the bulk paths run
 
@@ -88,7 +89,7 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 
 def _pair_mismatches(env) -> list[str]:
-    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.cached_rounds), and
+    """2 ranks: mismatched calls where both ranks run a prepared round (nanoddp.comm.protocol.cached_rounds), and
     where one does and the other takes the general or bulk path; one side of each runs a round
     prepared by an earlier call. After each, the same prepared calls still give torch's results."""
     r, messages = env.rank, []

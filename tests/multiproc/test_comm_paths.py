@@ -1,7 +1,7 @@
 """Every path `plan` chooses, run by the general header round and by the cached rounds: same bytes.
 
-A rank on a cached round (`nanoddp.comm.cached_rounds`) may meet a peer on the general one
-(`nanoddp.comm.header_round`); both speak `nanoddp.comm.wire`. These tests run each size class
+A rank on a cached round (`nanoddp.comm.protocol.cached_rounds`) may meet a peer on the general one
+(`nanoddp.comm.protocol.header_round`); both speak `nanoddp.comm.protocol.wire`. These tests run each size class
 both ways and compare the bytes with each other and with torch's built-ins, and check two
 things the cached rounds must do that the general round does by construction: the star
 broadcast's hub checks every rank's header, the last one included, and a threshold change takes
@@ -16,9 +16,10 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 
 from nanoddp import comm
-from nanoddp.comm import cached_rounds, plan, wire
-from nanoddp.comm.plan import Path
-from nanoddp.comm.runner import runner_for
+from nanoddp.comm.plan import plan
+from nanoddp.comm.plan.plan import Path
+from nanoddp.comm.protocol import cached_rounds, wire
+from nanoddp.comm.transport.runner import runner_for
 
 KB = 1024
 CPU = torch.device("cpu")

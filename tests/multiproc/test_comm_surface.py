@@ -252,7 +252,7 @@ def test_rest_of_the_surface_matches_torch(world_size, tmp_path):
 def _rank_1_skips_all_to_all(env, log_dir: str) -> str:
     import logging
 
-    from nanoddp.comm import watchdog
+    from nanoddp.comm.transport import watchdog
 
     logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)
     watchdog.enable(3.0, poll_s=0.2)
@@ -266,7 +266,7 @@ def _rank_1_skips_all_to_all(env, log_dir: str) -> str:
 
 def test_new_ops_are_known_to_the_hang_watchdog(tmp_path):
     from nanoddp import LaunchError
-    from nanoddp.comm import watchdog
+    from nanoddp.comm.transport import watchdog
 
     with pytest.raises(LaunchError) as info:
         run_on_ranks(_rank_1_skips_all_to_all, 2, str(tmp_path), timeout=90)

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import nanoddp.fsdp as our_fsdp
-from nanoddp.comm.backend import collectives_for
+from nanoddp.comm.api.backend import collectives_for
 
 SIDES = {"ours": our_fsdp, "torch": torch_fsdp}
 SIZES = (5, 7, 11, 3)  # every dim 0 indivisible by 2 and by 4; 3 < 4 leaves rank 3 no rows

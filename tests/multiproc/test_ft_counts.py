@@ -30,7 +30,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from nanoddp.comm import plan, wire  # noqa: E402  (after the skip)
+from nanoddp.comm.plan import plan  # noqa: E402  (after the skip)
+from nanoddp.comm.protocol import wire
 from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
 from nanoddp.train.checkpoint import snapshot  # noqa: E402
 from nanoddp.train.config import TrainConfig, build_model  # noqa: E402

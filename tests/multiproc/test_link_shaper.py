@@ -1,4 +1,4 @@
-"""The simulated slow link (`nanoddp.comm.link`) on 2 gloo ranks, one launch.
+"""The simulated slow link (`nanoddp.comm.transport.link`) on 2 gloo ranks, one launch.
 
 - a send of a known byte count arrives no sooner than latency + 8n / bandwidth after it was
   handed over, and within 10 % of it (the model's delay is ~0.9 s, so a loaded machine's
@@ -28,10 +28,10 @@ import torch.distributed as dist
 from helpers import run_cases, suites_by_world_size
 
 import nanoddp.comm as ndc
-from nanoddp.comm import plan
-from nanoddp.comm.link import BANDWIDTH_VAR, LATENCY_VAR, link_from_environ, parse_bandwidth, parse_latency
-from nanoddp.comm.plan import Path
-from nanoddp.comm.transport import link_model, send_on
+from nanoddp.comm.plan import plan
+from nanoddp.comm.plan.plan import Path
+from nanoddp.comm.transport.link import BANDWIDTH_VAR, LATENCY_VAR, link_from_environ, parse_bandwidth, parse_latency
+from nanoddp.comm.transport.transport import link_model, send_on
 
 BANDWIDTH, LATENCY = "10mbit", "100ms"
 BITS_PER_S, LATENCY_S = 10e6, 0.1

@@ -223,7 +223,7 @@ def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float, b
     import torch.distributed as dist
 
     import nanoddp.comm as comm
-    from nanoddp.comm import watchdog
+    from nanoddp.comm.transport import watchdog
     from nanoddp.notebook.recovery import abort_collectives, peer_sockets, rebuild_group
 
     old_dog = watchdog.enable(WATCHDOG_SETTINGS[0], poll_s=WATCHDOG_SETTINGS[1], exit_on_hang=WATCHDOG_SETTINGS[2])

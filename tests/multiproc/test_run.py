@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nanoddp.comm.watchdog import HANG_EXIT_CODE
+from nanoddp.comm.transport.watchdog import HANG_EXIT_CODE
 
 PREAMBLE = """
 import os, signal, sys, time
@@ -54,7 +54,7 @@ SCRIPTS = {
     """,
     "late_callback.py": """
         import nanoddp.comm
-        from nanoddp.comm.runner import EXIT_JOIN_S
+        from nanoddp.comm.transport.runner import EXIT_JOIN_S
         nanoddp.comm.all_reduce(torch.ones(4), async_op=True).wait()  # starts nanoddp's runner thread
         dist.barrier()
         def late(future):  # on gloo's worker thread, asleep past the script's end and the exit

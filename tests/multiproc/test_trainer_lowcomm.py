@@ -17,7 +17,8 @@ from helpers import TINY, run_on_ranks, train_tiny, trainer_params
 from torch.utils.data import TensorDataset, default_collate
 
 from nanoddp import cli
-from nanoddp.comm import plan, wire
+from nanoddp.comm.plan import plan
+from nanoddp.comm.protocol import wire
 from nanoddp.env import DistEnv
 from nanoddp.parallel.clip import clip_grad_norm_
 from nanoddp.parallel.lowcomm import LocalSGD

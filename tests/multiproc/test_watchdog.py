@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 
 from nanoddp import LaunchError, comm
-from nanoddp.comm import link, watchdog
+from nanoddp.comm.transport import link, watchdog
 
 TIMEOUT_S = 3.0
 
@@ -53,7 +53,7 @@ def test_hang_is_reported_with_op_and_missing_rank(tmp_path):
 
 def _rank_1_skips_a_collective(env, log_dir, backend):
     """No explicit `track`: nanoddp.comm and the watched torch collectives register themselves."""
-    from nanoddp.comm.backend import collectives_for
+    from nanoddp.comm.api.backend import collectives_for
 
     collectives = collectives_for(backend)
     logging.basicConfig(filename=str(Path(log_dir, f"rank{env.rank}.log")), level=logging.INFO, force=True)

@@ -64,15 +64,17 @@ def test_no_import_cycle_among_modules(edges):
 
 
 def _edge(source: str, target: str, where: str):
+    """An import inside nanoddp.comm, modules named by folder and file ('protocol.wire')."""
     return arch.Edge(f"nanoddp.comm.{source}", f"nanoddp.comm.{target}", where, 1)
 
 
 def test_a_cycle_counts_imports_inside_functions_and_for_type_checking():
     """Two modules that need each other form a cycle whatever the level of either import."""
+    wire, settle = "protocol.wire", "protocol.settle"
     for where in ("function", "typing"):
-        edges = [_edge("wire", "settle", "module"), _edge("settle", "wire", where)]
-        assert arch.import_cycles(edges) == [["nanoddp.comm.settle", "nanoddp.comm.wire"]], where
-    assert not arch.import_cycles([_edge("wire", "settle", "module"), _edge("settle", "transport", "function")])
+        edges = [_edge(wire, settle, "module"), _edge(settle, wire, where)]
+        assert arch.import_cycles(edges) == [["nanoddp.comm.protocol.settle", "nanoddp.comm.protocol.wire"]], where
+    assert not arch.import_cycles([_edge(wire, settle, "module"), _edge(settle, "transport.transport", "function")])
 
 
 def test_comm_imports_run_down_its_layers(edges):
@@ -85,15 +87,25 @@ def test_comm_imports_run_down_its_layers(edges):
 
 def test_an_upward_import_inside_comm_is_caught_at_any_level():
     for where in ("module", "function", "typing"):
-        assert arch.comm_upward_imports([_edge("ring", "collectives", where)]), where  # algorithms -> api
-    assert arch.comm_upward_imports([arch.Edge("nanoddp.comm.transport", "nanoddp.comm", "function", 1)])
-    assert not arch.comm_upward_imports([_edge("collectives", "ring", "module"), _edge("ring", "pieces", "module")])
+        assert arch.comm_upward_imports([_edge("algorithms.ring", "api.collectives", where)]), where
+    assert arch.comm_upward_imports([arch.Edge("nanoddp.comm.transport.runner", "nanoddp.comm", "function", 1)])
+    same_or_down = [
+        _edge("api.collectives", "algorithms.ring", "module"),
+        _edge("algorithms.ring", "algorithms.pieces", "module"),
+        arch.Edge("nanoddp.comm.api.backend", "nanoddp.comm", "function", 1),  # the face is the api's
+    ]
+    assert not arch.comm_upward_imports(same_or_down)
 
 
-def test_every_comm_module_has_a_comm_layer():
-    parts = {arch.comm_part(m) for m in arch.module_files()} - {None}
-    assert parts - set(arch.COMM_LAYER_OF) == set(), "add these to tools/architecture.py's COMM_LAYERS"
-    assert set(arch.COMM_LAYER_OF) - parts == set(), "COMM_LAYERS names modules that do not exist"
+def test_comm_layers_are_its_folders():
+    """Each COMM_LAYERS layer is a folder of nanoddp/comm/ and every comm module sits in one:
+    a module directly in nanoddp/comm/ is an error, not a layer of its own."""
+    layers = {m: arch.comm_layer_of(part) for m in arch.module_files() if (part := arch.comm_part(m)) is not None}
+    assert layers["nanoddp.comm"] == layers["nanoddp.comm.api.collectives"] == arch.COMM_LAYER_OF["api"]
+    folders = {p.name for p in (ROOT / "nanoddp" / "comm").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(arch.COMM_LAYER_OF), "nanoddp/comm/'s folders are its layers (COMM_LAYERS)"
+    with pytest.raises(ValueError, match="nanoddp.comm.ring is in no layer"):
+        arch.comm_upward_imports([arch.Edge("nanoddp.comm.ring", "nanoddp.comm.transport.transport", "module", 1)])
 
 
 def test_imports_run_from_higher_layers_to_lower_ones(edges):

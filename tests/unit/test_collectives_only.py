@@ -2,7 +2,7 @@
 
 torch's own DDP and FSDP2 test suites run ranks as threads on that backend. nanoddp's
 collectives need point-to-point, so on such a group each one is torch.distributed's own
-(`nanoddp.comm.collectives_only`). The reference here is a one-process run on the whole batch:
+(`nanoddp.comm.transport.collectives_only`). The reference here is a one-process run on the whole batch:
 our DDP on 2 thread-ranks must end with its gradients. (The backend lives in torch's test
 package; it is the thing under test, not our test infrastructure.)
 """

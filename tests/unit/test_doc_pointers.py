@@ -47,7 +47,7 @@ def pointers() -> list[tuple[str, str, str | None]]:
 
 
 def test_the_code_points_into_the_docs():
-    # The check below must have something to check: `nanoddp.comm.plan` cites docs/comm.md's section
+    # The check below must have something to check: `nanoddp.comm.plan.plan` cites docs/comm.md's section
     # on the α–β model by name.
     assert any(name for _, _, name in pointers()), "no docs pointer with a section found: the pattern broke"
 

@@ -1,4 +1,4 @@
-"""`nanoddp.comm.plan.plan`: every switch point, on both sides, for every op, group size and backend.
+"""`nanoddp.comm.plan.plan.plan`: every switch point, on both sides, for every op, group size and backend.
 
 The expected paths are written from the rules (sizes spelled out), not from `plan`'s own helpers, so
 a threshold moved or a comparison flipped in plan.py fails here. The collectives run what `plan`
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanoddp.comm import cost_model, plan
-from nanoddp.comm.plan import Path
+from nanoddp.comm.plan import cost_model, plan
+from nanoddp.comm.plan.plan import Path
 
 KB, MB = 1024, 1024 * 1024
 ALL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "scatter", "gather")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.comm.backend import check_comm_backend
+from nanoddp.comm.api.backend import check_comm_backend
 from nanoddp.parallel.ddp.buckets import bucket_limits
 from nanoddp.parallel.ddp.delayed_params import check_delayed_args
 from nanoddp.parallel.ddp.ignored import ignored_names

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.ddp.sparse import empty_sparse_like
 
 # torch DDP's first bucket is 1 MiB whatever the cap: the last layers' gradients arrive first,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import GradBucket
 from nanoddp.parallel.ddp.sparse import sparse_all_reduce

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.replicas import broadcast_rank0_weights
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.ddp import buckets as bucketing
 from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error

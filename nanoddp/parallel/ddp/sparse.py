@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 
 
 def expects_sparse_grad(module: nn.Module, params: Sequence[torch.Tensor]) -> list[bool]:

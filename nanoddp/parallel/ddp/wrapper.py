@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.ddp.args import resolve_args
 from nanoddp.parallel.ddp.delayed_params import DelayedAllReduce
 from nanoddp.parallel.ddp.ignored import (

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, check_comm_backend, collectives_for
 from nanoddp.parallel.fsdp.mesh import MeshInfo, default_mesh
 from nanoddp.parallel.fsdp.meta_init import install as _one_full_draw_per_random_init  # noqa: F401
 from nanoddp.parallel.fsdp.module import FSDPModule, no_deepcopy

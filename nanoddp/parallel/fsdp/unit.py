@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from nanoddp.comm.backend import Collectives
-from nanoddp.comm.transport import Waitable
+from nanoddp.comm.api.backend import Collectives
+from nanoddp.comm.transport.transport import Waitable
 from nanoddp.parallel.fsdp.mesh import MeshInfo
 from nanoddp.parallel.fsdp.param import ShardedParam
 from nanoddp.parallel.fsdp.policies import MixedPrecisionPolicy

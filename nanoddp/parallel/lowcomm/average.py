@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.replicas import group_size_rank_src
 from nanoddp.parallel.tensors import through_flat
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.replicas import broadcast_rank0_weights, group_size_rank_src
 
 

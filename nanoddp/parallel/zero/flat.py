@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.comm.backend import Collectives
-from nanoddp.comm.transport import Waitable
+from nanoddp.comm.api.backend import Collectives
+from nanoddp.comm.transport.transport import Waitable
 
 logger = logging.getLogger(__name__)
 

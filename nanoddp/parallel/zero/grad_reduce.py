@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoddp.comm.transport import Waitable
+from nanoddp.comm.transport.transport import Waitable
 from nanoddp.parallel.zero.flat import FlatParamUnit
 
 

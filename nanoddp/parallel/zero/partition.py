@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nanoddp.comm.backend import Collectives
+from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.zero.flat import FlatLayout
 
 # (local tensor the inner optimizer steps on, parameter, start, stop): elements [start, stop) of it

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.zero.join import ZeroJoinHook
 from nanoddp.parallel.zero.partition import PARTITIONS, assemble_state, assign_owners, cut_state
 

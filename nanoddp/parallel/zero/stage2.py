@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanoddp.comm.backend import DEFAULT_COMM_BACKEND, collectives_for
+from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND, collectives_for
 from nanoddp.parallel.clip import PIECE_GROUPS, mark_piece_grads
 from nanoddp.parallel.tensors import tensors_in
 from nanoddp.parallel.zero.flat import FlatParamUnit

@@ -78,7 +78,7 @@ class Engine:
 
     def step_comm_bytes(self, counted: int) -> int:
         """Bytes this rank sent in one training step's collectives, given `counted`: what
-        nanoddp's transport counted over the step (`comm.transport.sent_bytes`). Here: that
+        nanoddp's transport counted over the step (`comm.transport.transport.sent_bytes`). Here: that
         count; an engine whose traffic bypasses our transport models its own (torch's DDP)."""
         return counted
 

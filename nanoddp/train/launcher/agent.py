@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoddp import torchrun
-from nanoddp.comm.watchdog import HANG_EXIT_CODE
+from nanoddp.comm.transport.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals
 from nanoddp.train.checkpoint import snapshot

@@ -36,7 +36,7 @@ from nanoddp import torchrun
 from nanoddp.base import files
 from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
 from nanoddp.base.processes import die_with_parent, take_descendants_along
-from nanoddp.comm import watchdog
+from nanoddp.comm.transport import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
     add_dataclass_args,

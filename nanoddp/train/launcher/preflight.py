@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nanoddp.base import files
-from nanoddp.comm.link import link_from_environ
+from nanoddp.comm.transport.link import link_from_environ
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.train.checkpoint import rundir, snapshot
 from nanoddp.train.config import TrainConfig, build_model, filled

@@ -12,7 +12,7 @@ each way), so a call writes the header, copies the payload in, sends and receive
 header rows with the ones it expects and copies out what arrived.
 
 Nothing here is a protocol of its own: the frames, tag, header slots, round counter, checks and
-error decoding are `nanoddp.comm.wire`'s, and the star's verdict is sent by
+error decoding are `nanoddp.comm.protocol.wire`'s, and the star's verdict is sent by
 `header_round.check_at_hub`, so a peer that took the general path, or made a mismatched or invalid
 call, is checked exactly as there and every rank raises the same error. The layer is optional and
 chosen in one place: a collective runs here only where `plan.plan` answers `Path.PAIR` or
@@ -29,11 +29,12 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm import header_round, plan, wire
-from nanoddp.comm.header_round import check_at_hub
-from nanoddp.comm.reduce import reduce_in_rank_order
-from nanoddp.comm.transport import Peers, send_on
-from nanoddp.comm.wire import COLLECTIVES, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
+from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
+from nanoddp.comm.plan import plan
+from nanoddp.comm.protocol import header_round, wire
+from nanoddp.comm.protocol.header_round import check_at_hub
+from nanoddp.comm.protocol.wire import COLLECTIVES, HEADER_BYTES, SLOT_NBYTES, TAG_FRAME, FrameBuffers
+from nanoddp.comm.transport.transport import Peers, send_on
 
 MAX_ROUNDS = 256  # prepared signatures kept per group (a training loop uses a handful)
 

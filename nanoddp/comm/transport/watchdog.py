@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import link, transport
+from nanoddp.comm.transport import link, transport
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _watched(fn: Callable[..., Any], name: str, tensor_arg: int) -> Callable[...
 
 
 # torch.distributed's collectives, each bracketed by begin/end (an async call ends when its
-# Work completes, whether or not anyone waits on it). The torch side of `nanoddp.comm.backend`.
+# Work completes, whether or not anyone waits on it). The torch side of `nanoddp.comm.api.backend`.
 TORCH_COLLECTIVES = types.SimpleNamespace(
     ReduceOp=dist.ReduceOp,
     all_reduce=_watched(dist.all_reduce, "all_reduce", 0),

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.pieces import message_pieces
-from nanoddp.comm.reduce import finish_avg, reduce_into
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.algorithms.pieces import message_pieces
+from nanoddp.comm.algorithms.reduce import finish_avg, reduce_into
+from nanoddp.comm.transport.transport import Peers
 
 
 def start_exchange_reduce(peers: Peers, flat: torch.Tensor, op: str) -> Callable[[], None]:

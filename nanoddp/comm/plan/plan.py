@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import os
 
-from nanoddp.comm import cost_model
+from nanoddp.comm.plan import cost_model
 
 # --- the table ----------------------------------------------------------------------------------
 # Largest frame payload on nccl, and the floor on gloo: nccl frames travel whole (exact receive
@@ -214,7 +214,7 @@ def early_bytes(nbytes: int, gloo: bool) -> int:
     process when a message is larger than the receive it lands in, and this piece's tag names its
     size (`Peers.early_tag`), so it can only meet a receive of exactly its size. If the ranks
     disagree, the round raises on every rank, and every rank settles what it posted before the
-    verdict (`nanoddp.comm.settle`): a matched early piece lands, an unmatched one is taken or
+    verdict (`nanoddp.comm.protocol.settle`): a matched early piece lands, an unmatched one is taken or
     filled with nothing, so gloo is left holding none of it."""
     if not gloo or nbytes < EARLY_MIN_BYTES:
         return 0

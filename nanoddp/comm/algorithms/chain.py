@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.pieces import message_pieces, piece_numel
-from nanoddp.comm.pieces import pieces as cut
-from nanoddp.comm.reduce import finish_avg, reduce_into
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.algorithms.pieces import message_pieces, piece_numel
+from nanoddp.comm.algorithms.pieces import pieces as cut
+from nanoddp.comm.algorithms.reduce import finish_avg, reduce_into
+from nanoddp.comm.transport.transport import Peers, wait_all
 
 
 def start_chain_broadcast(peers: Peers, flat: torch.Tensor, root: int) -> Callable[[], None]:

@@ -2,7 +2,7 @@
 
 Why it exists: ranks that disagree about a call (which collective, numel, dtype, op, root) must
 all raise the same ValueError instead of hanging or overrunning each other's buffers, and so must
-ranks whose call failed its argument checks on one rank only (`nanoddp.comm.checks`). So every
+ranks whose call failed its argument checks on one rank only (`nanoddp.comm.protocol.checks`). So every
 rank's header (plus, for an invalid call, its error message) reaches a place where the whole table
 is checked, and the verdict reaches every rank, before any bulk data moves.
 
@@ -25,8 +25,8 @@ rank p's share of a whole contribution; and `combine(pick, p)`, rank p's result 
 rank q's share for p. With 2 ranks each combines its own result; in the star rank 0 combines
 everyone's and sends each rank its own.
 
-The frame format, the round counter and the verdict are `nanoddp.comm.wire`'s, shared with the
-rounds prepared per call signature (`nanoddp.comm.cached_rounds`, the optional layer above this
+The frame format, the round counter and the verdict are `nanoddp.comm.protocol.wire`'s, shared with the
+rounds prepared per call signature (`nanoddp.comm.protocol.cached_rounds`, the optional layer above this
 one), so either may meet the other.
 """
 
@@ -37,9 +37,9 @@ from typing import cast
 
 import torch
 
-from nanoddp.comm import wire
-from nanoddp.comm.transport import Peers, wait_all
-from nanoddp.comm.wire import SLOT_NBYTES, TAG_FRAME, FrameBuffers, as_bytes, buffers, check_table
+from nanoddp.comm.protocol import wire
+from nanoddp.comm.protocol.wire import SLOT_NBYTES, TAG_FRAME, FrameBuffers, as_bytes, buffers, check_table
+from nanoddp.comm.transport.transport import Peers, wait_all
 
 Part = Callable[[int | None], torch.Tensor | None]
 Select = Callable[[torch.Tensor, int], torch.Tensor]

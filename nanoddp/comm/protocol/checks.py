@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import header_round, wire
-from nanoddp.comm.runner import GroupRunner, Work
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.protocol import header_round, wire
+from nanoddp.comm.transport.runner import GroupRunner, Work
+from nanoddp.comm.transport.transport import Peers
 
 _OP_NAMES: dict[object, str] = {
     ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.PRODUCT: "PRODUCT",

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.halving_doubling import GATHER, REDUCE, Layout, Step, doubling, start_steps
-from nanoddp.comm.pieces import balanced_bounds
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.algorithms.halving_doubling import GATHER, REDUCE, Layout, Step, doubling, start_steps
+from nanoddp.comm.algorithms.pieces import balanced_bounds
+from nanoddp.comm.transport.transport import Peers
 
 
 def broadcast_steps(lay: Layout, rel: int) -> list[Step]:

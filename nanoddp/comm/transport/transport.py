@@ -7,11 +7,11 @@ the same group can never steal one of our messages. The tag rules live here, nex
 that use them: each call's bulk phase and early piece have tags no other call uses
 (`Peers.call_tags`, `Peers.early_tag`), so no later call's message can meet one of a call whose
 round raised. The counter they derive from, `Peers.calls`, is advanced by the header round
-alone (`nanoddp.comm.wire.counted`), once per round on every rank.
+alone (`nanoddp.comm.protocol.wire.counted`), once per round on every rank.
 
 What a call posts before its verdict is also noted (`Peers.unsettled`): gloo must never lose the
 buffer of a message still on its way (it stops reading that connection for good), so a call whose
-round raised settles those messages (`nanoddp.comm.settle`) before their handles are dropped.
+round raised settles those messages (`nanoddp.comm.protocol.settle`) before their handles are dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.link import Backlog, LinkModel, LinkShaper, link_from_environ
+from nanoddp.comm.transport.link import Backlog, LinkModel, LinkShaper, link_from_environ
 from nanoddp.groups import group_ranks
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
@@ -77,7 +77,7 @@ class Peers:
         """Two tags that belong to the current call alone.
 
         The bulk phase posts its receives before the header round's verdict; if the round
-        raises, they are settled (`nanoddp.comm.settle`) under these tags, which no other call's
+        raises, they are settled (`nanoddp.comm.protocol.settle`) under these tags, which no other call's
         messages carry, so nothing but the settling can meet them."""
         base = TAG_CALLS + 2 * (self.calls % CALL_TAG_CYCLE)
         return base, base + 1
@@ -178,7 +178,7 @@ def sent_bytes() -> int:
 
 def send_on(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: int) -> Waitable:
     """Every gloo send of nanoddp's collectives goes through here: `group.send`, counted; on a
-    simulated slow link (`nanoddp.comm.link`), posted by the shaper's thread when it is due."""
+    simulated slow link (`nanoddp.comm.transport.link`), posted by the shaper's thread when it is due."""
     count_sent(tensor)
     if _SHAPER is None:  # the fast path pays this one test
         return group.send([tensor], peer, tag)
@@ -204,7 +204,7 @@ def _send_now(group: dist.ProcessGroup, tensor: torch.Tensor, peer: int, tag: in
     return group.send([tensor], peer, tag)
 
 
-# [Note: a simulated slow link] `nanoddp.comm.link` explains the model. One shaper per process,
+# [Note: a simulated slow link] `nanoddp.comm.transport.link` explains the model. One shaper per process,
 # (re)read from the environment whenever a group is first used (`Peers`); None: no shaping.
 _SHAPER: LinkShaper | None = None
 

@@ -1,8 +1,8 @@
 """The wire: what a header round puts on the wire, how it is counted and how its verdict is read.
 
 Why it exists: every collective starts with a header round, run either by the general round
-(`nanoddp.comm.header_round`, any collective, size and group) or by a round prepared for one call
-signature (`nanoddp.comm.cached_rounds`, the optional layer above). A rank on one may meet a peer
+(`nanoddp.comm.protocol.header_round`, any collective, size and group) or by a round prepared for one call
+signature (`nanoddp.comm.protocol.cached_rounds`, the optional layer above). A rank on one may meet a peer
 on the other, so both must speak exactly the same wire, and this module is that wire, once:
 
 * **the frame format**: a frame is `HEADER_BYTES` of int64 slots (collective, numel, dtype, op,
@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanoddp.comm import plan
-from nanoddp.comm.settle import settle
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.plan import plan
+from nanoddp.comm.protocol.settle import settle
+from nanoddp.comm.transport.transport import Peers
 
 TAG_FRAME = 0x6E6401  # our own tag: a user's send/recv on the same group cannot steal a frame
 HEADER_FIELDS = ("collective", "numel", "dtype", "op", "root")
@@ -59,7 +59,7 @@ def counted(peers: Peers, run: Callable[..., T], *args) -> T:
     place `Peers.calls` advances (every rank counts every round, so `Peers.call_tags` agree).
 
     A round that raised its verdict (the same error on every rank) first settles what the call
-    posted before it (`nanoddp.comm.settle`); any other error leaves the group to its fate."""
+    posted before it (`nanoddp.comm.protocol.settle`); any other error leaves the group to its fate."""
     try:
         return run(*args)
     except (ValueError, TypeError) as exc:

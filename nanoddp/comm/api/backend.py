@@ -27,7 +27,7 @@ def collectives_for(comm_backend: str = DEFAULT_COMM_BACKEND) -> Collectives:
     """`nanoddp.comm` (collectives over point-to-point) or torch.distributed's, watched."""
     check_comm_backend(comm_backend)
     if comm_backend == "torch":
-        from nanoddp.comm.watchdog import TORCH_COLLECTIVES
+        from nanoddp.comm.transport.watchdog import TORCH_COLLECTIVES
 
         return TORCH_COLLECTIVES
     from nanoddp import comm

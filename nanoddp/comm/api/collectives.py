@@ -3,28 +3,28 @@
 Why it exists: these are what DDP, ZeRO and FSDP call every step, with torch.distributed's
 signatures and results, built from point-to-point send/recv only. Each is the same three steps:
 
-1. **check** the arguments (`nanoddp.comm.checks`). A call that fails on one rank only still
+1. **check** the arguments (`nanoddp.comm.protocol.checks`). A call that fails on one rank only still
    takes part in the header round, carrying its error, so every rank raises that error word for
    word (with `async_op=True`, from `wait()`), and the group stays usable.
-2. **plan** the path from the message size, group size and backend (`nanoddp.comm.plan`): data in
+2. **plan** the path from the message size, group size and backend (`nanoddp.comm.plan.plan`): data in
    the header round's frames (one round; the check costs nothing extra), or the header round and
    then a bulk algorithm: the pipelined ring (`ring.py`), at 2 gloo ranks one exchange of whole
    tensors (`exchange.py`), or from 5 gloo ranks, where the α–β model (`cost_model.py`) says the
    ring's 2(n-1) steps cost more, recursive halving and doubling (`halving_doubling.py`).
-3. **run** it. Every path starts with the header round (`nanoddp.comm.header_round`): each rank's
+3. **run** it. Every path starts with the header round (`nanoddp.comm.protocol.header_round`): each rank's
    header (collective, numel, dtype, op, root) reaches a place where all are checked, so
    mismatched calls raise the same ValueError on every rank instead of hanging. Where `plan`
    answers `Path.PAIR`, the round a training loop repeats most runs from views and header rows
-   made once per call signature (`nanoddp.comm.cached_rounds`, an optional layer over the same
+   made once per call signature (`nanoddp.comm.protocol.cached_rounds`, an optional layer over the same
    wire); everything else runs the general round.
 
 Precision. fp16/bf16 sums are computed in fp32 one addition at a time and rounded after each
 ring step, as gloo does; the one-round path accumulates in fp32 and rounds once, in rank order in
-one place (`nanoddp.comm.reduce`), so every rank gets bitwise the same result. AVG is allowed on
+one place (`nanoddp.comm.algorithms.reduce`), so every rank gets bitwise the same result. AVG is allowed on
 floating-point tensors only (gloo rejects it for ints too).
 
 Threading model. Each process group has one worker thread that runs that group's collectives
-one at a time in submission (FIFO) order (`nanoddp.comm.runner`). Because every rank issues
+one at a time in submission (FIFO) order (`nanoddp.comm.transport.runner`). Because every rank issues
 collectives in the same order, FIFO execution keeps their messages matched. A blocking call runs
 inline on the calling thread when nothing is queued for the group, else it queues behind the
 pending work and waits. `async_op=True` queues the work and returns a `Work` at once; the bulk
@@ -39,18 +39,31 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, halving_doubling, header_round, wire
-from nanoddp.comm.cached_rounds import header_then
-from nanoddp.comm.checks import Op, Prepared, check, check_list, flat, header, land, nbytes, op_name, submit, write_back
-from nanoddp.comm.collectives_only import or_torch_on_collectives_only
-from nanoddp.comm.exchange import start_exchange_reduce
-from nanoddp.comm.header_round import others_for, unpack
-from nanoddp.comm.pieces import balanced_bounds
-from nanoddp.comm.plan import Path, plan
-from nanoddp.comm.reduce import reduce_in_rank_order
-from nanoddp.comm.ring import start_reduce_scatter_ring, start_ring
-from nanoddp.comm.runner import Work, runner_for
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.algorithms import halving_doubling
+from nanoddp.comm.algorithms.exchange import start_exchange_reduce
+from nanoddp.comm.algorithms.pieces import balanced_bounds
+from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
+from nanoddp.comm.algorithms.ring import start_reduce_scatter_ring, start_ring
+from nanoddp.comm.plan.plan import Path, plan
+from nanoddp.comm.protocol import cached_rounds, header_round, wire
+from nanoddp.comm.protocol.cached_rounds import header_then
+from nanoddp.comm.protocol.checks import (
+    Op,
+    Prepared,
+    check,
+    check_list,
+    flat,
+    header,
+    land,
+    nbytes,
+    op_name,
+    submit,
+    write_back,
+)
+from nanoddp.comm.protocol.header_round import others_for, unpack
+from nanoddp.comm.transport.collectives_only import or_torch_on_collectives_only
+from nanoddp.comm.transport.runner import Work, runner_for
+from nanoddp.comm.transport.transport import Peers
 
 # --- all_reduce -----------------------------------------------------------------------------------
 

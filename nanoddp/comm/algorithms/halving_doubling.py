@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanoddp.comm.reduce import finish_avg, reduce_into
-from nanoddp.comm.transport import Peers, Waitable, wait_all
+from nanoddp.comm.algorithms.reduce import finish_avg, reduce_into
+from nanoddp.comm.transport.transport import Peers, Waitable, wait_all
 
 REDUCE, GATHER = 0, 1  # which of the call's two tags a step uses: fold-in and halving; doubling and fold-back
 

@@ -24,12 +24,13 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import cached_rounds, header_round, watchdog, wire
-from nanoddp.comm.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
-from nanoddp.comm.collectives_only import or_torch_on_collectives_only
-from nanoddp.comm.runner import GroupRunner, Work, runner_for
-from nanoddp.comm.transport import Peers, posted, wait_all
-from nanoddp.comm.wire import DTYPE_CODES
+from nanoddp.comm.protocol import cached_rounds, header_round, wire
+from nanoddp.comm.protocol.checks import KIND, Prepared, check, check_list, default_device, flat, submit, write_back
+from nanoddp.comm.protocol.wire import DTYPE_CODES
+from nanoddp.comm.transport import watchdog
+from nanoddp.comm.transport.collectives_only import or_torch_on_collectives_only
+from nanoddp.comm.transport.runner import GroupRunner, Work, runner_for
+from nanoddp.comm.transport.transport import Peers, posted, wait_all
 
 TAG_ARRIVE = 0x6E6411  # monitored_barrier: rank -> group rank 0
 TAG_RELEASE = 0x6E6412  # monitored_barrier: group rank 0 -> rank

@@ -2,7 +2,7 @@
 
 Why it exists: it is the bulk path of all_reduce, all_gather and reduce_scatter past the header
 round's frames (`plan.Path.RING`). Each rank sends and receives 2(n-1)/n of the message, the
-bandwidth-optimal volume. Each chunk is cut into pieces (`nanoddp.comm.pieces`); a piece is
+bandwidth-optimal volume. Each chunk is cut into pieces (`nanoddp.comm.algorithms.pieces`); a piece is
 forwarded the moment it has been received (and reduced), so sending, receiving and adding all
 overlap, and the last reduce-scatter step flows straight into the first all-gather step.
 """
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import plan
-from nanoddp.comm.pieces import balanced_bounds, piece_numel, pieces_after
-from nanoddp.comm.reduce import combine_into, finish_avg, reduce_into
-from nanoddp.comm.transport import Peers, Waitable, wait_all
+from nanoddp.comm.algorithms.pieces import balanced_bounds, piece_numel, pieces_after
+from nanoddp.comm.algorithms.reduce import combine_into, finish_avg, reduce_into
+from nanoddp.comm.plan import plan
+from nanoddp.comm.transport.transport import Peers, Waitable, wait_all
 
 __all__ = ["balanced_bounds", "ring", "start_reduce_scatter_ring", "start_ring"]
 
@@ -55,7 +55,7 @@ def start_ring(
     Callers start the ring before the header round and run it after: a gloo send only starts
     once the receiver has announced the matching receive, and that announcement then travels
     during the header round instead of after it (a round that raised settles them first:
-    `nanoddp.comm.settle`).
+    `nanoddp.comm.protocol.settle`).
     """
     if peers.size == 1:
         return lambda: None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoddp.comm import plan
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.plan import plan
+from nanoddp.comm.transport.transport import Peers
 
 
 def piece_numel(longest: int, itemsize: int) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.transport import Peers, wait_all
+from nanoddp.comm.transport.transport import Peers, wait_all
 
 
 def parent(v: int) -> int:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm import watchdog
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.transport import watchdog
+from nanoddp.comm.transport.transport import Peers
 
 logger = logging.getLogger(__name__)
 

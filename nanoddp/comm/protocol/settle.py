@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoddp.comm.transport import Peers, Waitable, send_on, wait_all
+from nanoddp.comm.transport.transport import Peers, Waitable, send_on, wait_all
 
 TAG_SETTLE = 0x6E6403  # our own tag: the records of a failed call's posted messages
 MAX_KINDS = 8  # (send or receive, tag) kinds per peer per call; a call uses at most four

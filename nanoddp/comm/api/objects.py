@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.alltoall import agree
-from nanoddp.comm.checks import default_device
-from nanoddp.comm.collectives import all_gather_into_tensor
-from nanoddp.comm.collectives_only import or_torch_on_collectives_only
-from nanoddp.comm.rooted import broadcast, gather, scatter
-from nanoddp.comm.runner import runner_for
-from nanoddp.comm.transport import Peers
+from nanoddp.comm.api.alltoall import agree
+from nanoddp.comm.api.collectives import all_gather_into_tensor
+from nanoddp.comm.api.rooted import broadcast, gather, scatter
+from nanoddp.comm.protocol.checks import default_device
+from nanoddp.comm.transport.collectives_only import or_torch_on_collectives_only
+from nanoddp.comm.transport.runner import runner_for
+from nanoddp.comm.transport.transport import Peers
 
 
 @or_torch_on_collectives_only("broadcast_object_list")

@@ -1,11 +1,11 @@
 """The rooted collectives — `broadcast`, `reduce`, `scatter`, `gather` — with torch.distributed's API.
 
 src/dst are *global* ranks, as in torch.distributed; the group may be a subgroup. Small messages
-travel inside the header round (`nanoddp.comm.header_round`), which at 3+ ranks is a star through group
+travel inside the header round (`nanoddp.comm.protocol.header_round`), which at 3+ ranks is a star through group
 rank 0: the check and the data share its two hops, and no pair of non-root ranks exchanges
 anything. Larger ones follow the header round with a pipelined chain (broadcast, reduce) or
 direct sends to or from the root (scatter, gather). Each is check -> plan -> run, as the
-collectives in `nanoddp.comm.collectives`; `nanoddp.comm.plan` decides which.
+collectives in `nanoddp.comm.api.collectives`; `nanoddp.comm.plan.plan` decides which.
 """
 
 from __future__ import annotations
@@ -14,18 +14,30 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from nanoddp.comm import cached_rounds, chain, header_round, tree, van_de_geijn
-from nanoddp.comm.cached_rounds import header_then
-from nanoddp.comm.checks import Op, Prepared, check, group_root, header, land, list_on_root, nbytes, op_name, submit
-from nanoddp.comm.checks import flat as _flat
-from nanoddp.comm.checks import write_back as _write_back
-from nanoddp.comm.collectives_only import or_torch_on_collectives_only
-from nanoddp.comm.header_round import others_for, unpack
-from nanoddp.comm.plan import Path, plan
-from nanoddp.comm.reduce import reduce_in_rank_order
-from nanoddp.comm.runner import Work, runner_for
-from nanoddp.comm.transport import Peers, wait_all
-from nanoddp.comm.wire import as_bytes
+from nanoddp.comm.algorithms import chain, tree, van_de_geijn
+from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
+from nanoddp.comm.plan.plan import Path, plan
+from nanoddp.comm.protocol import cached_rounds, header_round
+from nanoddp.comm.protocol.cached_rounds import header_then
+from nanoddp.comm.protocol.checks import (
+    Op,
+    Prepared,
+    check,
+    group_root,
+    header,
+    land,
+    list_on_root,
+    nbytes,
+    op_name,
+    submit,
+)
+from nanoddp.comm.protocol.checks import flat as _flat
+from nanoddp.comm.protocol.checks import write_back as _write_back
+from nanoddp.comm.protocol.header_round import others_for, unpack
+from nanoddp.comm.protocol.wire import as_bytes
+from nanoddp.comm.transport.collectives_only import or_torch_on_collectives_only
+from nanoddp.comm.transport.runner import Work, runner_for
+from nanoddp.comm.transport.transport import Peers, wait_all
 
 _submit, _header, _nbytes = submit, header, nbytes
 
