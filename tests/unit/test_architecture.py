@@ -28,11 +28,12 @@ def _load_generator():
 
 
 arch = _load_generator()
+layers = sys.modules["layers"]  # the import layers and graph, which the generator imports from tools/layers.py
 
 
 @pytest.fixture(scope="module")
 def edges():
-    return arch.import_graph()
+    return layers.import_graph()
 
 
 def test_architecture_page_is_what_the_generator_writes():
@@ -59,13 +60,13 @@ def test_import_graph_resolves_from_package_import_module(edges):
 
 
 def test_no_import_cycle_among_modules(edges):
-    cycles = arch.import_cycles(edges)
+    cycles = layers.import_cycles(edges)
     assert not cycles, "import cycles (any level): " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 def _edge(source: str, target: str, where: str):
     """An import inside nanoddp.comm, modules named by folder and file ('protocol.wire')."""
-    return arch.Edge(f"nanoddp.comm.{source}", f"nanoddp.comm.{target}", where, 1)
+    return layers.Edge(f"nanoddp.comm.{source}", f"nanoddp.comm.{target}", where, 1)
 
 
 def test_a_cycle_counts_imports_inside_functions_and_for_type_checking():
@@ -73,12 +74,12 @@ def test_a_cycle_counts_imports_inside_functions_and_for_type_checking():
     wire, settle = "protocol.wire", "protocol.settle"
     for where in ("function", "typing"):
         edges = [_edge(wire, settle, "module"), _edge(settle, wire, where)]
-        assert arch.import_cycles(edges) == [["nanoddp.comm.protocol.settle", "nanoddp.comm.protocol.wire"]], where
-    assert not arch.import_cycles([_edge(wire, settle, "module"), _edge(settle, "transport.transport", "function")])
+        assert layers.import_cycles(edges) == [["nanoddp.comm.protocol.settle", "nanoddp.comm.protocol.wire"]], where
+    assert not layers.import_cycles([_edge(wire, settle, "module"), _edge(settle, "transport.transport", "function")])
 
 
 def test_comm_imports_run_down_its_layers(edges):
-    upward = arch.comm_upward_imports(edges)
+    upward = layers.comm_upward_imports(edges)
     assert not upward, (
         "imports from a lower nanoddp.comm layer to a higher one (tools/architecture.py, "
         "COMM_LAYERS): " + "; ".join(f"{e.source} -> {e.target} (line {e.line}, {e.where}-level)" for e in upward)
@@ -87,36 +88,36 @@ def test_comm_imports_run_down_its_layers(edges):
 
 def test_an_upward_import_inside_comm_is_caught_at_any_level():
     for where in ("module", "function", "typing"):
-        assert arch.comm_upward_imports([_edge("algorithms.ring", "api.collectives", where)]), where
-    assert arch.comm_upward_imports([arch.Edge("nanoddp.comm.transport.runner", "nanoddp.comm", "function", 1)])
+        assert layers.comm_upward_imports([_edge("algorithms.ring", "api.collectives", where)]), where
+    assert layers.comm_upward_imports([layers.Edge("nanoddp.comm.transport.runner", "nanoddp.comm", "function", 1)])
     same_or_down = [
         _edge("api.collectives", "algorithms.ring", "module"),
         _edge("algorithms.ring", "algorithms.pieces", "module"),
-        arch.Edge("nanoddp.comm.api.backend", "nanoddp.comm", "function", 1),  # the face is the api's
+        layers.Edge("nanoddp.comm.api.backend", "nanoddp.comm", "function", 1),  # the face is the api's
     ]
-    assert not arch.comm_upward_imports(same_or_down)
+    assert not layers.comm_upward_imports(same_or_down)
 
 
 def test_comm_layers_are_its_folders():
     """Each COMM_LAYERS layer is a folder of nanoddp/comm/ and every comm module sits in one:
     a module directly in nanoddp/comm/ is an error, not a layer of its own."""
-    layers = {m: arch.comm_layer_of(part) for m in arch.module_files() if (part := arch.comm_part(m)) is not None}
-    assert layers["nanoddp.comm"] == layers["nanoddp.comm.api.collectives"] == arch.COMM_LAYER_OF["api"]
+    layer = {m: layers.comm_layer_of(part) for m in layers.module_files() if (part := layers.comm_part(m)) is not None}
+    assert layer["nanoddp.comm"] == layer["nanoddp.comm.api.collectives"] == layers.COMM_LAYER_OF["api"]
     folders = {p.name for p in (ROOT / "nanoddp" / "comm").iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == set(arch.COMM_LAYER_OF), "nanoddp/comm/'s folders are its layers (COMM_LAYERS)"
+    assert folders == set(layers.COMM_LAYER_OF), "nanoddp/comm/'s folders are its layers (COMM_LAYERS)"
     with pytest.raises(ValueError, match="nanoddp.comm.ring is in no layer"):
-        arch.comm_upward_imports([arch.Edge("nanoddp.comm.ring", "nanoddp.comm.transport.transport", "module", 1)])
+        layers.comm_upward_imports([layers.Edge("nanoddp.comm.ring", "nanoddp.comm.transport.transport", "module", 1)])
 
 
 def test_imports_run_from_higher_layers_to_lower_ones(edges):
-    upward = [e for e in arch.upward_imports(edges) if (e.source, e.target) not in arch.UPWARD_EXCEPTIONS]
+    upward = [e for e in layers.upward_imports(edges) if (e.source, e.target) not in layers.UPWARD_EXCEPTIONS]
     assert not upward, "imports from a lower layer to a higher one: " + "; ".join(
         f"{e.source} -> {e.target} (line {e.line}, {e.where}-level)" for e in upward
     )
 
 
 def test_every_module_belongs_to_a_layer():
-    unknown = sorted(m for m in arch.module_files() if arch.top_of(m) not in arch.LAYER_OF_TOP)
+    unknown = sorted(m for m in layers.module_files() if layers.top_of(m) not in layers.LAYER_OF_TOP)
     assert not unknown, f"add these to tools/architecture.py's LAYERS: {unknown}"
 
 

@@ -45,7 +45,7 @@ def _module_files() -> dict[str, Path]:
     arch = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = arch  # dataclasses look their module up there
     spec.loader.exec_module(arch)
-    return arch.module_files()
+    return sys.modules["layers"].module_files()  # tools/layers.py, imported by the generator
 
 
 def _dotted(node: ast.Attribute) -> str | None:
