@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
 KILL_WAIT_S = 10.0
+THIS_HOSTS_NETWORK = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 def unavailable_reason() -> str | None:
@@ -98,8 +99,13 @@ class NetnsHosts:
         self.close()
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside host `host` (its network; everything else is shared)."""
-        return ["ip", "netns", "exec", self.names[host], *argv]
+        """`argv` run inside host `host` (its network; everything else is shared).
+
+        The variables that name a machine's own network (`THIS_HOSTS_NETWORK`) are dropped: they
+        belong to the machine that set them (a test process that pinned gloo to loopback, say),
+        and another host would not have them."""
+        unset = [arg for name in THIS_HOSTS_NETWORK for arg in ("-u", name)]
+        return ["ip", "netns", "exec", self.names[host], "env", *unset, *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start `argv` inside host `host` (subprocess.Popen's keyword arguments)."""
