@@ -135,7 +135,10 @@ def test_new_group_rejects_bad_ranks_on_every_rank():
     assert run_on_ranks(_bad_new_group, 2) == [True, True]
 
 
-def test_cleanup_is_safe_twice_and_without_init():
+def test_cleanup_is_safe_twice_and_without_init(monkeypatch):
+    # init pins gloo to loopback in this process's environment; undone after the test, so that the
+    # suite's later children (the namespace hosts) do not inherit it
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", nd.loopback_interface())
     nd.cleanup()
     env = nd.init(nd.DistEnv.single_process("gloo"))
     assert dist.is_initialized() and dist.get_world_size() == env.world_size == 1
