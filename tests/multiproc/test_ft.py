@@ -35,6 +35,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
+from helpers import replica_pid  # noqa: E402  (after the skip)
 
 REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 3.0, 10, 60, 0  # 10: uneven pieces at world size 3
 KILL_STEP = 3
@@ -260,16 +261,6 @@ TINY_GPT = [
 TRAIN_STEPS, TRAIN_KILL_AFTER = 40, 3
 
 
-def _replica_pid(launcher: psutil.Process, replica: int) -> int | None:
-    for child in launcher.children(recursive=True):
-        try:
-            if child.environ().get("NANODDP_FT_REPLICA") == str(replica) and "ft_loop" in " ".join(child.cmdline()):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
-
-
 def _listening(launcher: psutil.Process) -> list[str]:
     """The addresses the launcher and every process under it listen on."""
     found = []
@@ -337,7 +328,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
         while not killed and proc.poll() is None and time.monotonic() < deadline:
             metrics = out / "metrics.jsonl"
             done_steps = metrics.read_text().count('"world_size"') if metrics.exists() else 0
-            pid = _replica_pid(launcher, 1)
+            pid = replica_pid(launcher, 1)
             if done_steps >= TRAIN_KILL_AFTER and pid is not None:
                 listening = _listening(launcher)  # the quorum service, the replicas' servers, gloo
                 os.kill(pid, signal.SIGKILL)

@@ -30,6 +30,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
+from helpers import replica_pid  # noqa: E402
+
 from nanoddp.comm.plan import plan  # noqa: E402  (after the skip)
 from nanoddp.comm.protocol import wire
 from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
@@ -114,17 +116,6 @@ def _flags(values: dict) -> list[str]:
     return [part for name, value in values.items() for part in (f"--{name.replace('_', '-')}", str(value))]
 
 
-def _replica_1(launcher: psutil.Process) -> int | None:
-    """The pid of replica 1's training process, once it runs."""
-    for child in launcher.children(recursive=True):
-        try:
-            if child.environ().get("NANODDP_FT_REPLICA") == "1" and "ft_loop" in " ".join(child.cmdline()):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
-
-
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory):
     """The run's metrics records and the listing of its snapshot directory."""
@@ -141,7 +132,7 @@ def two_replicas(tmp_path_factory):
         metrics = out / "metrics.jsonl"
         while not killed and proc.poll() is None and time.monotonic() < deadline:
             done = metrics.read_text().count('"world_size"') if metrics.exists() else 0
-            pid = _replica_1(launcher)
+            pid = replica_pid(launcher, 1)
             if done >= KILL_AFTER and pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
