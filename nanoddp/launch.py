@@ -26,15 +26,17 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any
 
 from nanoddp import env as nd
-from nanoddp.base.processes import die_with_parent, stop, take_descendants_along
+from nanoddp.base.processes import die_with, die_with_parent, stop, take_descendants_along
 from nanoddp.tempdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+START_METHODS = ("spawn", "forkserver")
 SETTLE_S = 1.0  # after a failure, how long to wait for the others' reports
 
 
@@ -56,10 +58,16 @@ def _worker(
     args: Sequence[Any],
     results: mp.Queue,
     pg_timeout_s: float,
-    parent_pid: int,
+    launcher_pid: int,
+    launcher_view: _LauncherView | None,
 ) -> None:
     """Child entry point: join the group, run the user's function, report back."""
-    die_with_parent(parent_pid)  # the launcher may have died while this rank imported torch
+    if launcher_view is None:
+        die_with_parent(launcher_pid)  # the launcher may have died while this rank imported torch
+    else:
+        die_with_parent()  # the fork server, our parent
+        die_with(launcher_pid)  # and the launcher, which the server does not follow while we live
+        launcher_view.take_on()
     take_descendants_along(new_group=True)
     try:
         nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
@@ -75,6 +83,38 @@ def _worker(
     nd.cleanup()
     results.close()
     results.join_thread()
+
+
+class _LauncherView:
+    """What a spawned rank inherits from the launcher at launch time and a rank forked from the
+    fork server would not: the environment variables, the working directory, and stdout/stderr
+    (the server's are those of whoever started it, maybe long ago; pytest's capture of an
+    earlier test, say). Pickled into the child; the two descriptors travel as file descriptors
+    that multiprocessing passes along with the process (`reduction.DupFd`)."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.streams: list[Any] = [1, 2]  # replaced by duplicates in the child
+
+    def __reduce__(self):
+        return _LauncherView._rebuilt, (self.environ, self.cwd, [reduction.DupFd(fd) for fd in (1, 2)])
+
+    @staticmethod
+    def _rebuilt(environ: dict[str, str], cwd: str, streams: list[Any]) -> _LauncherView:
+        view = _LauncherView.__new__(_LauncherView)
+        view.environ, view.cwd, view.streams = environ, cwd, streams
+        return view
+
+    def take_on(self) -> None:
+        """Child side: become what a spawned child of the launcher would be."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for target, stream in zip((1, 2), self.streams, strict=True):
+            fd = stream.detach()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _describe_exit(exitcode: int) -> str:
@@ -94,18 +134,32 @@ def launch(
     backend: str | None = None,
     timeout: float | None = None,
     pg_timeout_s: float = 300.0,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run `fn(env, *args)` on `nprocs` local processes; return each rank's return value.
 
-    `fn` must be importable (a module-level function): children are started with `spawn`, so
-    CUDA state in the parent does not matter. Rendezvous is a `file://` store in a private temp
-    dir, so no port is ever fixed. Raises `LaunchError` naming the first rank that failed, and
-    `TimeoutError` if the whole job outlives `timeout` seconds; children are stopped either way.
+    `fn` must be importable (a module-level function). Children are started with `spawn` by
+    default, so CUDA state in the parent does not matter. `start_method="forkserver"` forks them
+    from multiprocessing's server process instead, which imported the modules named in
+    `multiprocessing.set_forkserver_preload` once: a launch then costs milliseconds, not an
+    import of torch per rank (what a test suite or a sweep of short jobs wants). Each child
+    still sees the launcher's environment variables and working directory as they are at this
+    call, as a spawned child would, not as they were when the server started.
+
+    Rendezvous is a `file://` store in a private temp dir, so no port is ever fixed. Raises
+    `LaunchError` naming the first rank that failed, and `TimeoutError` if the whole job outlives
+    `timeout` seconds; children are stopped either way.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r} "
+            "(fork is not offered: the launcher's threads and torch's pools do not survive it)"
+        )
     backend = backend or nd.default_backend(nprocs)
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext: both make Processes
+    launcher_view = None if start_method == "spawn" else _LauncherView()
     results: mp.Queue = ctx.Queue()
     rendezvous_dir = make_private_dir("nanoddp-rdzv-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
@@ -116,7 +170,7 @@ def launch(
             env = replace(base_env, rank=rank, local_rank=rank, device=nd.device_for(backend, rank))
             proc = ctx.Process(
                 target=_worker,
-                args=(env, init_method, fn, tuple(args), results, pg_timeout_s, os.getpid()),
+                args=(env, init_method, fn, tuple(args), results, pg_timeout_s, os.getpid(), launcher_view),
                 name=f"nanoddp-rank{rank}",
                 daemon=False,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -11,7 +12,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # spawned workers import `helpers` and test modules by name
     sys.path.insert(0, str(TESTS_DIR))
 
-from helpers import run_on_ranks  # noqa: E402  (needs TESTS_DIR on sys.path)
+from helpers import FORKSERVER_PRELOAD, run_on_ranks  # noqa: E402  (needs TESTS_DIR on sys.path)
+
+multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 @pytest.fixture

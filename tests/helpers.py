@@ -37,14 +37,28 @@ def _single_threaded(fn, env, *args):
     return fn(env, *args)
 
 
+# Ranks fork from multiprocessing's fork server, which imports these once per test session
+# (conftest.py sets it up): a launch then costs a fraction of a second instead of an import of
+# torch per rank, which was most of the suite's time. `helpers` itself cannot be preloaded (the
+# server ignores our sys.path on Python 3.11), so what it imports is named instead.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "nanoddp", "nbformat", "jupyter_client", "nbclient"]
+
+
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run `fn(env, *args)` on `world_size` gloo processes; return every rank's result.
 
     Any rank's exception is re-raised here as `nanoddp.LaunchError` carrying its traceback, and
-    every child is stopped before this returns, pass or fail.
+    every child is stopped before this returns, pass or fail. The ranks are forked from the fork
+    server; what `launch` itself promises for the default `spawn` is tested with `spawn`
+    (test_launch.py, test_notebook_launch.py).
     """
     return nanoddp.launch(
-        functools.partial(_single_threaded, fn), world_size, args=args, backend="gloo", timeout=timeout
+        functools.partial(_single_threaded, fn),
+        world_size,
+        args=args,
+        backend="gloo",
+        timeout=timeout,
+        start_method="forkserver",
     )
 
 

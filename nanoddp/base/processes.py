@@ -19,9 +19,11 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -47,6 +49,29 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(128 + signal.SIGKILL)
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` ends, whichever process is our parent.
+
+    `die_with_parent` follows the parent only. A rank forked from multiprocessing's fork server
+    has the server as its parent, and the server lives as long as any of its children hold its
+    liveness pipe, which each child does: the launcher's death would end neither. So such a rank
+    watches the launcher itself: a pidfd (Linux >= 5.3) becomes readable when that process
+    ends, and a daemon thread blocked on it (no polling, no cost meanwhile) kills this one. A
+    launcher already gone ends this process at once."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(128 + signal.SIGKILL)
+    except (AttributeError, OSError):  # not Linux, or too old: the parent's death signal only
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=f"nanoddp-die-with-{pid}", daemon=True).start()
 
 
 # The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's

@@ -1,9 +1,13 @@
-"""nanoddp.launch: results come back; any failure stops every rank and names the culprit."""
+"""nanoddp.launch: results come back; any failure stops every rank and names the culprit, with
+either start method (the suite's other tests fork their ranks from the fork server)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,9 +15,16 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_on_ranks
+from helpers import run_on_ranks, wait_for
 
+import nanoddp
 from nanoddp import LaunchError
+
+START_METHODS = pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+
+
+def _launch(fn, nprocs, *args, start_method, timeout):
+    return nanoddp.launch(fn, nprocs, args=args, backend="gloo", timeout=timeout, start_method=start_method)
 
 
 def _rank_times_ten(env, offset):
@@ -50,12 +61,13 @@ def _record_pid_then_fail(env, pid_dir, how):
         ("sigkill", "rank 1 failed: killed by SIGKILL"),
     ],
 )
-def test_failed_rank_stops_all_and_leaves_no_process(tmp_path, how, message):
+@START_METHODS
+def test_failed_rank_stops_all_and_leaves_no_process(tmp_path, how, message, start_method):
     # The healthy ranks sleep 60 s past the barrier and the launch is bounded at 60 s, so a launcher
     # that waited for them instead of stopping them would raise TimeoutError, not LaunchError. No
     # wall-clock assertion beyond that: on a loaded 2-core machine start-up alone varies by tens of s.
     with pytest.raises(LaunchError) as info:
-        run_on_ranks(_record_pid_then_fail, 3, str(tmp_path), how, timeout=60)
+        _launch(_record_pid_then_fail, 3, str(tmp_path), how, start_method=start_method, timeout=60)
     assert message in str(info.value)
     assert info.value.rank == 1
     if how == "raise":
@@ -66,17 +78,94 @@ def test_failed_rank_stops_all_and_leaves_no_process(tmp_path, how, message):
     assert leftover == []
 
 
-def _sleep_forever(env):
+def _sleep_forever(env, pid_dir=None):
+    if pid_dir is not None:
+        Path(pid_dir, str(env.rank)).write_text(str(os.getpid()))
     time.sleep(600)
 
 
-def test_launch_timeout_stops_children():
-    with pytest.raises(TimeoutError, match=r"launch timed out after 3s; ranks \[0, 1\] still running"):
-        run_on_ranks(_sleep_forever, 2, timeout=3)
-    # the spawned ranks are python processes running multiprocessing's spawn entry point
-    assert [c for c in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(c.cmdline())] == []
+@START_METHODS
+def test_launch_timeout_stops_children(tmp_path, start_method):
+    # a long timeout: on a loaded machine a spawned rank may take seconds to import torch and
+    # record its pid; the ranks then sleep far past it
+    with pytest.raises(TimeoutError, match=r"launch timed out after 20s; ranks \[0, 1\] still running"):
+        _launch(_sleep_forever, 2, str(tmp_path), start_method=start_method, timeout=20)
+    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+    assert len(pids) == 2
+    assert [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
 
 
-def test_launch_rejects_bad_nprocs():
+def _what_the_rank_sees(env):
+    print(f"rank {env.rank} on stdout", flush=True)
+    print(f"rank {env.rank} on stderr", file=sys.stderr, flush=True)
+    return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd()
+
+
+def test_a_forked_rank_sees_the_launchers_environment_directory_and_streams_of_now(tmp_path, capfd, monkeypatch):
+    """The fork server started long before (with another test's environment, directory and
+    captured streams); its ranks must still see the launcher's as they are at the call, exactly
+    as spawned ranks do."""
+    seen = {}
+    for start_method in ("spawn", "forkserver"):
+        work = tmp_path / start_method
+        work.mkdir()
+        monkeypatch.chdir(work)
+        monkeypatch.setenv("NANODDP_TEST_SEEN", start_method)
+        seen[start_method] = _launch(_what_the_rank_sees, 2, start_method=start_method, timeout=120)
+        assert seen[start_method] == [(start_method, str(work))] * 2
+        out, err = capfd.readouterr()
+        assert sorted(out.splitlines()) == ["rank 0 on stdout", "rank 1 on stdout"], start_method
+        assert sorted(line for line in err.splitlines() if line.startswith("rank")) == [
+            "rank 0 on stderr",
+            "rank 1 on stderr",
+        ], start_method
+
+
+def test_launch_rejects_bad_nprocs_and_start_methods():
     with pytest.raises(ValueError, match="nprocs must be >= 1, got 0"):
         run_on_ranks(_sleep_forever, 0)
+    with pytest.raises(ValueError, match="start_method must be one of spawn, forkserver, got 'fork'"):
+        nanoddp.launch(_sleep_forever, 2, start_method="fork")
+
+
+LAUNCHER_SCRIPT = """
+import multiprocessing, os, sys, time
+from pathlib import Path
+import nanoddp
+
+def rank(env, pid_dir):
+    Path(pid_dir, str(env.rank)).write_text(str(os.getpid()))
+    time.sleep(300)
+
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(["torch", "nanoddp"])
+    nanoddp.launch(rank, 2, args=(sys.argv[2],), backend="gloo", start_method=sys.argv[1])
+"""
+
+
+@START_METHODS
+def test_the_ranks_end_with_a_sigkilled_launcher(tmp_path, start_method):
+    """With the fork server the ranks' parent is the server, which outlives the launcher as long
+    as its children do: the ranks must watch the launcher themselves."""
+    script, pid_dir = tmp_path / "launcher.py", tmp_path / "pids"
+    script.write_text(LAUNCHER_SCRIPT)
+    pid_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(script), start_method, str(pid_dir)], start_new_session=True)
+    pids: list[int] = []
+    try:
+        wait_for(lambda: len(list(pid_dir.iterdir())) == 2, deadline=time.monotonic() + 120, step_s=0.1)
+        pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+        server = [c.pid for c in psutil.Process(launcher.pid).children() if c.pid not in pids]
+        launcher.kill()
+        launcher.wait()
+
+        def all_gone():
+            return not [p for p in pids + server if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+        wait_for(all_gone, deadline=time.monotonic() + 30, step_s=0.1)
+    finally:  # nothing of a failed run is left either
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

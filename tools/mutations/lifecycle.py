@@ -45,8 +45,8 @@ FAULTS = (
     Mutation(
         "launch: ranks do not die with their launcher",
         "nanoddp/launch.py",
-        "    die_with_parent(parent_pid)  # the launcher may have died while this rank imported torch",
-        "    pass",
+        "        die_with_parent(launcher_pid)  # the launcher may have died while this rank imported torch",
+        "        pass",
         ("tests/reliability/test_orphans.py", "-k", "while_its_ranks_start"),
     ),
     Mutation(
@@ -104,5 +104,26 @@ FAULTS = (
         "    reply = finish_cell(kc, msg_id, timeout)",
         "    return finish_cell(kc, msg_id, timeout)",
         ("tests/multiproc/test_notebook.py", "-k", "test_interrupt_then_kernel_death"),
+    ),
+    Mutation(
+        "launch: a rank forked from the fork server outlives a SIGKILLed launcher",
+        "nanoddp/launch.py",
+        "        die_with(launcher_pid)  # and the launcher",
+        "        pass  # and the launcher",
+        ("tests/multiproc/test_launch.py", "-k", "sigkilled_launcher"),
+    ),
+    Mutation(
+        "launch: a forked rank writes to the streams the fork server started with",
+        "nanoddp/launch.py",
+        "            os.dup2(fd, target)",
+        "            pass",
+        ("tests/multiproc/test_launch.py", "-k", "returns or forked_rank_sees"),
+    ),
+    Mutation(
+        "launch: a forked rank sees the environment the fork server started with",
+        "nanoddp/launch.py",
+        "        os.environ.update(self.environ)",
+        "        os.environ.update(os.environ)",
+        ("tests/multiproc/test_launch.py", "-k", "returns or forked_rank_sees"),
     ),
 )
