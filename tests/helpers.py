@@ -323,7 +323,7 @@ def replay_continue_run(
     in rank order, as the replicas sum them with the gradients (`WeightedPieceSum`)."""
     import copy
 
-    from nanoddp.ft import GlobalBatches, piece_weight, share
+    from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
     from nanoddp.train.build import build_job
     from nanoddp.train.config import threads_per_rank
 

@@ -61,7 +61,7 @@ from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
 from nanoddp.train.build import Job, build_job
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
-from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.ft_loop import start_replica
 from nanoddp.train.metrics import format_log_line
 

@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.env import loopback_store
-from nanoddp.ft.batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.events import MetricsFile, describe, membership_events
+from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules

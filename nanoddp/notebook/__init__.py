@@ -13,6 +13,7 @@ process in `worker`.
 
 from nanoddp.notebook.display import CellInterrupted, CellRenderer, DistributedCellError, format_status
 from nanoddp.notebook.handshake import PoolError
+from nanoddp.notebook.magic_options import DEFAULT_PG_TIMEOUT_S, check_devices, parse_ranks, placement
 from nanoddp.notebook.magics import (
     COLLECTIVE_CALL,
     DistributedMagics,
@@ -20,7 +21,6 @@ from nanoddp.notebook.magics import (
     load_ipython_extension,
     unload_ipython_extension,
 )
-from nanoddp.notebook.options import DEFAULT_PG_TIMEOUT_S, check_devices, parse_ranks, placement
 from nanoddp.notebook.outcome import CellOutcome
 from nanoddp.notebook.pool import WorkerPool
 

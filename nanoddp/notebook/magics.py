@@ -53,7 +53,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nanoddp.notebook.display import CellInterrupted, CellRenderer, DistributedCellError, format_status
-from nanoddp.notebook.options import check_devices, init_parser, parse_ranks, placement, timeout_parser
+from nanoddp.notebook.magic_options import check_devices, init_parser, parse_ranks, placement, timeout_parser
 from nanoddp.notebook.pool import CellOutcome, WorkerPool
 
 # A collective on a subset of ranks waits forever for the others: worth a warning (a heuristic).

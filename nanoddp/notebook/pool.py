@@ -45,7 +45,7 @@ from nanoddp.notebook.handshake import (
     wait_ready,
 )
 from nanoddp.notebook.outcome import DROP, CellOutcome, Sink
-from nanoddp.notebook.processes import WorkerHandle, catch_sigint, spawn_worker
+from nanoddp.notebook.worker_processes import WorkerHandle, catch_sigint, spawn_worker
 
 logger = logging.getLogger(__name__)
 

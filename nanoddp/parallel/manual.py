@@ -43,7 +43,7 @@ def _sum_to_mean(summed: torch.Tensor, world_size: int) -> None:
     """The ranks' summed gradients into their mean, in place: how both strategies average.
 
     [Note: after the sum] Sum first, then divide: the order a reader writes by hand. torch's
-    DDP divides before the sum instead (nanoddp.parallel.ddp.average), which rounds differently
+    DDP divides before the sum instead (nanoddp.parallel.ddp.gradient_average), which rounds differently
     when the world size is not a power of two; both are the mean within float rounding."""
     summed.div_(world_size)
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from nanoddp.run.cli import main
+from nanoddp.run.command import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from nanoddp.env import DistEnv
 from nanoddp.parallel.tensors import move_to
-from nanoddp.train.data.batches import batch_len
+from nanoddp.train.data.batch_rules import batch_len
 from nanoddp.train.ranks import all_reduce_sum
 
 

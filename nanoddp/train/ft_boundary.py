@@ -38,7 +38,7 @@ from nanoddp.train import evaluation
 from nanoddp.train.build import Job
 from nanoddp.train.checkpoint import rundir, snapshot, user_state
 from nanoddp.train.config import TrainConfig, filled
-from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.metrics import MetricsLogger
 from nanoddp.train.recipe import follow_steps_on_resume

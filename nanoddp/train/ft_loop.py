@@ -41,7 +41,7 @@ from nanoddp.ft.stopped import RunStopped, run_replica
 from nanoddp.train import ft_boundary, step_check
 from nanoddp.train.build import Job, build_job
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
-from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.metrics import format_log_line
 
 logger = logging.getLogger(__name__)

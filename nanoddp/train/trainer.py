@@ -41,7 +41,7 @@ from nanoddp.parallel.tensors import move_to
 from nanoddp.train import evaluation, signals, step_check
 from nanoddp.train.checkpoint import rundir, snapshot, user_state
 from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
-from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import build_engine, prepare_model
@@ -59,7 +59,7 @@ class Trainer:
 
     Any `nn.Module` with its optimizer and dataset; `options` are `TrainConfig`'s fields
     (`steps`, `batch_size` (global), `grad_accum`, `engine`, `out`, `snapshot_every`, `seed`,
-    `amp`, `grad_clip`, ...). Batches become losses by the rules in `nanoddp.train.data.batches`.
+    `amp`, `grad_clip`, ...). Batches become losses by the rules in `nanoddp.train.data.batch_rules`.
     The process group comes from torchrun's environment (`nanoddp run`, torchrun) unless the
     script made one. `nanoddp train` builds its own model and data, then runs this very loop
     (`Trainer.from_config`).

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from nanoddp import comm
 from nanoddp.comm import ReduceOp
-from nanoddp.comm.algorithms import pieces
+from nanoddp.comm.algorithms import message_pieces
 from nanoddp.comm.plan import plan
 from nanoddp.comm.protocol import wire
 from nanoddp.comm.transport import runner
@@ -412,18 +412,18 @@ def test_repeated_calls_match_torch(world_size):
 
 @given(numel=st.integers(0, 3_000_000), n=st.integers(1, 9), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_chunks_and_pieces_cover_everything_once(numel, n, itemsize):
-    bounds = pieces.balanced_bounds(numel, n)
+    bounds = message_pieces.balanced_bounds(numel, n)
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
-    step = pieces.piece_numel(max(b - a for a, b in bounds), itemsize)
+    step = message_pieces.piece_numel(max(b - a for a, b in bounds), itemsize)
     for a, b in bounds:
-        cut = pieces.pieces(b - a, step)
+        cut = message_pieces.pieces(b - a, step)
         assert sum(y - x for x, y in cut) == b - a
         assert all(0 < (y - x) * itemsize <= plan.PIECE_MAX_BYTES for x, y in cut)
         early = plan.early_bytes((b - a) * itemsize, gloo=True) // itemsize
         assert early == 0 or (b - a) * itemsize >= plan.EARLY_MIN_BYTES
-        after = pieces.pieces_after(b - a, early, step)
+        after = message_pieces.pieces_after(b - a, early, step)
         assert sum(y - x for x, y in after) == b - a and all(
             p[1] == q[0] for p, q in zip(after, after[1:], strict=False)
         )

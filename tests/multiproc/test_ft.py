@@ -372,7 +372,7 @@ def test_train_continue_refuses_what_it_does_not_cover():
 def test_a_step_batch_splits_like_tensor_split_and_weights_sum_to_one():
     """`share` is torch.tensor_split's rule (the first n % ws pieces one longer), so every sample
     of a step is seen exactly once at any world size; the weights are the pieces' shares."""
-    from nanoddp.ft import GlobalBatches, piece_weight, share
+    from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
 
     batches = GlobalBatches(dataset_len=DATASET, batch_size=BATCH, seed=SEED)
     for step in (0, 5, 6, 13):  # 6 steps per epoch: 6 and 13 are in later epochs

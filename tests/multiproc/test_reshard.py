@@ -26,7 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nanoddp.env import DistEnv
 from nanoddp.parallel.zero.flat import FlatLayout
-from nanoddp.train.checkpoint import pieces, snapshot
+from nanoddp.train.checkpoint import shard_pieces, snapshot
 from nanoddp.train.trainer import Trainer
 
 STOP, END = 5, 12  # batch 12 is 9 steps an epoch: stop mid-epoch 0, finish in epoch 1
@@ -198,5 +198,5 @@ def test_reshard_round_trip_with_empty_pieces_and_a_frozen_parameter():
                 got = []
                 for rank, target in enumerate(cut(unit, new_ws, j)):
                     read = lambda r, u=u, j=j, saved=saved: whole[u][j][saved[r][1] : saved[r][2]].clone()  # noqa: E731
-                    got.append(pieces.assemble(f"#{u}.{j}", torch.float32, target, saved, read, prefer=rank))
+                    got.append(shard_pieces.assemble(f"#{u}.{j}", torch.float32, target, saved, read, prefer=rank))
                 assert torch.equal(torch.cat(got), whole[u][j]), (u, j, new_ws)

@@ -24,7 +24,7 @@ from nanoddp.parallel.clip import clip_grad_norm_
 from nanoddp.parallel.lowcomm import LocalSGD
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import build_model
-from nanoddp.train.data.batches import batch_loss_for
+from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.recipe import WarmupCosine, make_optimizer

@@ -131,3 +131,23 @@ def test_no_module_over_the_line_limit():
     files = sorted([*(ROOT / "nanoddp").rglob("*.py"), *(ROOT / "tools").rglob("*.py")])
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
     assert not long, f"modules over {MODULE_MAX_LINES} lines (one concept per file: split them): {long}"
+
+
+# A file's name says what it holds; the same name in two folders makes a reader ask which one is
+# meant. These repeat on purpose, each for the reason given.
+REPEATED_FILE_NAMES = {
+    "cli.py": "the `nanoddp` command (nanoddp/) and the torchrun agent's side of `nanoddp train` (launcher/)",
+    "join.py": "each wrapper's side of torch's Join protocol (parallel/ddp/, parallel/zero/)",
+    "manual.py": "the manual strategies (parallel/) and the engine of that name (train/engines/)",
+    "fsdp.py": "`nanoddp.fsdp`, FSDP2's public names, and the engine of that name (train/engines/)",
+    "collectives.py": "the comm API's everyday collectives and the benchmark named after them (bench/)",
+}
+
+
+def test_a_file_name_repeats_across_folders_only_for_a_stated_reason():
+    folders: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "nanoddp").rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            folders.setdefault(path.name, []).append(str(path.parent.relative_to(ROOT)))
+    repeated = {name for name, where in folders.items() if len(where) > 1}
+    assert repeated <= set(REPEATED_FILE_NAMES), {name: folders[name] for name in repeated - set(REPEATED_FILE_NAMES)}

@@ -12,7 +12,7 @@ import pytest
 
 from nanoddp.bench.failure_cost import MODES, RATIOS, SEEN_KEYS, _logged_step, _seen_by_survivors, describe, summarize
 from nanoddp.bench.torchft_ddp import ShardBatches, per_replica_batch
-from nanoddp.ft.batches import GlobalBatches
+from nanoddp.ft.global_batches import GlobalBatches
 
 
 def test_the_kill_waits_for_the_newest_logged_step(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 
 from nanoddp.comm.algorithms import tree
 from nanoddp.comm.algorithms.halving_doubling import Layout, all_gather_steps, reduce_scatter_steps
-from nanoddp.comm.algorithms.pieces import balanced_bounds
+from nanoddp.comm.algorithms.message_pieces import balanced_bounds
 from nanoddp.comm.algorithms.van_de_geijn import broadcast_steps
 
 Element = tuple[tuple[int, int], ...]  # the (source rank, position) pairs summed into it, sorted

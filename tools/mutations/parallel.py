@@ -7,7 +7,7 @@ from mutations.fault import Mutation
 FAULTS = (
     Mutation(
         "bucket averaging: DDP sums instead of averaging",
-        "nanoddp/parallel/ddp/average.py",
+        "nanoddp/parallel/ddp/gradient_average.py",
         "        return tensor.mul_(1.0 / divisor)\n",  # the default path (gradients copied into buckets)
         "        return tensor\n",
         ("tests/multiproc/test_ddp_no_sync_values.py", "-k", "nanoddp"),
@@ -193,7 +193,7 @@ FAULTS = (
     ),
     Mutation(
         "localsgd: the replicas summed, not averaged",
-        "nanoddp/parallel/lowcomm/average.py",
+        "nanoddp/parallel/lowcomm/flat_average.py",
         "        flat.div_(world_size)\n",
         "        pass\n",
         ("tests/multiproc/test_lowcomm.py", "-k", "localsgd_matches_torch"),

@@ -226,7 +226,7 @@ FAULTS = (
     ),
     Mutation(
         "sharded checkpoint: resharding reads the wrong offsets",
-        "nanoddp/train/checkpoint/pieces.py",
+        "nanoddp/train/checkpoint/shard_pieces.py",
         "values[pos - lo : take - lo]",
         "values[pos - start : take - start]",
         ("tests/multiproc/test_sharded_state.py", "-k", "round_trip"),

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.algorithms.pieces import message_pieces, piece_numel
-from nanoddp.comm.algorithms.pieces import pieces as cut
+from nanoddp.comm.algorithms.message_pieces import message_pieces, piece_numel
+from nanoddp.comm.algorithms.message_pieces import pieces as cut
 from nanoddp.comm.algorithms.reduce import finish_avg, reduce_into
 from nanoddp.comm.transport.transport import Peers, wait_all
 

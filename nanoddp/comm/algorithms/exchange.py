@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanoddp.comm.algorithms.pieces import message_pieces
+from nanoddp.comm.algorithms.message_pieces import message_pieces
 from nanoddp.comm.algorithms.reduce import finish_avg, reduce_into
 from nanoddp.comm.transport.transport import Peers
 

@@ -2,7 +2,7 @@
 
 Why it exists: it is the bulk path of all_reduce, all_gather and reduce_scatter past the header
 round's frames (`plan.Path.RING`). Each rank sends and receives 2(n-1)/n of the message, the
-bandwidth-optimal volume. Each chunk is cut into pieces (`nanoddp.comm.algorithms.pieces`); a piece is
+bandwidth-optimal volume. Each chunk is cut into pieces (`nanoddp.comm.algorithms.message_pieces`); a piece is
 forwarded the moment it has been received (and reduced), so sending, receiving and adding all
 overlap, and the last reduce-scatter step flows straight into the first all-gather step.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from nanoddp.comm.algorithms.pieces import balanced_bounds, piece_numel, pieces_after
+from nanoddp.comm.algorithms.message_pieces import balanced_bounds, piece_numel, pieces_after
 from nanoddp.comm.algorithms.reduce import combine_into, finish_avg, reduce_into
 from nanoddp.comm.plan import plan
 from nanoddp.comm.transport.transport import Peers, Waitable, wait_all

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from nanoddp.comm.algorithms.halving_doubling import GATHER, REDUCE, Layout, Step, doubling, start_steps
-from nanoddp.comm.algorithms.pieces import balanced_bounds
+from nanoddp.comm.algorithms.message_pieces import balanced_bounds
 from nanoddp.comm.transport.transport import Peers
 
 

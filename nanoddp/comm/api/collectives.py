@@ -41,7 +41,7 @@ from torch.distributed import ReduceOp
 
 from nanoddp.comm.algorithms import halving_doubling
 from nanoddp.comm.algorithms.exchange import start_exchange_reduce
-from nanoddp.comm.algorithms.pieces import balanced_bounds
+from nanoddp.comm.algorithms.message_pieces import balanced_bounds
 from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
 from nanoddp.comm.algorithms.ring import start_reduce_scatter_ring, start_ring
 from nanoddp.comm.plan.plan import Path, plan

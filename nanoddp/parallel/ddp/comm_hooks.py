@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.api.backend import Collectives
-from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import GradBucket
+from nanoddp.parallel.ddp.gradient_average import divide_for_average
 from nanoddp.parallel.ddp.sparse import sparse_all_reduce
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]

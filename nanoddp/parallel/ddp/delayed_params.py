@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from nanoddp.comm.api.backend import Collectives
-from nanoddp.parallel.ddp.average import divide_for_average
+from nanoddp.parallel.ddp.gradient_average import divide_for_average
 from nanoddp.parallel.replicas import broadcast_rank0_weights
 
 

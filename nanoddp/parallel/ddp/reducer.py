@@ -21,9 +21,9 @@ import torch
 
 from nanoddp.comm.api.backend import Collectives
 from nanoddp.parallel.ddp import buckets as bucketing
-from nanoddp.parallel.ddp.average import divide_for_average
 from nanoddp.parallel.ddp.buckets import Bucket, GradBucket, build_buckets, unused_parameters_error
 from nanoddp.parallel.ddp.comm_hooks import check_comm_hook
+from nanoddp.parallel.ddp.gradient_average import divide_for_average
 from nanoddp.parallel.ddp.sparse import empty_sparse_like, sparse_all_reduce
 
 logger = logging.getLogger(__name__)

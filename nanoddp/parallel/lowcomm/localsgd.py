@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nanoddp.comm.api.backend import DEFAULT_COMM_BACKEND
-from nanoddp.parallel.lowcomm.average import average_
+from nanoddp.parallel.lowcomm.flat_average import average_
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 
 

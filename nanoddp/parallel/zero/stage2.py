@@ -42,7 +42,7 @@ from nanoddp.parallel.clip import PIECE_GROUPS, mark_piece_grads
 from nanoddp.parallel.tensors import tensors_in
 from nanoddp.parallel.zero.flat import FlatParamUnit
 from nanoddp.parallel.zero.grad_reduce import GradReduceScatter
-from nanoddp.parallel.zero.module import ShardedModule, install_whole_state_dict
+from nanoddp.parallel.zero.sharded_module import ShardedModule, install_whole_state_dict
 
 logger = logging.getLogger(__name__)
 

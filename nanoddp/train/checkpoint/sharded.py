@@ -40,10 +40,10 @@ from torch.distributed.tensor import DTensor
 from nanoddp.parallel.fsdp.state_dict import FlatPiece
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 from nanoddp.parallel.zero.flat import FlatParamUnit
-from nanoddp.parallel.zero.module import flat_pieces
 from nanoddp.parallel.zero.partition import assemble_state
+from nanoddp.parallel.zero.sharded_module import flat_pieces
 from nanoddp.parallel.zero.stage1 import SHARD_KEY, ZeroRedundancyOptimizer
-from nanoddp.train.checkpoint import pieces
+from nanoddp.train.checkpoint import shard_pieces
 from nanoddp.train.checkpoint.shard_files import ShardReader
 
 KINDS = ("sharded_module", "sharded_optim", "zero1", "replica_optim")
@@ -112,14 +112,14 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _piece_of(where: str, t: torch.Tensor, registry: Registry) -> tuple[pieces.Piece, tuple[int, ...]]:
+def _piece_of(where: str, t: torch.Tensor, registry: Registry) -> tuple[shard_pieces.Piece, tuple[int, ...]]:
     """(this rank's piece, whole shape) of tensor `t`: a DTensor's, a flat piece's, or all of a plain one."""
     if isinstance(t, DTensor):
-        return pieces.dtensor_piece(t, where), tuple(t.shape)
+        return shard_pieces.dtensor_piece(t, where), tuple(t.shape)
     if id(t) in registry:
         shape, start, stop = registry[id(t)]
         return ("range", start, stop), shape
-    return pieces.whole_piece(tuple(t.shape)), tuple(t.shape)
+    return shard_pieces.whole_piece(tuple(t.shape)), tuple(t.shape)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ def _state_is_piece(value: torch.Tensor, p: torch.Tensor, registry: Registry) ->
     return id(p) in registry and not isinstance(p, DTensor) and value.shape == p.shape
 
 
-def merge(name: str, layout: dict[str, Any], per_rank: list[dict[Any, pieces.Piece]]) -> None:
+def merge(name: str, layout: dict[str, Any], per_rank: list[dict[Any, shard_pieces.Piece]]) -> None:
     """Rank 0: put every rank's pieces into the layout (ValueError if ranks disagree on what is sharded)."""
     if "specs" not in layout:  # zero1: its shards describe themselves
         return
@@ -222,7 +222,11 @@ def prepare(name: str, obj: Any, module: nn.Module | None, kind: str, layout: di
             spec, reading = layout["specs"].get(key), read(key)
             if spec is None:  # saved whole: one "rank" holding all of it
                 value = layout["whole"][key]
-                spec = {"shape": tuple(value.shape), "dtype": value.dtype, "pieces": [pieces.whole_piece(value.shape)]}
+                spec = {
+                    "shape": tuple(value.shape),
+                    "dtype": value.dtype,
+                    "pieces": [shard_pieces.whole_piece(value.shape)],
+                }
                 reading = lambda r, value=value: value  # noqa: E731
             out[key] = _load_piece(f"{name}: {key}", spec, target, reading, ctx)
         return out
@@ -252,7 +256,7 @@ def whole_optimizer_layout(state_dict: dict[str, Any], obj: torch.optim.Optimize
         rest["state"][i] = {}
         for key, value in state.items():
             if shape is not None and torch.is_tensor(value) and tuple(value.shape) == shape and value.dim() > 0:
-                specs[(i, key)] = {"shape": shape, "dtype": value.dtype, "pieces": [pieces.whole_piece(shape)]}
+                specs[(i, key)] = {"shape": shape, "dtype": value.dtype, "pieces": [shard_pieces.whole_piece(shape)]}
                 whole[(i, key)] = value
             else:
                 rest["state"][i][key] = value
@@ -266,7 +270,7 @@ def _load_piece(where: str, spec: dict, target: torch.Tensor, read, ctx: dict) -
         raise ValueError(f"load_state: {where} was saved with shape {tuple(spec['shape'])}, here it is {shape}")
     prefer = ctx["rank"] if len(spec["pieces"]) == ctx["saved_world_size"] else 0
     try:
-        values = pieces.assemble(where, spec["dtype"], piece, spec["pieces"], read, prefer)
+        values = shard_pieces.assemble(where, spec["dtype"], piece, spec["pieces"], read, prefer)
     except ValueError as exc:
         raise ValueError(f"load_state: {exc}") from None
     if isinstance(target, DTensor):

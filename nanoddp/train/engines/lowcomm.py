@@ -75,7 +75,7 @@ class PeriodicSyncEngine(Engine):
         """The replicas' mean (collective): right after a sync they are equal and this is the
         model as it is; between syncs each floating-point tensor is averaged over ranks, the
         weights a LocalSGD sync at this step would give."""
-        from nanoddp.parallel.lowcomm.average import average_
+        from nanoddp.parallel.lowcomm.flat_average import average_
 
         state = self.module.state_dict()
         wrapper = self.wrapper

@@ -34,7 +34,7 @@ class Zero2Engine(Engine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors gathered from every rank's pieces (collective: call on every rank)."""
-        from nanoddp.parallel.zero.module import ShardedModule
+        from nanoddp.parallel.zero.sharded_module import ShardedModule
 
         assert isinstance(self.module, ShardedModule)  # zero2 gave the module its methods
         return self.module.full_state_dict()
