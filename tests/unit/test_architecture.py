@@ -9,6 +9,7 @@ small (one concept per file). Nothing is launched: the import graph comes from t
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -151,3 +152,11 @@ def test_a_file_name_repeats_across_folders_only_for_a_stated_reason():
             folders.setdefault(path.name, []).append(str(path.parent.relative_to(ROOT)))
     repeated = {name for name, where in folders.items() if len(where) > 1}
     assert repeated <= set(REPEATED_FILE_NAMES), {name: folders[name] for name in repeated - set(REPEATED_FILE_NAMES)}
+
+
+def test_importing_nanoddp_leaves_dynamo_unimported():
+    """Every rank, launcher and CLI call imports nanoddp: what it imports is start-up time paid by
+    all of them. torch's compiler stack (a second of CPU) is imported by those that compile."""
+    probe = "import sys, nanoddp; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

@@ -180,10 +180,20 @@ class GroupRunner:
 
 # [Note: torch.compile] Never traced (a compiled DDP forward reaches collectives): a collective is
 # I/O on shared buffers (its header slots are written through numpy views, which dynamo would turn
-# into writes on copies), so under a trace `submit` hands itself to this wrapper and dynamo breaks
-# the graph around it. Only then: decorating `submit` itself would make every eager call pay the
-# wrapper's cost (about 10 µs, on both ranks' critical path).
-_submit_eagerly = torch.compiler.disable(GroupRunner.submit)
+# into writes on copies), so under a trace `submit` hands itself to a disabled copy and dynamo
+# breaks the graph around it. Only then: decorating `submit` itself would make every eager call
+# pay the wrapper's cost (about 10 µs, on both ranks' critical path). The copy is made on first
+# use, not at import: `torch.compiler.disable` imports dynamo, a second of start-up for every
+# process that never compiles.
+_eager_submit: Callable[..., Work | None] | None = None
+
+
+def _submit_eagerly(*args) -> Work | None:
+    global _eager_submit
+    if _eager_submit is None:
+        _eager_submit = torch.compiler.disable(GroupRunner.submit)
+    return _eager_submit(*args)
+
 
 _RUNNERS: dict[dist.ProcessGroup, GroupRunner] = {}
 _RUNNERS_LOCK = threading.Lock()
