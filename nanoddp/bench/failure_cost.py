@@ -25,7 +25,6 @@ The victim is rank 1 (replica 1): never the rank that logs, so the kill moment i
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -38,6 +37,7 @@ from typing import Any
 import psutil
 
 from nanoddp.base.processes import child_run, finish
+from nanoddp.base.records import last_step, read_records, step_records
 from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
@@ -81,11 +81,7 @@ def _command(mode: str, out: Path) -> list[str]:
 
 def _logged_step(out: Path) -> int:
     """The newest step record in `out`'s metrics.jsonl (0 before the first)."""
-    metrics = out / "metrics.jsonl"
-    if not metrics.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if '"loss"' in line]
-    return max(steps, default=0)
+    return last_step(out)
 
 
 def _run(mode: str, kill: bool, out: Path) -> dict:
@@ -121,8 +117,7 @@ def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     [Note: figures the host's load does not drown] The cost (killed run - clean run) compares
     two runs half a minute long each; on a shared 2-core host their wall times drift by seconds.
     These are read within the killed run, over the step or two around each event."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r and "event" not in r]
+    steps = step_records(read_records(out))
     unseen = dict.fromkeys(SEEN_KEYS)
     if not steps or any("time" not in r for r in steps):
         return unseen

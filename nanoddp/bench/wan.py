@@ -17,7 +17,6 @@ start-up excluded, the same for both engines); each run's whole wall time is rep
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoddp.base.processes import child_run, finish
+from nanoddp.base.records import read_records, step_records
 from nanoddp.bench.common import ChildFailed, add_output_args, save_figure, write_json
 from nanoddp.bench.inputs import count
 from nanoddp.comm.transport.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
@@ -83,8 +83,7 @@ def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Pa
     wall_s = time.monotonic() - started
     if proc.returncode != 0:
         raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"engine": engine, "shaped": bool(link), **summarize(records), "wall_s": wall_s}
+    return {"engine": engine, "shaped": bool(link), **summarize(read_records(out)), "wall_s": wall_s}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,9 +91,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     loss] (training seconds: the step times summed up to that step), total training time, the
     bytes rank 0 sent (sum of `comm_bytes`) and the final validation loss."""
     train_s, last_step, curve, comm_bytes = 0.0, 0, [], 0
-    for record in records:
-        if "step" not in record or "event" in record:
-            continue
+    for record in step_records(records):
         train_s += record["step_time_s"] * (record["step"] - last_step)  # the mean over its window
         last_step = record["step"]
         comm_bytes += record.get("comm_bytes") or 0

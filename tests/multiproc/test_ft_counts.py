@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ pytest.importorskip("torchft")
 
 from helpers import replica_pid  # noqa: E402
 
+from nanoddp.base.records import read_records
 from nanoddp.comm.plan import plan  # noqa: E402  (after the skip)
 from nanoddp.comm.protocol import wire
 from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
@@ -129,9 +129,8 @@ def two_replicas(tmp_path_factory):
     killed = False
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 200
-        metrics = out / "metrics.jsonl"
         while not killed and proc.poll() is None and time.monotonic() < deadline:
-            done = metrics.read_text().count('"world_size"') if metrics.exists() else 0
+            done = len(read_records(out, missing_ok=True))
             pid = replica_pid(launcher, 1)
             if done >= KILL_AFTER and pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -143,8 +142,7 @@ def two_replicas(tmp_path_factory):
             proc.kill()
             proc.wait()
     assert killed and proc.returncode == 0, output[-5000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"records": records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
+    return {"records": read_records(out), "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
 
 
 def _steps(run) -> list[dict]:

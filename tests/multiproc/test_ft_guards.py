@@ -20,7 +20,6 @@ loop, or none:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+
+from nanoddp.base.records import read_records
 
 pytest.importorskip("torchft")
 
@@ -50,8 +51,7 @@ def _run(out: Path, steps: int, *flags: str) -> tuple[int, str]:
 
 
 def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_records(out, missing_ok=True)
 
 
 def _steps(out: Path) -> list[int]:
