@@ -37,6 +37,7 @@ pytest.importorskip("torchft")
 from helpers import replica_pid  # noqa: E402  (after the skip)
 
 from nanoddp.base.records import read_records
+from nanoddp.bench.training_run import run_training
 
 REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 3.0, 10, 60, 0  # 10: uneven pieces at world size 3
 KILL_STEP = 3
@@ -321,24 +322,24 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3"]
     command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--max-restarts", "1", "--out", str(out)]
     command += TINY_GPT
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 120
-        while not killed and proc.poll() is None and time.monotonic() < deadline:
-            done_steps = len(read_records(out, missing_ok=True))
+
+    def kill_replica_1(proc) -> list[str] | None:
+        """The addresses listening when replica 1 was SIGKILLed after TRAIN_KILL_AFTER records (None: not killed)."""
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
             pid = replica_pid(launcher, 1)
-            if done_steps >= TRAIN_KILL_AFTER and pid is not None:
+            if len(read_records(out, missing_ok=True)) >= TRAIN_KILL_AFTER and pid is not None:
                 listening = _listening(launcher)  # the quorum service, the replicas' servers, gloo
                 os.kill(pid, signal.SIGKILL)
-                killed = True
+                return listening
             time.sleep(0.01)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed and proc.returncode == 0, output[-5000:]
+        return None
+
+    run = run_training(command, out, timeout_s=240, during=kill_replica_1)
+    listening, output = run.acted, run.output
+    assert listening is not None and run.returncode == 0, output[-5000:]
     assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine
-    records = read_records(out)
+    records = run.records
     history = [r["world_size"] for r in records if "event" not in r]
     design_keys = {"step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "comm_bytes"}
     assert all(design_keys <= r.keys() and r["tokens_per_s"] > 0 for r in records if "event" not in r)

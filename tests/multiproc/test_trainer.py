@@ -18,6 +18,7 @@ from helpers import TINY, generate_by_full_recompute, run_on_ranks, train_tiny, 
 
 from nanoddp import cli
 from nanoddp.base.records import TRAINER_STEP_FIELDS, read_records
+from nanoddp.bench.training_run import run_training
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import build_model
@@ -189,11 +190,10 @@ def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
         "--out",
         str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step 20 | loss" in proc.stderr
-    records = read_records(out)
+    run = run_training(cmd, out, timeout_s=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.output[-3000:]
+    assert "step 20 | loss" in run.output
+    records = run.records
     assert records[-1]["step"] == 20 and records[-1]["world_size"] == 2
     assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
     assert (out / "model.pt").is_file()
