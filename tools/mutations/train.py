@@ -435,4 +435,25 @@ FAULTS = (
         "            pass\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
     ),
+    Mutation(
+        "records: truncate_after keeps the events past the step (a redone step's events twice)",
+        "nanoddp/base/records.py",
+        '    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]\n',
+        '    kept = [line for line in lines if line.strip() and ("event" in line or json.loads(line)["step"] <= step)]\n',
+        ("tests/unit/test_records.py", "-k", "truncate"),
+    ),
+    Mutation(
+        "records: a record off the format is written unchecked",
+        "nanoddp/base/records.py",
+        "        check_record(record)\n",
+        "        pass\n",
+        ("tests/unit/test_records.py", "-k", "refused"),
+    ),
+    Mutation(
+        "trainer resume: the records past the snapshot kept (steps logged twice)",
+        "nanoddp/train/trainer.py",
+        "            self.metrics.truncate_after(self.step)\n",
+        "            pass\n",
+        ("tests/multiproc/test_trainer.py", "-k", "resume_is_bit_identical"),
+    ),
 )
