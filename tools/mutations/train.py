@@ -439,7 +439,7 @@ FAULTS = (
         "records: truncate_after keeps the events past the step (a redone step's events twice)",
         "nanoddp/base/records.py",
         '    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]\n',
-        '    kept = [line for line in lines if line.strip() and ("event" in line or json.loads(line)["step"] <= step)]\n',
+        '    kept = [ln for ln in lines if ln.strip() and ("event" in ln or json.loads(ln)["step"] <= step)]\n',
         ("tests/unit/test_records.py", "-k", "truncate"),
     ),
     Mutation(
