@@ -85,6 +85,25 @@ def test_engines_match_a_single_process_full_batch(ws2_results, tmp_path):
     assert results["bf16-loss"] == pytest.approx(fp32.evaluate(), rel=BF16_EVAL_RTOL)
 
 
+def test_a_run_resumed_from_an_older_snapshot_records_each_step_once(tmp_path):
+    """A run killed after step 3 whose newest snapshot is step 2 (one process, in this one): the
+    resumed run drops step 3's record and logs it again, so its records are the uninterrupted
+    run's, step for step and loss for loss (resume is bitwise)."""
+    env, threads = DistEnv.single_process("gloo"), torch.get_num_threads()
+    config = replace(TINY, engine="single", snapshot_every=2, resume="auto")
+    try:
+        train_tiny(replace(config, out=str(tmp_path / "straight")), env)
+        train_tiny(replace(config, out=str(tmp_path / "killed")), env, stop_after=3)
+        snapshot.snapshot_path(tmp_path / "killed" / "snapshots", 3).unlink()  # killed before step 3's snapshot
+        assert [r["step"] for r in read_records(tmp_path / "killed")] == [1, 2, 3]
+        train_tiny(replace(config, out=str(tmp_path / "killed")), env)
+    finally:
+        torch.set_num_threads(threads)
+    resumed, straight = read_records(tmp_path / "killed"), read_records(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
 def test_resume_is_bit_identical_and_zero_matches(ws2_results):
     results, tmp = ws2_results  # the bitwise checks ran on the ranks; here: ZeRO vs plain AdamW
     torch.testing.assert_close(results["resume-zero1"], results["resume-nanoddp"], rtol=1e-5, atol=1e-6)
