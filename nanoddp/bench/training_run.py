@@ -48,8 +48,9 @@ def run_training(
     during: Callable[[Popen], Any] | None = None,
 ) -> TrainingRun:
     """Run `argv` (`train_command(...)`, or another training that writes `out/metrics.jsonl`) as a
-    child; call `during(proc)` while it runs (a fault to plant, say); wait for it to end, and past
-    `timeout_s` from its start end its tree. Nothing it started outlives this call.
+    child; call `during(proc)` while it runs (a fault to plant, say: it bounds its own wait); then
+    wait for the child to end, and past `timeout_s` end its tree. Nothing it started outlives
+    this call.
 
     [Note: an unread pipe] The child's output is read once `during` returns; an action that waits
     long on a chatty child may fill the pipe and stall it, so runs with one keep their output short
@@ -59,6 +60,6 @@ def run_training(
     with child_run(argv, env=env) as proc:
         if during is not None:
             acted = during(proc)
-        output = finish(proc, max(timeout_s - (time.monotonic() - started), 1.0))
+        output = finish(proc, timeout_s)
     assert proc.returncode is not None  # finish waited for it, or ended it
     return TrainingRun(proc.returncode, output, read_records(out, missing_ok=True), time.monotonic() - started, acted)

@@ -335,7 +335,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
             time.sleep(0.01)
         return None
 
-    run = run_training(command, out, timeout_s=240, during=kill_replica_1)
+    run = run_training(command, out, timeout_s=120, during=kill_replica_1)
     listening, output = run.acted, run.output
     assert listening is not None and run.returncode == 0, output[-5000:]
     assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine
