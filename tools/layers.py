@@ -21,7 +21,7 @@ PACKAGE = ROOT / "nanoddp"
 # Layers, lowest first: a module may import its own layer and the layers below it. `cli`,
 # `__main__` and the root `nanoddp/__init__.py` (the public API re-exported) sit on top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("base",)),  # files, RNG, processes, limits: written once, imports nothing of nanoddp above it
+    ("base", ("base",)),  # files, the run record, RNG, processes, limits: written once, imports nothing above
     ("env", ("env", "hosts", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
     ("models", ("models",)),
     ("comm", ("comm",)),

@@ -25,7 +25,6 @@ The victim is rank 1 (replica 1): never the rank that logs, so the kill moment i
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -33,13 +32,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import Popen
 from typing import Any
 
 import psutil
 
-from nanoddp.base.processes import child_run, finish
+from nanoddp.base.records import Record, last_step, step_records
 from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
+from nanoddp.bench.training_run import run_training, train_command
 from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
 
 TRAIN_ARGS = [
@@ -76,38 +77,39 @@ def _command(mode: str, out: Path) -> list[str]:
     """The run of `mode`: `nanoddp train`, or the torchft launcher with the same flags."""
     if mode == "torchft":
         return [sys.executable, "-m", TORCHFT_WORKER, *TRAIN_ARGS, "--on-failure", "continue", "--out", str(out)]
-    return [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, "--on-failure", mode, "--out", str(out)]
+    return train_command(*TRAIN_ARGS, "--on-failure", mode, "--out", str(out))
 
 
 def _logged_step(out: Path) -> int:
     """The newest step record in `out`'s metrics.jsonl (0 before the first)."""
-    metrics = out / "metrics.jsonl"
-    if not metrics.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if '"loss"' in line]
-    return max(steps, default=0)
+    return last_step(out)
 
 
 def _run(mode: str, kill: bool, out: Path) -> dict:
     """One run of `mode`; with `kill`, rank 1 is SIGKILLed once step KILL_AT_STEP is logged."""
     start = time.monotonic()
-    with child_run(_command(mode, out)) as proc:
-        launcher, killed_after, killed_at = psutil.Process(proc.pid), None, None
-        while kill and killed_after is None and proc.poll() is None:
+
+    def kill_rank_1(proc: Popen) -> tuple[float | None, float | None]:
+        """(seconds after the start, wall clock) of the kill; (None, None) when the run ended first."""
+        launcher = psutil.Process(proc.pid)
+        while kill and proc.poll() is None:
             if _logged_step(out) >= KILL_AT_STEP and (pid := _victim(launcher, mode)) is not None:
                 os.kill(pid, signal.SIGKILL)
-                killed_after, killed_at = time.monotonic() - start, time.time()
+                return time.monotonic() - start, time.time()
             time.sleep(0.02)
-        output = finish(proc, RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise ChildFailed(f"mode {mode}: the run failed (exit {proc.returncode}):\n{output[-3000:]}")
+        return None, None
+
+    run = run_training(_command(mode, out), out, timeout_s=RUN_TIMEOUT_S, during=kill_rank_1)
+    killed_after, killed_at = run.acted
+    if run.returncode != 0:
+        raise ChildFailed(f"mode {mode}: the run failed (exit {run.returncode}):\n{run.output[-3000:]}")
     if kill and killed_after is None:
         raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
-    seen = _seen_by_survivors(out, killed_at) if killed_at is not None else {}
+    seen = _seen_by_survivors(run.records, killed_at) if killed_at is not None else {}
     return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after, **seen}
 
 
-def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
+def _seen_by_survivors(records: list[Record], killed_at: float) -> dict[str, Any]:
     """What the kill cost the survivors, read from their per-step records (`continue` and
     `torchft` record every step with its wall-clock `time`; `restart` only every `--log-every`,
     so None there): `stall_s`, the wait between their last commit before the kill and their first
@@ -121,8 +123,7 @@ def _seen_by_survivors(out: Path, killed_at: float) -> dict[str, Any]:
     [Note: figures the host's load does not drown] The cost (killed run - clean run) compares
     two runs half a minute long each; on a shared 2-core host their wall times drift by seconds.
     These are read within the killed run, over the step or two around each event."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r and "event" not in r]
+    steps = step_records(records)
     unseen = dict.fromkeys(SEEN_KEYS)
     if not steps or any("time" not in r for r in steps):
         return unseen

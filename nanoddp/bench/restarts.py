@@ -15,12 +15,12 @@ It also measures what one failure costs in wall time under `--on-failure restart
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +28,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanoddp.base.processes import child_run, finish
 from nanoddp.bench import failure_cost
 from nanoddp.bench.common import ChildFailed, add_output_args, write_json
 from nanoddp.bench.inputs import count, number
+from nanoddp.bench.training_run import run_training, train_command
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ WORKER_MODULE = "nanoddp.train"
 
 
 def _argv(out: Path, max_restarts: int) -> list[str]:
-    argv = [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, "--max-restarts", str(max_restarts)]
-    return [*argv, "--out", str(out)]
+    return train_command(*TRAIN_ARGS, "--max-restarts", str(max_restarts), "--out", str(out))
 
 
 def _kill_random_worker(proc: subprocess.Popen, out: Path, rng: random.Random, max_delay_s: float) -> int:
@@ -76,23 +75,21 @@ def run_trials(trials: int, seed: int, max_delay_s: float) -> dict:
 
 def _run_trials(root: Path, trials: int, seed: int, max_delay_s: float) -> dict:
     rng = random.Random(seed)
-    with child_run(_argv(root / "reference", max_restarts=0)) as reference:
-        output = finish(reference, RUN_TIMEOUT_S)
+    reference = run_training(_argv(root / "reference", max_restarts=0), root / "reference", timeout_s=RUN_TIMEOUT_S)
     expected = _params(root / "reference")
     if reference.returncode != 0 or expected is None:
-        raise ChildFailed(f"the reference run failed:\n{output[-3000:]}")
+        raise ChildFailed(f"the reference run failed:\n{reference.output[-3000:]}")
     results = []
     for trial in range(trials):
         out = root / f"trial-{trial}"
-        with child_run(_argv(out, max_restarts=3)) as proc:
-            snapshots = _kill_random_worker(proc, out, rng, max_delay_s)
-            output = finish(proc, RUN_TIMEOUT_S)
+        kill = functools.partial(_kill_random_worker, out=out, rng=rng, max_delay_s=max_delay_s)
+        run = run_training(_argv(out, max_restarts=3), out, timeout_s=RUN_TIMEOUT_S, during=kill)
         got = _params(out)
         identical = got is not None and all(torch.equal(v, got[k]) for k, v in expected.items())
         shutil.rmtree(out, ignore_errors=True)
         results.append({
-            "trial": trial, "returncode": proc.returncode, "snapshots_at_kill": snapshots,
-            "restarted": "restart 1: resumed from" in output, "bit_identical": identical,
+            "trial": trial, "returncode": run.returncode, "snapshots_at_kill": run.acted,
+            "restarted": "restart 1: resumed from" in run.output, "bit_identical": identical,
         })  # fmt: skip
         logger.info("trial %d: %s", trial, results[-1])
     passed = sum(r["bit_identical"] and r["restarted"] for r in results)

@@ -54,8 +54,8 @@ import torch
 from torch.utils.data import default_collate
 
 from nanoddp.base import files
+from nanoddp.base.records import RecordWriter
 from nanoddp.env import loopback_store, pin_gloo_to_loopback
-from nanoddp.ft.events import MetricsFile
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
@@ -162,7 +162,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
         job.train_set, replica_rank=env.replica, num_replica_groups=env.replicas, group_rank=0, num_replicas=1,
         shuffle=True, seed=config.seed, drop_last=True,
     )  # fmt: skip
-    batches, batch_loss, metrics = ShardBatches(sampler, per_replica), batch_loss_for(None), MetricsFile(env.out)
+    batches, batch_loss, metrics = ShardBatches(sampler, per_replica), batch_loss_for(None), RecordWriter(env.out)
     if not env.joiner:
         _wait_for_everyone(manager, env)
     job.module.train()

@@ -17,19 +17,18 @@ start-up excluded, the same for both engines); each run's whole wall time is rep
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from nanoddp.base.processes import child_run, finish
+from nanoddp.base.records import step_records
 from nanoddp.bench.common import ChildFailed, add_output_args, save_figure, write_json
 from nanoddp.bench.inputs import count
+from nanoddp.bench.training_run import run_training, train_command
 from nanoddp.comm.transport.link import BANDWIDTH_VAR, LATENCY_VAR, link_environ
 from nanoddp.train.launcher.cli import check_train_argv
 
@@ -43,7 +42,7 @@ BASE_ARGS = ["--nproc", "2", "--snapshot-every", "0", "--no-progress", "--overwr
 
 def train_argv(engine: str, args: argparse.Namespace, out: Path) -> list[str]:
     """The `nanoddp train` command of one run."""
-    return [sys.executable, "-m", "nanoddp", "train", *train_flags(engine, args, out)]
+    return train_command(*train_flags(engine, args, out))
 
 
 def train_flags(engine: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -77,14 +76,10 @@ def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Pa
     """Run `nanoddp train` once; return its summary (`summarize`) with its wall time."""
     argv = train_argv(engine, args, out)
     logger.info("running %s", shlex.join(argv))
-    started = time.monotonic()
-    with child_run(argv, env=_run_env(link)) as proc:
-        output = finish(proc, RUN_TIMEOUT_S)
-    wall_s = time.monotonic() - started
-    if proc.returncode != 0:
-        raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{output[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"engine": engine, "shaped": bool(link), **summarize(records), "wall_s": wall_s}
+    run = run_training(argv, out, timeout_s=RUN_TIMEOUT_S, env=_run_env(link))
+    if run.returncode != 0:
+        raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {run.returncode}):\n{run.output[-3000:]}")
+    return {"engine": engine, "shaped": bool(link), **summarize(run.records), "wall_s": run.wall_s}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,9 +87,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     loss] (training seconds: the step times summed up to that step), total training time, the
     bytes rank 0 sent (sum of `comm_bytes`) and the final validation loss."""
     train_s, last_step, curve, comm_bytes = 0.0, 0, [], 0
-    for record in records:
-        if "step" not in record or "event" in record:
-            continue
+    for record in step_records(records):
         train_s += record["step_time_s"] * (record["step"] - last_step)  # the mean over its window
         last_step = record["step"]
         comm_bytes += record.get("comm_bytes") or 0

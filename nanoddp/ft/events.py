@@ -1,22 +1,18 @@
-"""What a fault-tolerant run tells: one log line per membership change, and `metrics.jsonl`.
+"""What a fault-tolerant run tells when its group changes: one log line and one record each.
 
-Records follow the trainer's format: one JSON object per line, a step record per committed step
-(with the `world_size` that step really had) and `{"event": "rank_lost" | "rank_joined", "step",
-"world_size", "replicas"}` when the group changes, written before the step it changes (steps
-count from 1 here, as in the trainer's records: the loop's index + 1). One process
-writes each record (the lowest group rank that knows the previous group), appending one line per
-write, so records of different processes never interleave within a line.
+The records are the trainer's (`nanoddp.base.records` writes them to `metrics.jsonl`): a step
+record per committed step (with the `world_size` that step really had) and `{"event": "rank_lost"
+| "rank_joined", "step", "world_size", "replicas"}` when the group changes, written before the step
+it changes (steps count from 1 here, as in the trainer's records: the loop's index + 1). One
+process writes each record (the lowest group rank that knows the previous group), appending one
+line per write, so records of different processes never interleave within a line.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-from nanoddp.base import files
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +43,3 @@ def describe(event: dict[str, Any]) -> str:
     replicas = ", ".join(map(str, event["replicas"]))
     word = "replica" if len(event["replicas"]) == 1 else "replicas"
     return f"{event['event']} at step {event['step']}: {word} {replicas}; world size {event['world_size']}"
-
-
-class MetricsFile:
-    """Appends records to `out/metrics.jsonl` (nothing when `out` is None)."""
-
-    def __init__(self, out: str | None) -> None:
-        self.path = None if out is None else Path(out) / "metrics.jsonl"
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        # one write of a whole line, appended: concurrent writers' lines stay whole
-        files.append_text(self.path, json.dumps(record) + "\n")

@@ -31,9 +31,10 @@ the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
 
 The run never starts over. A group whose members all started empty (every replica that held the
 committed state was lost: both of two at once, or the source while its joiner healed) resumes
-from the newest snapshot (`restore`), with a WARNING line and a `resumed_from_snapshot` record,
-or stops (`RunStopped`) when there is none; so does a step or boundary that fails the same way
-try after try. The supervisor replaces no replica that stopped so (`nanoddp.ft.stopped`).
+from the newest snapshot (`restore`; the records past it are dropped), with a WARNING line and a
+`resumed_from_snapshot` record, or stops (`RunStopped`) when there is none; so does a step or
+boundary that fails the same way try after try. The supervisor replaces no replica that
+stopped so (`nanoddp.ft.stopped`).
 
     ft = FaultTolerant(model, optimizer, dataset_len=len(data), batch_size=48)
     for step in ft.steps(1000):
@@ -57,9 +58,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoddp.base.records import RecordWriter
 from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.env import loopback_store
-from nanoddp.ft.events import MetricsFile, describe, membership_events
+from nanoddp.ft.events import describe, membership_events
 from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.gradients import WeightedPieceSum
 from nanoddp.ft.live_state import LiveState
@@ -81,8 +83,8 @@ class FaultTolerant:
     joiner must receive too (a scheduler's, say); `tokens_per_sample`, if the data has tokens,
     gives the step records their `tokens_per_s`; `restore` loads the newest snapshot (returning
     its step and history, or None when there is none), for a group in which nobody holds the
-    state any more; it is also where a caller drops its own records past that step (the
-    built-in loop's `Boundary.restore` does), before the `resumed_from_snapshot` record."""
+    state any more; rank 0 then drops the records past that step from `metrics.jsonl`, as a
+    resumed run does, so each redone step is recorded once, and writes `resumed_from_snapshot`."""
 
     def __init__(
         self,
@@ -107,7 +109,7 @@ class FaultTolerant:
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
         self.world = RebuiltWorld(self.env.timeout_s)
-        self.metrics = MetricsFile(self.env.out)
+        self.metrics = RecordWriter(self.env.out)
         # torchft keeps a replica group's own address book in a store; ours is a group of one.
         self._store = loopback_store(0, rank=0, world_size=1)
         self.shards = shards
@@ -266,6 +268,7 @@ class FaultTolerant:
                 "snapshot of step %d (the steps after it are redone)",
                 self.world_size, snapshot_step,
             )  # fmt: skip
+            self.metrics.truncate_after(snapshot_step)  # the steps after it are redone and recorded again
             self.metrics.write({"event": "resumed_from_snapshot", "step": snapshot_step + 1,
                                 "snapshot_step": snapshot_step, "world_size": self.world_size})  # fmt: skip
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset, default_collate
 
+from nanoddp.base import records
 from nanoddp.base.rng import restore_rng_state
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.env import DistEnv
@@ -40,7 +41,6 @@ from nanoddp.train.checkpoint import rundir, snapshot, user_state
 from nanoddp.train.config import TrainConfig, filled
 from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.data.sampler import ResumableDistributedSampler
-from nanoddp.train.metrics import MetricsLogger
 from nanoddp.train.recipe import follow_steps_on_resume
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def resume(config: TrainConfig, job: Job, env: ReplicaEnv) -> tuple[int, list[in
     train = snapshot.train_state(state, path)
     note = follow_steps_on_resume(job.scheduler, int(train["config"].get("steps", config.steps)), config.steps, step)
     if env.replica == 0:
-        MetricsLogger(out).truncate_after(step)  # the steps after the snapshot are redone and logged again
+        records.truncate_after(out, step)  # the steps after the snapshot are redone and logged again
         logger.info("resumed from %s (step %d)", path, step)
         if note:
             logger.warning("%s", note)
@@ -182,14 +182,12 @@ class Boundary:
 
     def restore(self) -> tuple[int, list[int]] | None:
         """`FaultTolerant(restore=)`, for a group in which nobody holds the state: every member
-        loads the newest snapshot (`restore_newest`); rank 0 then drops the records past it, as a
-        resumed run does (`resume`), so that the steps redone after it are each recorded once."""
+        loads the newest snapshot (`restore_newest`); `FaultTolerant` then drops the records past
+        it, as a resumed run does (`resume`), so that the steps redone after it are each recorded once."""
         restored = restore_newest(self.config, self.job, self.facts)
         if restored is not None:
             step = restored[0]
             self._evaluated = {done for done in self._evaluated if done <= step}  # those past it are redone
-            if self._group().is_master:
-                MetricsLogger(filled(self.config.out)).truncate_after(step)
         return restored
 
     def _group(self) -> FaultTolerant:

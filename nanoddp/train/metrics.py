@@ -1,5 +1,6 @@
-"""Training metrics: the one communication timer, `metrics.jsonl` (one JSON object per log
-step), optional TensorBoard, and the one-line console summary.
+"""Training metrics: the one communication timer, the trainer's writer of `metrics.jsonl` (the
+format and the file are `nanoddp.base.records`'s), optional TensorBoard, and the one-line console
+summary.
 
 The comm timer (`CommWindow`, `CommTimer`, `timed_comm_hook`) is shared: the trainer's engines
 time their gradient communication with it on every rank, and `nanoddp bench train` turns its
@@ -9,9 +10,7 @@ outside probes' timestamps into the same window. The files and the line are rank
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,23 +19,9 @@ from typing import Any
 
 import torch
 
-from nanoddp.base.files import append_text, atomic_write_bytes, open_private
+from nanoddp.base.records import RecordWriter
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_KEYS = (
-    "step",
-    "loss",
-    "lr",
-    "step_time_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "comm_time_s",
-    "comm_exposed_s",
-    "comm_bytes",
-    "world_size",
-)
-
 
 # --- the communication timer ------------------------------------------------------------------
 
@@ -197,11 +182,12 @@ def format_log_line(record: dict[str, Any]) -> str:
 
 
 class MetricsLogger:
-    """Append records to `run_dir/metrics.jsonl` (and TensorBoard scalars if asked)."""
+    """Append records to `run_dir/metrics.jsonl` (`records.RecordWriter`), and TensorBoard
+    scalars if asked."""
 
     def __init__(self, run_dir: str | Path, kind: str = "jsonl"):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._records = RecordWriter(run_dir)
+        self.path = self._records.path
         self._tensorboard = None
         if kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -212,17 +198,10 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step`: a resumed run re-does those steps and logs them again."""
-        if not self.path.exists() and not self.path.is_symlink():
-            return
-        fd = open_private(self.path, os.O_RDONLY)  # a planted link is refused, not read
-        with os.fdopen(fd) as fh:
-            lines = fh.read().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(lines):
-            atomic_write_bytes(self.path, "".join(kept).encode())
+        self._records.truncate_after(step)
 
     def write(self, record: dict[str, Any]) -> None:
-        append_text(self.path, json.dumps(record) + "\n")  # never through a planted link
+        self._records.write(record)
         if self._tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

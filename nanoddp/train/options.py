@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp import env as nd
+from nanoddp.base import records
 from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import rundir
@@ -51,7 +52,7 @@ BUILTIN_ONLY = {
 }
 # What a Trainer writes into its run directory before the first snapshot: a failed run that
 # made the directory removes it while it holds only these (see `release_run_dir`).
-SETUP_FILES = frozenset({"config.json", "metrics.jsonl"})
+SETUP_FILES = frozenset({"config.json", records.FILE_NAME})
 _CREATED: dict[int, str] = {}  # lock fd -> the run directory claim_run_dir created for it
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ order), as the replay does, so the sum is the same bits too, and so is SGD's upd
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -36,6 +35,9 @@ import torch
 
 pytest.importorskip("torchft")
 from helpers import replica_pid  # noqa: E402  (after the skip)
+
+from nanoddp.base.records import read_records
+from nanoddp.bench.training_run import run_training
 
 REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 3.0, 10, 60, 0  # 10: uneven pieces at world size 3
 KILL_STEP = 3
@@ -93,9 +95,7 @@ def run(tmp_path_factory):
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp)
     finals = {p.name: torch.load(p) for p in sorted(tmp.glob("final-*.pt"))}
-    records = (
-        [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()] if done.returncode == 0 else []
-    )
+    records = read_records(tmp) if done.returncode == 0 else []
     planted = {p.name: p.read_text().split() for p in tmp.glob("*-*-*") if p.suffix != ".pt"}
     return {
         "done": done,
@@ -322,25 +322,24 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3"]
     command += ["--steps", str(TRAIN_STEPS), "--collective-timeout", "10", "--max-restarts", "1", "--out", str(out)]
     command += TINY_GPT
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        launcher, killed, deadline = psutil.Process(proc.pid), False, time.monotonic() + 120
-        while not killed and proc.poll() is None and time.monotonic() < deadline:
-            metrics = out / "metrics.jsonl"
-            done_steps = metrics.read_text().count('"world_size"') if metrics.exists() else 0
+
+    def kill_replica_1(proc) -> list[str] | None:
+        """The addresses listening when replica 1 was SIGKILLed after TRAIN_KILL_AFTER records (None: not killed)."""
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
             pid = replica_pid(launcher, 1)
-            if done_steps >= TRAIN_KILL_AFTER and pid is not None:
+            if len(read_records(out, missing_ok=True)) >= TRAIN_KILL_AFTER and pid is not None:
                 listening = _listening(launcher)  # the quorum service, the replicas' servers, gloo
                 os.kill(pid, signal.SIGKILL)
-                killed = True
+                return listening
             time.sleep(0.01)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed and proc.returncode == 0, output[-5000:]
+        return None
+
+    run = run_training(command, out, timeout_s=120, during=kill_replica_1)
+    listening, output = run.acted, run.output
+    assert listening is not None and run.returncode == 0, output[-5000:]
     assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = run.records
     history = [r["world_size"] for r in records if "event" not in r]
     design_keys = {"step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "comm_time_s", "comm_bytes"}
     assert all(design_keys <= r.keys() and r["tokens_per_s"] > 0 for r in records if "event" not in r)

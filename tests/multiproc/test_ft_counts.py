@@ -16,10 +16,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +30,8 @@ pytest.importorskip("torchft")
 
 from helpers import replica_pid  # noqa: E402
 
+from nanoddp.base.records import read_records
+from nanoddp.bench.training_run import run_training
 from nanoddp.comm.plan import plan  # noqa: E402  (after the skip)
 from nanoddp.comm.protocol import wire
 from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
@@ -125,26 +125,21 @@ def two_replicas(tmp_path_factory):
     command += ["--out", str(out), *_flags(GPT), "--batch-size", "12", "--warmup-steps", "2", "--seed", "0"]
     command += ["--snapshot-every", str(SNAPSHOT_EVERY), "--keep-snapshots", str(KEEP), "--eval-every", "0"]
     command += ["--log-every", "1", "--no-progress"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed = False
-    try:
+
+    def kill_replica_1(proc) -> bool:
+        """SIGKILL replica 1 once KILL_AFTER records are written; whether it was."""
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 200
-        metrics = out / "metrics.jsonl"
-        while not killed and proc.poll() is None and time.monotonic() < deadline:
-            done = metrics.read_text().count('"world_size"') if metrics.exists() else 0
+        while proc.poll() is None and time.monotonic() < deadline:
             pid = replica_pid(launcher, 1)
-            if done >= KILL_AFTER and pid is not None:
+            if len(read_records(out, missing_ok=True)) >= KILL_AFTER and pid is not None:
                 os.kill(pid, signal.SIGKILL)
-                killed = True
+                return True
             time.sleep(0.01)
-        output = proc.communicate(timeout=200)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert killed and proc.returncode == 0, output[-5000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"records": records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
+        return False
+
+    run = run_training(command, out, timeout_s=200, during=kill_replica_1)
+    assert run.acted and run.returncode == 0, run.output[-5000:]
+    return {"records": run.records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
 
 
 def _steps(run) -> list[dict]:

@@ -20,7 +20,6 @@ loop, or none:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,6 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+
+from nanoddp.base.records import read_records
+from nanoddp.bench.training_run import run_training
 
 pytest.importorskip("torchft")
 
@@ -45,13 +47,12 @@ def _command(out: Path, steps: int, *flags: str) -> list[str]:
 
 
 def _run(out: Path, steps: int, *flags: str) -> tuple[int, str]:
-    done = subprocess.run(_command(out, steps, *flags), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    return done.returncode, done.stdout + done.stderr
+    run = run_training(_command(out, steps, *flags), out, timeout_s=RUN_TIMEOUT_S)
+    return run.returncode, run.output
 
 
 def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_records(out, missing_ok=True)
 
 
 def _steps(out: Path) -> list[int]:

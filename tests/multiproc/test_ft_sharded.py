@@ -15,7 +15,6 @@ are real runs and a replay:
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+
+from nanoddp.base.records import events, read_records
 
 pytest.importorskip("torchft")
 
@@ -40,7 +41,7 @@ def _train(out: Path, *flags: str, on_failure: str = "continue", nproc: int = 3)
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_records(out)
 
 
 def _assert_same_model(got: Path, want: Path) -> None:
@@ -132,7 +133,7 @@ def _start(out: Path, command: list[str]) -> subprocess.Popen:
 
 
 def _events(out: Path) -> list[str]:
-    return [r["event"] for r in _records(out) if "event" in r] if (out / "metrics.jsonl").exists() else []
+    return [r["event"] for r in events(read_records(out, missing_ok=True))]
 
 
 def _losing_run(engine: str, steps: int, out: Path) -> list[str]:

@@ -31,6 +31,7 @@ import psutil
 import pytest
 import torch
 
+from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
@@ -120,8 +121,7 @@ def _params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+    return [(r["step"], r["loss"]) for r in read_records(run_dir) if "loss" in r]
 
 
 def _assert_same_run(expected: Path, got: Path) -> None:

@@ -10,7 +10,6 @@ skipped (`--on-nan skip`), bitwise: a skipped step changes no weight and no opti
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from helpers import run_on_ranks
 from torch.utils.data import TensorDataset
 
 import nanoddp
+from nanoddp.base.records import read_records
 from nanoddp.env import DistEnv
 from nanoddp.train import step_check
 from nanoddp.train.checkpoint import snapshot
@@ -102,7 +102,7 @@ def test_skip_drops_every_nan_update_and_pruning_keeps_the_last_finite_snapshot(
     listed = snapshot.list_snapshots(tmp / "skip" / "snapshots")
     assert [step for step, _ in listed] == [8, 6, 4, 2]  # keep 3, and the newest finite one
     assert [snapshot.train_state(snapshot.load(p), p)["loss_finite"] for _, p in listed] == [False, False, False, True]
-    records = [json.loads(line) for line in (tmp / "skip" / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(tmp / "skip")
     events = [r for r in records if r.get("event") == "nonfinite_loss"]
     assert [(e["step"], e["ranks"], e["action"]) for e in events] == [(s, [1], "skipped") for s in range(3, 9)]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}  # a step's log: its loss, None when skipped

@@ -16,13 +16,14 @@ a replica that trained on its own piece alone, or a missed average, is far outsi
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
 from torch.testing import assert_close
+
+from nanoddp.base.records import read_records, step_records
 
 STEPS = 5
 JOB = [
@@ -59,8 +60,7 @@ def runs(tmp_path_factory):
 
 
 def _steps(run_dir) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "event" not in r]
+    return step_records(read_records(run_dir))
 
 
 def _initial_weights() -> dict[str, torch.Tensor]:

@@ -17,11 +17,12 @@ import torch
 from helpers import TINY, generate_by_full_recompute, run_on_ranks, train_tiny, trainer_params
 
 from nanoddp import cli
+from nanoddp.base.records import TRAINER_STEP_FIELDS, read_records
+from nanoddp.bench.training_run import run_training
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import build_model
 from nanoddp.train.data.datasets import BYTE_VOCAB, DataSpec
-from nanoddp.train.metrics import REQUIRED_KEYS
 from nanoddp.train.trainer import Trainer
 
 ENGINES = ["torch", "nanoddp", "allreduce", "rs_ag"]  # "single" is the reference itself
@@ -84,19 +85,37 @@ def test_engines_match_a_single_process_full_batch(ws2_results, tmp_path):
     assert results["bf16-loss"] == pytest.approx(fp32.evaluate(), rel=BF16_EVAL_RTOL)
 
 
+def test_a_run_resumed_from_an_older_snapshot_records_each_step_once(tmp_path):
+    """A run killed after step 3 whose newest snapshot is step 2 (one process, in this one): the
+    resumed run drops step 3's record and logs it again, so its records are the uninterrupted
+    run's, step for step and loss for loss (resume is bitwise)."""
+    env, threads = DistEnv.single_process("gloo"), torch.get_num_threads()
+    config = replace(TINY, engine="single", snapshot_every=2, resume="auto")
+    try:
+        train_tiny(replace(config, out=str(tmp_path / "straight")), env)
+        train_tiny(replace(config, out=str(tmp_path / "killed")), env, stop_after=3)
+        snapshot.snapshot_path(tmp_path / "killed" / "snapshots", 3).unlink()  # killed before step 3's snapshot
+        assert [r["step"] for r in read_records(tmp_path / "killed")] == [1, 2, 3]
+        train_tiny(replace(config, out=str(tmp_path / "killed")), env)
+    finally:
+        torch.set_num_threads(threads)
+    resumed, straight = read_records(tmp_path / "killed"), read_records(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
 def test_resume_is_bit_identical_and_zero_matches(ws2_results):
     results, tmp = ws2_results  # the bitwise checks ran on the ranks; here: ZeRO vs plain AdamW
     torch.testing.assert_close(results["resume-zero1"], results["resume-nanoddp"], rtol=1e-5, atol=1e-6)
-    metrics_file = tmp / "split-torch" / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    records = read_records(tmp / "split-torch")
     assert [r["step"] for r in records] == list(range(1, RESUME_END + 1))  # no step logged twice
-    assert all(set(REQUIRED_KEYS) <= set(r) for r in records) and records[0]["world_size"] == 2
+    assert all(set(TRAINER_STEP_FIELDS) <= set(r) for r in records) and records[0]["world_size"] == 2
     # stock torch DDP has no comm hook, so nothing in the trainer times it; nanoddp DDP is timed
     assert all(r["comm_time_s"] is None and r["comm_exposed_s"] is None for r in records)
-    ours = (tmp / "split-nanoddp" / "metrics.jsonl").read_text().splitlines()
-    assert all(json.loads(line)["comm_time_s"] is not None for line in ours)
+    ours = read_records(tmp / "split-nanoddp")
+    assert all(r["comm_time_s"] is not None for r in ours)
     # nanoddp DDP's timeline also says how much of it backward waited for: never more than all of it
-    assert all(0 <= (r := json.loads(line))["comm_exposed_s"] <= r["comm_time_s"] for line in ours)
+    assert all(0 <= r["comm_exposed_s"] <= r["comm_time_s"] for r in ours)
     assert json.loads((tmp / "whole-zero1" / "config.json").read_text())["engine"] == "zero1"
 
 
@@ -190,11 +209,10 @@ def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
         "--out",
         str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step 20 | loss" in proc.stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run = run_training(cmd, out, timeout_s=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.output[-3000:]
+    assert "step 20 | loss" in run.output
+    records = run.records
     assert records[-1]["step"] == 20 and records[-1]["world_size"] == 2
     assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
     assert (out / "model.pt").is_file()

@@ -7,7 +7,6 @@ One launch at world size 2 runs every trainer; the references and the record che
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import replace
 
@@ -17,6 +16,7 @@ from helpers import TINY, run_on_ranks, train_tiny, trainer_params
 from torch.utils.data import TensorDataset, default_collate
 
 from nanoddp import cli
+from nanoddp.base.records import read_records, step_records
 from nanoddp.comm.plan import plan
 from nanoddp.comm.protocol import wire
 from nanoddp.env import DistEnv
@@ -196,7 +196,7 @@ def test_resume_at_another_world_size_continues_rank_0s_replica(ws2, tmp_path):
 
 
 def _records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if "event" not in json.loads(line)]
+    return step_records(read_records(path))
 
 
 def test_comm_bytes_count_the_syncs_and_every_step_says_its_world_size(ws2):

@@ -18,6 +18,7 @@ from helpers import run_on_ranks
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import nanoddp
+from nanoddp.base.records import read_records
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.data.sampler import ResumableDistributedSampler
@@ -116,8 +117,8 @@ def test_each_batch_rule_equals_a_hand_written_loop_bitwise(style, tmp_path):
     for name, value in expected.items():
         assert torch.equal(exported[name], value), name
         assert torch.equal(trainer.module.state_dict()[name], value), name
-    records = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
-    assert records and '"step": 9' in records[-1]
+    records = read_records(tmp_path)
+    assert records and records[-1]["step"] == 9
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,7 @@ from torch.utils.data import TensorDataset
 
 import nanoddp
 from nanoddp.base import files
+from nanoddp.base.records import STEP_FIELDS
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.launcher import agent
@@ -88,7 +89,7 @@ def test_metrics_jsonl_planted_as_a_link_is_refused(tmp_path, victim):
     _plant(run / "metrics.jsonl", victim)
     logger = MetricsLogger(run)
     with pytest.raises(ValueError, match=r"metrics\.jsonl is a symbolic link, not a regular file.*never followed"):
-        logger.write({"step": 1, "loss": 2.0})
+        logger.write({**dict.fromkeys(STEP_FIELDS), "step": 1, "loss": 2.0})
     assert victim.read_text() == VICTIM_TEXT
 
 

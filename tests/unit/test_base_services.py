@@ -94,3 +94,44 @@ def test_every_exception_is_still_used():
     modules = _module_files()
     stale = [(module, name) for module, name in EXCEPTIONS if name not in _names_in(modules.get(module))]
     assert not stale, f"exceptions no module needs any more (remove them): {stale}"
+
+
+# --- one metrics.jsonl parser ------------------------------------------------------------------
+# `metrics.jsonl` is read through `nanoddp.base.records` (read_records) everywhere: a file that
+# names it and parses JSON by hand is a second parser, which drifts from the writer's format.
+RECORDS_MODULE = Path("nanoddp") / "base" / "records.py"
+# files that name metrics.jsonl and parse other JSON: path -> what they parse
+OTHER_JSON: dict[str, str] = {
+    "tests/unit/test_bench_failure_cost.py": "the committed measurement of docs/bench/ft/",
+    "tools/probes/hostile_writes.py": "each probe job's outcome line",
+}
+
+
+def parses_metrics_by_hand(source: str) -> list[int]:
+    """The lines of `source`'s `json.loads` calls when it also names `metrics.jsonl`, else []."""
+    if "metrics.jsonl" not in source:
+        return []
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and _dotted(node) == "json.loads"]  # fmt: skip
+
+
+def test_no_second_metrics_jsonl_parser():
+    files = [p for top in ("nanoddp", "tests", "tools", "examples") for p in sorted((ROOT / top).rglob("*.py"))]
+    parsers = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in files
+        if path.relative_to(ROOT) != RECORDS_MODULE and str(path.relative_to(ROOT)) not in OTHER_JSON
+        for line in parses_metrics_by_hand(path.read_text())
+    ]
+    assert not parsers, "read metrics.jsonl with nanoddp.base.records.read_records instead:\n" + "\n".join(parsers)
+
+
+def test_the_parser_search_finds_a_hand_parser_only_beside_metrics_jsonl():
+    by_hand = 'import json\nrecords = [json.loads(x) for x in open("run/metrics.jsonl")]\n'
+    assert parses_metrics_by_hand(by_hand) == [2]
+    assert parses_metrics_by_hand('import json\nconfig = json.loads(open("run/config.json").read())\n') == []
+
+
+def test_every_other_json_file_still_parses_json_beside_metrics_jsonl():
+    stale = [path for path in OTHER_JSON if not parses_metrics_by_hand((ROOT / path).read_text())]
+    assert not stale, f"files the metrics.jsonl parser check no longer needs to pass over (remove them): {stale}"

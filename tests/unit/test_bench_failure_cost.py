@@ -26,7 +26,7 @@ def test_the_kill_waits_for_the_newest_logged_step(tmp_path):
     assert _logged_step(tmp_path) == 20
 
 
-def test_the_survivors_stall_and_extra_wait_are_read_around_the_kill(tmp_path):
+def test_the_survivors_stall_and_extra_wait_are_read_around_the_kill():
     """Commits 0.2 s apart (two 0.1 s apart), a kill at 2.5 s, the next commit at 3.4 s at world
     size 2 and full size again at 3.6 s: the stall is 1.0 s; an ordinary step, the median wait
     over the 10 steps before the kill, 0.2 s; what the failure added, 0.8 s."""
@@ -35,11 +35,10 @@ def test_the_survivors_stall_and_extra_wait_are_read_around_the_kill(tmp_path):
     records.append({"event": "rank_lost", "step": 14, "world_size": 2})
     records.append({"step": 14, "loss": 1.0, "world_size": 2, "time": 3.4})
     records.append({"step": 15, "loss": 1.0, "world_size": 3, "time": 3.6})
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    seen = _seen_by_survivors(tmp_path, killed_at=2.5)
+    seen = _seen_by_survivors(records, killed_at=2.5)
     assert set(seen) == set(SEEN_KEYS)  # every key a trial's record copies
     assert seen == {"stall_s": 1.0, "join_s": 0.2, "steps_short": 1, "step_s": 0.2, "extra_s": 0.8}
-    assert _seen_by_survivors(tmp_path, killed_at=0.3) == dict.fromkeys(SEEN_KEYS) | {"steps_short": 0}
+    assert _seen_by_survivors(records, killed_at=0.3) == dict.fromkeys(SEEN_KEYS) | {"steps_short": 0}
 
 
 # ---- the torchft mode ------------------------------------------------------------------------

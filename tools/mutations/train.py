@@ -310,20 +310,6 @@ FAULTS = (
         ("tests/unit/test_ft_packed_state.py", "-k", "mixed_state"),
     ),
     Mutation(
-        "ft: a joiner keeps its own torch RNG, not its source's",
-        "nanoddp/base/rng.py",
-        '    torch.set_rng_state(state["torch"])\n',
-        "    pass\n",
-        ("tests/unit/test_ft_packed_state.py", "-k", "live_state"),
-    ),
-    Mutation(
-        "rng: numpy's generator not restored (a healed or resumed rank draws anew)",
-        "nanoddp/base/rng.py",
-        '        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))\n',
-        "        pass\n",
-        ("tests/unit/test_ft_packed_state.py", "-k", "live_state"),
-    ),
-    Mutation(
         "ft launcher: the warm spare is never used, a replacement starts cold",
         "nanoddp/ft/supervisor.py",
         "        if self._take_spare(replica):\n",
@@ -430,9 +416,16 @@ FAULTS = (
     ),
     Mutation(
         "ft continue: a resume from a snapshot keeps the records past it (steps recorded twice)",
-        "nanoddp/train/ft_boundary.py",
-        "                MetricsLogger(filled(self.config.out)).truncate_after(step)\n",
-        "                pass\n",
+        "nanoddp/ft/fault_tolerant.py",
+        "            self.metrics.truncate_after(snapshot_step)  # the steps after it are redone and recorded again\n",
+        "            pass\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
+    ),
+    Mutation(
+        "trainer resume: the records past the snapshot kept (steps logged twice)",
+        "nanoddp/train/trainer.py",
+        "            self.metrics.truncate_after(self.step)\n",
+        "            pass\n",
+        ("tests/multiproc/test_trainer.py", "-k", "records_each_step_once"),
     ),
 )

@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from nanoddp.base import records
 from nanoddp.base.files import try_lock
 from nanoddp.train.checkpoint import snapshot
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 # Outputs of a run, moved aside together by --overwrite.
-RUN_OUTPUTS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "tensorboard", "logs")
+RUN_OUTPUTS = ("snapshots", records.FILE_NAME, "model.pt", "config.json", "tensorboard", "logs")
 # Config fields that may differ between a snapshot and the run resuming it: run length, logging,
 # output and launch details, and engines, which compute the same math (tested bitwise); what a
 # lost rank costs (a continue run's snapshot resumes under restart, and the other way round).

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanoddp.base import files
+from nanoddp.base import files, records
 from nanoddp.comm.transport.link import link_from_environ
 from nanoddp.dataclass_cli import to_dict
 from nanoddp.train.checkpoint import rundir, snapshot
@@ -40,7 +40,7 @@ def check_out_dir(out: str | Path) -> None:
     except OSError as exc:
         raise ValueError(f"--out {out} is not writable ({exc.strerror}); choose another directory") from None
     # appended to in place (everything else is written by an atomic rename, never through a link)
-    for appended in [out / "metrics.jsonl", *sorted((out / "logs").glob("rank*.log"))]:
+    for appended in [records.records_path(out), *sorted((out / "logs").glob("rank*.log"))]:
         files.refuse_planted(appended)
 
 
