@@ -86,10 +86,11 @@ def _sleep_forever(env, pid_dir=None):
 
 @START_METHODS
 def test_launch_timeout_stops_children(tmp_path, start_method):
-    # a long timeout: on a loaded machine a spawned rank may take seconds to import torch and
-    # record its pid; the ranks then sleep far past it
-    with pytest.raises(TimeoutError, match=r"launch timed out after 20s; ranks \[0, 1\] still running"):
-        _launch(_sleep_forever, 2, str(tmp_path), start_method=start_method, timeout=20)
+    # long enough for both ranks to record their pids on a loaded machine: a spawned rank
+    # imports torch first (seconds), a forked one does not; the ranks then sleep far past it
+    timeout = 20 if start_method == "spawn" else 6
+    with pytest.raises(TimeoutError, match=rf"launch timed out after {timeout}s; ranks \[0, 1\] still running"):
+        _launch(_sleep_forever, 2, str(tmp_path), start_method=start_method, timeout=timeout)
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 2
     assert [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
