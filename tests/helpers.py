@@ -5,6 +5,7 @@ notebook kernels). Tests import these by name; no test file imports another test
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -60,6 +61,26 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         timeout=timeout,
         start_method="forkserver",
     )
+
+
+@contextlib.contextmanager
+def launches_forked():
+    """Inside this, `nanoddp.launch` forks its ranks from the fork server as `run_on_ranks` does.
+
+    For benchmarks run in this process (`bench train|zero|collectives`): what they claim is the
+    figures their ranks record, not how the ranks start, and each of their launches would
+    otherwise import torch in every rank again (seconds apiece, several launches per benchmark).
+    """
+    spawning = nanoddp.launch
+
+    def forked(*args, **kwargs):
+        return spawning(*args, **{**kwargs, "start_method": "forkserver"})
+
+    nanoddp.launch = forked
+    try:
+        yield
+    finally:
+        nanoddp.launch = spawning
 
 
 # ---- many named checks in one launch, each reported on its own -------------------------------

@@ -61,12 +61,10 @@ ALL_REDUCE_SCRIPT = textwrap.dedent(
     """
 )
 
+# Run after ALL_REDUCE_SCRIPT in the same `python -c` (one interpreter start for both claims).
 FAILING_SCRIPT = textwrap.dedent(
     """
-    import multiprocessing, sys
-    import torch
-    import torch.distributed as dist
-    import nanoddp
+    import multiprocessing
 
     def uneven(env):
         torch.set_num_threads(1)
@@ -84,18 +82,22 @@ FAILING_SCRIPT = textwrap.dedent(
 )
 
 
-def _python_c(code: str, *argv: str) -> subprocess.CompletedProcess:
-    """`python -c code argv...`; a timeout kills it, and its ranks die with it (PDEATHSIG)."""
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+@pytest.fixture(scope="module")
+def python_c_run(tmp_path_factory) -> tuple[dict, str]:
+    """`python -c` of the all-reduce script then the failing one: (the all-reduce report, stdout).
+    A timeout kills it, and its ranks die with it (PDEATHSIG)."""
+    out = tmp_path_factory.mktemp("python_c") / "report.json"
+    code = ALL_REDUCE_SCRIPT + FAILING_SCRIPT
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return json.loads(out.read_text()), proc.stdout
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 30)
-def test_function_from_python_c_runs_on_two_ranks(tmp_path):
-    out = tmp_path / "report.json"
-    _python_c(ALL_REDUCE_SCRIPT, str(out))
-    report = json.loads(out.read_text())
+def test_function_from_python_c_runs_on_two_ranks(python_c_run):
+    report, _ = python_c_run
     # The problem notebook_launch solves: spawn cannot import __main__.all_reduce_rows.
     assert "exited with code 1" in report["by_reference"], report["by_reference"]
     assert report["ranks"] == [0, 1] and report["same_class"]
@@ -108,8 +110,8 @@ def test_function_from_python_c_runs_on_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 30)
-def test_failing_rank_from_python_c_is_a_launch_error():
-    out = _python_c(FAILING_SCRIPT).stdout
+def test_failing_rank_from_python_c_is_a_launch_error(python_c_run):
+    _, out = python_c_run
     assert "failed rank: 1" in out, out
     assert "ValueError: rank 1 has an empty shard" in out, out
     assert 'File "<string>"' in out and "in uneven" in out, out  # the traceback of the user's function

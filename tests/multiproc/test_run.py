@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from nanoddp.comm.transport.watchdog import HANG_EXIT_CODE
+from nanoddp.run.command import main as run_main
 
 PREAMBLE = """
 import os, signal, sys, time
@@ -35,7 +36,6 @@ SCRIPTS = {
         dist.all_reduce(positional, dist.ReduceOp.SUM, None, False)  # group and async_op passed positionally
         print(f"all_reduce = {value.item():g}, sum of all_gather = {sum(reference).item():g}, argv {sys.argv[1:]}")
         print(f"positional all_reduce = {positional.item():g}")
-        dist.destroy_process_group()
     """,
     "crash.py": """
         dist.barrier()
@@ -103,10 +103,19 @@ def nanoddp_run(args: list[str], timeout: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
-@pytest.mark.timeout(240)
-def test_all_reduce_script_with_rank_prefixes(tmp_path):
-    code, out = nanoddp_run(["--nproc", "2", str(_write(tmp_path, "all_reduce.py")), "--lr", "3e-4"], timeout=220)
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> str:
+    """One `nanoddp run` of a script that ends well: all_reduce.py, then late_callback.py."""
+    path = _write(tmp_path_factory.mktemp("clean_run"), "all_reduce.py")
+    path.write_text(path.read_text() + textwrap.dedent(SCRIPTS["late_callback.py"]))
+    code, out = nanoddp_run(["--nproc", "2", str(path), "--lr", "3e-4"], timeout=220)
     assert code == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_all_reduce_script_with_rank_prefixes(clean_run):
+    out = clean_run
     for rank in (0, 1):  # torch's own all_gather is the reference for the sum
         assert f"[rank {rank}] all_reduce = 3, sum of all_gather = 3, argv ['--lr', '3e-4']" in out, out[-3000:]
         assert f"[rank {rank}] positional all_reduce = 2" in out
@@ -134,13 +143,13 @@ def test_sigkilled_worker_restarts_and_finishes(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_gloo_thread_taking_the_gil_after_the_script_ends_does_not_abort(tmp_path):
+def test_gloo_thread_taking_the_gil_after_the_script_ends_does_not_abort(clean_run):
     """nanoddp's runner thread used to keep the destroyed group, and so gloo's threads, alive
     into interpreter finalization, where a gloo thread taking the GIL is killed mid-C++ and the
     process aborts ("terminate called without an active exception", exit -6), 2 of 2 runs. The
-    group must be freed, gloo's threads joined, while Python is still alive, as torch alone does."""
-    code, out = nanoddp_run(["--nproc", "2", str(_write(tmp_path, "late_callback.py"))], timeout=220)
-    assert code == 0, out[-3000:]
+    group must be freed, gloo's threads joined, while Python is still alive, as torch alone does.
+    (The run is shared with the all-reduce test: its script ends with late_callback.py.)"""
+    out = clean_run
     assert "terminate called" not in out, out[-3000:]
     for rank in (0, 1):
         assert f"[rank {rank}] script done" in out and f"[rank {rank}] late callback done" in out, out[-3000:]
@@ -158,10 +167,16 @@ def test_watchdog_names_the_rank_that_skipped_a_collective(tmp_path):
     assert "timeout 4s" in summary
 
 
-def test_bad_input_fails_before_launch(tmp_path):
-    code, out = nanoddp_run(["--nproc", "0", str(_write(tmp_path, "crash.py"))], timeout=60)
-    assert code == 2 and "--nproc must be >= 1, got 0" in out
-    code, out = nanoddp_run([str(tmp_path / "missing.py")], timeout=60)
-    assert code == 2 and "script" in out and "missing.py' not found" in out
-    code, out = nanoddp_run(["--collective-timeout", "0", str(_write(tmp_path, "crash.py"))], timeout=60)
-    assert code == 2 and "--collective-timeout must be > 0 seconds, got 0.0" in out
+def test_bad_input_fails_before_launch(tmp_path, capsys):
+    """In this process (`python -m nanoddp.run` is this `main`; the tests above run it as a
+    command, whose exit code is its return value): each refusal is exit code 2 and its message."""
+
+    def refused(args: list[str]) -> str:
+        assert run_main(args) == 2, args
+        return capsys.readouterr().err
+
+    assert "--nproc must be >= 1, got 0" in refused(["--nproc", "0", str(_write(tmp_path, "crash.py"))])
+    out = refused([str(tmp_path / "missing.py")])
+    assert "script" in out and "missing.py' not found" in out
+    out = refused(["--collective-timeout", "0", str(_write(tmp_path, "crash.py"))])
+    assert "--collective-timeout must be > 0 seconds, got 0.0" in out
