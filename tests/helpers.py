@@ -41,8 +41,17 @@ def _single_threaded(fn, env, *args):
 # Ranks fork from multiprocessing's fork server, which imports these once per test session
 # (conftest.py sets it up): a launch then costs a fraction of a second instead of an import of
 # torch per rank, which was most of the suite's time. `helpers` itself cannot be preloaded (the
-# server ignores our sys.path on Python 3.11), so what it imports is named instead.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "nanoddp", "nbformat", "jupyter_client", "nbclient"]
+# server ignores our sys.path on Python 3.11), so what it imports is named instead; dynamo too,
+# which torch's DDP imports in every rank that wraps a model in it.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "nanoddp",
+    "nbformat",
+    "jupyter_client",
+    "nbclient",
+]
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
