@@ -34,7 +34,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
-from helpers import replica_pid  # noqa: E402  (after the skip)
+from helpers import replica_pid, wait_for  # noqa: E402  (after the skip)
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.training_run import run_training
@@ -258,7 +258,9 @@ TINY_GPT = [
     "--d-ff", "64", "--batch-size", "12", "--warmup-steps", "2", "--seed", "0", "--snapshot-every", "0",
     "--eval-every", "0", "--log-every", "1", "--no-progress",
 ]  # fmt: skip
-TRAIN_STEPS, TRAIN_KILL_AFTER = 40, 3
+# 150: the replacement joins within a few dozen steps of the kill on a loaded machine (each step takes
+# ~20 ms here, the warm spare's start a second or so); more steps cost little next to the launch
+TRAIN_STEPS, TRAIN_KILL_AFTER = 150, 3
 
 
 def _listening(launcher: psutil.Process) -> list[str]:
@@ -324,15 +326,21 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     command += TINY_GPT
 
     def kill_replica_1(proc) -> list[str] | None:
-        """The addresses listening when replica 1 was SIGKILLed after TRAIN_KILL_AFTER records (None: not killed)."""
+        """The addresses listening when replica 1 was SIGKILLed after TRAIN_KILL_AFTER records (None: not killed).
+        [Note: the kill in time] Replica 1's pid is found once, before its steps (a scan of the
+        launcher's processes is slow on a loaded machine, and a scan per poll let the run reach
+        step 24 of 40 before the kill, too late for the replacement to join); it is held
+        (SIGSTOP) before the listeners are read, so the others cannot pass the step they are
+        in until it is killed: the steps left after the kill do not depend on the test's speed."""
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 1), deadline)
         while proc.poll() is None and time.monotonic() < deadline:
-            pid = replica_pid(launcher, 1)
-            if len(read_records(out, missing_ok=True)) >= TRAIN_KILL_AFTER and pid is not None:
+            if len(read_records(out, missing_ok=True)) >= TRAIN_KILL_AFTER:
+                os.kill(pid, signal.SIGSTOP)
                 listening = _listening(launcher)  # the quorum service, the replicas' servers, gloo
                 os.kill(pid, signal.SIGKILL)
                 return listening
-            time.sleep(0.01)
+            time.sleep(0.005)
         return None
 
     run = run_training(command, out, timeout_s=120, during=kill_replica_1)
