@@ -1,7 +1,7 @@
 """`--on-failure continue` never starts a run over, and keeps the restart path's guards.
 
 Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, of a user's
-loop, or none:
+loop, or none (the two `--on-nan` runs are launched together, as are the four bad-link ones):
 - both replicas SIGKILLed at once after a snapshot: the replacements, which hold nothing, resume
   from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
   uninterrupted run, with no step recorded twice;
@@ -190,12 +190,34 @@ def _snapshot(out: Path, step: int) -> dict:
     return snapshot.load_checked(out / "snapshots" / f"step-{step:08d}.pt")
 
 
-def test_on_nan_stop_under_continue(tmp_path):
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """The `--on-nan stop` and `--on-nan skip` runs, launched together (one wall time for two):
+    {policy: (out, exit code, output)}."""
+    root = tmp_path_factory.mktemp("on-nan")
+    outs = {policy: root / policy / "run" for policy in ("stop", "skip")}
+    procs = {}
+    for policy, out in outs.items():
+        out.parent.mkdir()
+        with open(out.parent / "output.txt", "w") as output:
+            procs[policy] = subprocess.Popen(_command(out, 4, *NAN_LR, "--on-nan", policy), stdout=output,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {p: (outs[p], procs[p].returncode, (outs[p].parent / "output.txt").read_text()) for p in outs}
+
+
+def test_on_nan_stop_under_continue(nan_runs):
     """`--on-nan stop`: the restart path's line once, exit 3, no `model.pt`; the newest snapshot
     is step 1's, equal bitwise to a replay of that step (before: the NaN updates were applied,
     NaN snapshots pruned the finite one, `model.pt` was written with NaN, exit 0)."""
-    out = tmp_path / "run"
-    code, output = _run(out, 4, *NAN_LR, "--on-nan", "stop")
+    out, code, output = nan_runs["stop"]
     assert code == STOPPED, output[-5000:]
     assert output.count("step 2: the loss is NaN or inf on rank(s) 0, 1; stopped before the optimizer step") == 1
     assert not (out / "model.pt").exists() and _steps(out) == [1]
@@ -205,12 +227,11 @@ def test_on_nan_stop_under_continue(tmp_path):
     _assert_same(_snapshot(out, 1)["objects"]["model"]["state"], replay_continue_run([2], replicas=2, lr=1e30))
 
 
-def test_on_nan_skip_under_continue(tmp_path):
+def test_on_nan_skip_under_continue(nan_runs):
     """`--on-nan skip`: steps 2 to 4 commit without an update (one line and one record each);
     pruning keeps step 1's snapshot, the newest finite one, beside the newest; `model.pt` equals
     bitwise the replay that skips the same steps, which is step 1's state."""
-    out = tmp_path / "run"
-    code, output = _run(out, 4, *NAN_LR, "--on-nan", "skip")
+    out, code, output = nan_runs["skip"]
     assert code == 0, output[-5000:]
     skipped = [r["step"] for r in _records(out) if r.get("event") == "nonfinite_loss"]
     assert skipped == [2, 3, 4] and output.count("update skipped on every rank") == 3, output[-3000:]
@@ -305,29 +326,38 @@ def test_a_replacement_that_stops_alone_ends_no_holder(tmp_path):
         assert re.search(rf"^\[replica {replica}\] committed \d+ of 600$", output, re.M), output[-5000:]
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["train", "--on-failure", "continue"],
-        ["train", "--on-failure", "restart"],
-        ["run", "--on-failure", "continue", "SCRIPT"],
-        ["run", "SCRIPT"],
-    ],
-    ids=["train-continue", "train-restart", "run-continue", "run-restart"],
-)
-def test_a_bad_link_setting_is_refused_before_any_worker(tmp_path, argv):
+BAD_LINK_LAUNCHES = {
+    "train-continue": ["train", "--on-failure", "continue"],
+    "train-restart": ["train", "--on-failure", "restart"],
+    "run-continue": ["run", "--on-failure", "continue", "SCRIPT"],
+    "run-restart": ["run", "SCRIPT"],
+}
+
+
+def test_a_bad_link_setting_is_refused_before_any_worker(tmp_path):
     """The launcher parses `NANODDP_LINK_*` with the comm layer's parser: one line, exit 2, no run
-    directory, no worker (before, under continue: each replica retried it forever)."""
+    directory, no worker (before, under continue: each replica retried it forever). Checked for
+    `nanoddp train` and `nanoddp run` in both modes, the four launched at once (one wall time)."""
     script = tmp_path / "never.py"
     script.write_text("raise SystemExit('a worker started')\n")
-    argv = [str(script) if a == "SCRIPT" else a for a in argv]
-    out = tmp_path / "run"
-    extra = ["--out", str(out)] if argv[0] == "train" else []
-    command = [sys.executable, "-m", "nanoddp", *argv[:-1], *extra, argv[-1]] if argv[0] == "run" else None
-    command = command or [sys.executable, "-m", "nanoddp", *argv, "--nproc", "2", *extra, *FT_TINY_GPT]
     environ = {**os.environ, "NANODDP_LINK_BANDWIDTH": "100mbit", "NANODDP_LINK_LATENCY": "20 parsecs"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=environ)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("nanoddp: error: NANODDP_LINK_LATENCY must be"), lines
-    assert not out.exists() and "a worker started" not in done.stdout + done.stderr
+    procs, outs = {}, {}
+    for name, argv in BAD_LINK_LAUNCHES.items():
+        argv = [str(script) if a == "SCRIPT" else a for a in argv]
+        out = outs[name] = tmp_path / name
+        extra = ["--out", str(out)] if argv[0] == "train" else []
+        command = [sys.executable, "-m", "nanoddp", *argv[:-1], *extra, argv[-1]] if argv[0] == "run" else None
+        command = command or [sys.executable, "-m", "nanoddp", *argv, "--nproc", "2", *extra, *FT_TINY_GPT]
+        procs[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+    try:
+        said = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for name, (stdout, stderr) in said.items():
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert procs[name].returncode == 2, (name, stderr[-3000:])
+        assert len(lines) == 1 and lines[0].startswith("nanoddp: error: NANODDP_LINK_LATENCY must be"), (name, lines)
+        assert not outs[name].exists() and "a worker started" not in stdout + stderr, name

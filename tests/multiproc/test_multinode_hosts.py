@@ -3,10 +3,11 @@ bridge (`nanoddp.bench.netns_hosts`), the hostname resolving to 127.0.0.1 in all
 
 - `nanoddp.hosts` inside a namespace: the interface and source address towards a peer, its own
   address, loopback; the store's host is the one that owns the endpoint's address.
-- Two hosts (`--nproc 1` each) train bitwise equal to the same job with both ranks on one host,
-  every listener of a host on its own address (never *, never 127.0.0.1 where peers must dial).
-- Three hosts, one SIGKILLed whole after a snapshot and started again: the job resumes on the
-  restart path (`--max-restarts`) and ends bitwise equal to the same job on one host.
+- Three hosts (`--nproc 1` each, the store's host started last), every listener of a host on its
+  own address (never *, never 127.0.0.1 where peers must dial), the store's host decided by
+  address; one host SIGKILLed whole after a snapshot and started again: the job resumes on the
+  restart path (`--max-restarts`) and ends bitwise equal to the same job with all ranks on one
+  host. (One launch checks what a two-host run and a three-host run with a kill each did.)
 - `nanoddp run` with the static backend: a script's all_reduce across two hosts.
 - An endpoint nobody serves, or a node left alone, is one line naming the endpoint within
   `--rdzv-timeout`; one without a route is refused in one line before anything starts, by
@@ -134,8 +135,8 @@ def _assert_same_run(expected: Path, got: Path) -> None:
 
 @pytest.fixture(scope="module")
 def one_host_runs(tmp_path_factory) -> dict[int, Path]:
-    """The reference jobs: all 2 (and 3) ranks on one host, launched together."""
-    outs = {n: tmp_path_factory.mktemp(f"one-host-{n}") for n in (2, 3)}
+    """The reference job: all 3 ranks on one host."""
+    outs = {n: tmp_path_factory.mktemp(f"one-host-{n}") for n in (3,)}
     procs = [_train(None, 0, "--nproc", str(n), "--out", str(out)) for n, out in outs.items()]
     _finish_all(None, procs)
     return outs
@@ -189,28 +190,27 @@ def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
-def test_two_hosts_train_like_one_and_listen_on_their_own_addresses(hosts, one_host_runs, tmp_path):
-    procs = [_node(hosts, host, 2, tmp_path) for host in (1, 0)]  # the store's host need not start first
-    _wait_for(tmp_path / "snapshots" / "step-00000005.pt", procs)  # every process is up and talking
-    listening = {host: hosts.listening(host) for host in (0, 1)}
-    outputs = _finish_all(hosts, procs)
-    for host, addresses in listening.items():
-        assert addresses == {hosts.addresses[host]}, (host, addresses)
-    assert "is_host=1" in outputs[1] and "is_host=0" in outputs[0], outputs  # decided by address
-    _assert_same_run(one_host_runs[2], tmp_path)
-
-
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-def test_three_hosts_one_killed_whole_and_started_again_resume_bitwise(hosts, one_host_runs, tmp_path):
+def test_three_hosts_listen_on_their_own_addresses_and_resume_a_host_killed_whole_bitwise(
+    hosts, one_host_runs, tmp_path
+):
+    """Every listener of each host on that host's own address, the store's host decided by address
+    (it is started last: it need not start first); host 2 SIGKILLed whole (its agent and worker at
+    once, as a lost machine) after the snapshot of step 5 and started again with the same command:
+    the job resumes from a snapshot and ends bitwise equal to the one-host run, losses too."""
     restarts = ("--max-restarts", "1")
-    procs = [_node(hosts, host, 3, tmp_path, *restarts) for host in range(3)]
-    _wait_for(tmp_path / "snapshots" / "step-00000005.pt", procs)
-    hosts.kill(2)  # its agent and worker at once, as a lost machine
+    started = {host: _node(hosts, host, 3, tmp_path, *restarts) for host in (2, 1, 0)}
+    procs = [started[host] for host in range(3)]
+    _wait_for(tmp_path / "snapshots" / "step-00000005.pt", procs)  # every process is up and talking
+    listening = {host: hosts.listening(host) for host in range(3)}
+    hosts.kill(2)
     assert procs[2].wait(timeout=30) == -9 and not hosts.pids(2)
     procs[2].stdout.close()
     procs[2] = _node(hosts, 2, 3, tmp_path, *restarts)  # the same command, on the same host
     outputs = _finish_all(hosts, procs)
+    for host, addresses in listening.items():
+        assert addresses == {hosts.addresses[host]}, (host, addresses)
+    assert "is_host=1" in outputs[0] and all("is_host=0" in out and "is_host=1" not in out for out in outputs[1:])
     assert re.search(r"restart 1: resumed from \S+step-000000(05|10)\.pt", "".join(outputs)), outputs
     _assert_same_run(one_host_runs[3], tmp_path)
 
