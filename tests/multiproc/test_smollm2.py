@@ -30,6 +30,16 @@ SNIPPET_LOSS_BAND = (0.7, 1.6)
 SLOW_TIMEOUT_S = 900
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread in this process, restored after: on a busy 2-core machine a second
+    thread spins waiting for a descheduled peer and every op pays for it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_missing_package_is_one_clear_sentence(monkeypatch):
     import importlib.util
 
@@ -45,7 +55,6 @@ def test_missing_package_is_one_clear_sentence(monkeypatch):
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 @needs_smollm2
 def test_loads_the_pretrained_checkpoint():
-    torch.set_num_threads(2)
     model, tokenizer = load_smollm2(), load_smollm2_tokenizer()
     assert count_parameters(model) == 134_515_008  # embeddings tied to the output head
     assert model.lm.lm_head.weight is model.lm.model.embed_tokens.weight
@@ -158,7 +167,7 @@ def _resume_config(tmp_path: Path) -> TrainConfig:
         keep_snapshots=1,
         resume="never",
         progress=False,
-        threads=2,
+        threads=1,  # see one_thread
     )
 
 

@@ -14,6 +14,16 @@ from nanoddp.models.gpt import GPT, GPTConfig, KVCache
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: this model's ops are microseconds, and on a busy 2-core machine a
+    second thread spins waiting for a descheduled peer (seconds per test, not milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(CFG).eval()
