@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -257,12 +258,21 @@ class BackgroundSend:
         self._work: Waitable | None = None
         self._error: BaseException | None = None
 
-    def wait(self) -> None:
-        self._posted.wait()
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """As torch's `Work.wait`, whose `timeout` callers pass (torchft's checkpoint transport
+        does, healing a joiner): a zero or absent timeout waits as long as it takes."""
+        seconds = timeout.total_seconds() if timeout else None
+        if not self._posted.wait(seconds):
+            raise RuntimeError(f"a shaped send was not posted within {timeout}")
         if self._error is not None:
             raise self._error
         assert self._work is not None  # posted without an error: the sender set it
-        self._work.wait()
+        if timeout:
+            work: Any = self._work  # torch's Work, which takes the timeout
+            work.wait(timeout)
+        else:
+            self._work.wait()
+        return True
 
 
 _QueuedSend = tuple[BackgroundSend, dist.ProcessGroup, torch.Tensor, int, int]  # (handle, group, tensor, peer, tag)
