@@ -92,19 +92,16 @@ class _LauncherView:
     earlier test, say). Pickled into the child; the two descriptors travel as file descriptors
     that multiprocessing passes along with the process (`reduction.DupFd`)."""
 
-    def __init__(self) -> None:
-        self.environ = dict(os.environ)
-        self.cwd = os.getcwd()
-        self.streams: list[Any] = [1, 2]  # replaced by duplicates in the child
+    def __init__(self, environ: dict[str, str], cwd: str, streams: Sequence[Any] = (1, 2)) -> None:
+        self.environ, self.cwd = environ, cwd
+        self.streams = streams  # stdout's and stderr's fds here; their passed duplicates in the child
+
+    @classmethod
+    def now(cls) -> _LauncherView:
+        return cls(dict(os.environ), os.getcwd())
 
     def __reduce__(self):
-        return _LauncherView._rebuilt, (self.environ, self.cwd, [reduction.DupFd(fd) for fd in (1, 2)])
-
-    @staticmethod
-    def _rebuilt(environ: dict[str, str], cwd: str, streams: list[Any]) -> _LauncherView:
-        view = _LauncherView.__new__(_LauncherView)
-        view.environ, view.cwd, view.streams = environ, cwd, streams
-        return view
+        return _LauncherView, (self.environ, self.cwd, [reduction.DupFd(fd) for fd in self.streams])
 
     def take_on(self) -> None:
         """Child side: become what a spawned child of the launcher would be."""
@@ -159,7 +156,7 @@ def launch(
         )
     backend = backend or nd.default_backend(nprocs)
     ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext: both make Processes
-    launcher_view = None if start_method == "spawn" else _LauncherView()
+    launcher_view = None if start_method == "spawn" else _LauncherView.now()
     results: mp.Queue = ctx.Queue()
     rendezvous_dir = make_private_dir("nanoddp-rdzv-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
