@@ -1,10 +1,13 @@
 """nanoddp: small, readable, fast data-parallel training for PyTorch.
 
 The public API is re-exported here; docs/architecture.md describes the layout and the contract.
+`fully_shard` loads on first use: it brings DTensor ([Note: DTensor on first use]).
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from nanoddp.env import DistEnv, cleanup, init, seed_everything
-from nanoddp.fsdp import fully_shard
 from nanoddp.launch import LaunchError, launch, notebook_launch
 from nanoddp.parallel.clip import clip_grad_norm_
 from nanoddp.parallel.ddp import comm_hooks as hooks
@@ -19,6 +22,17 @@ from nanoddp.train.gather import gather_for_metrics
 from nanoddp.train.trainer import Trainer
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from nanoddp.fsdp import fully_shard
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: called for names not found above
+    if name == "fully_shard":
+        globals()[name] = value = importlib.import_module("nanoddp.fsdp").fully_shard  # asked once
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DataParallel",

@@ -42,12 +42,17 @@ def _single_threaded(fn, env, *args):
 # (conftest.py sets it up): a launch then costs a fraction of a second instead of an import of
 # torch per rank, which was most of the suite's time. `helpers` itself cannot be preloaded (the
 # server ignores our sys.path on Python 3.11), so what it imports is named instead; dynamo too,
-# which torch's DDP imports in every rank that wraps a model in it.
+# which torch's DDP imports in every rank that wraps a model in it, and the nanoddp modules the
+# tests' ranks use (`import nanoddp` alone imports nothing: its names load on first use).
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch._dynamo",
-    "nanoddp",
+    "torch.distributed.tensor",
+    "nanoddp.fsdp",
+    "nanoddp.parallel.ddp.wrapper",
+    "nanoddp.parallel.zero.stage1",
+    "nanoddp.train.trainer",
     "nbformat",
     "jupyter_client",
     "nbclient",

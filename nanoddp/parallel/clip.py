@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanoddp.comm.api.backend import Collectives
+from nanoddp.parallel.tensors import is_dtensor
 
 # ZeRO-2's shard pieces -> (their group, the collectives that reduce over it); filled by `zero2`.
 # By identity: a tensor's `==` compares elements.
@@ -94,7 +94,7 @@ def clip_grad_norm_(
             )
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's factor, no host sync
         grads = [p.grad for p in params if p.grad is not None]
-        plain = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # scale this rank's part
+        plain = [g.to_local() if is_dtensor(g) else g for g in grads]  # scale this rank's part
         for device in {g.device for g in plain}:
             torch._foreach_mul_([g for g in plain if g.device == device], scale.to(device))
     return total
@@ -108,7 +108,7 @@ def total_norm(params: list[torch.Tensor], norm_type: float, foreach: bool | Non
     for p in params:
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor):
+        if is_dtensor(p.grad):
             dtensors.append(p.grad)
         elif p in PIECE_GROUPS:
             group, collectives = PIECE_GROUPS[p]
@@ -120,7 +120,7 @@ def total_norm(params: list[torch.Tensor], norm_type: float, foreach: bool | Non
         parts.append(torch.nn.utils.get_total_norm(replicated, norm_type, False, foreach))
     if dtensors:  # DTensor reduces the per-shard norms over the mesh
         norm = torch.nn.utils.get_total_norm(dtensors, norm_type, False, foreach)
-        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        parts.append(norm.full_tensor() if is_dtensor(norm) else norm)
     for group, (collectives, grads) in pieces.items():
         parts.append(_pieces_norm(grads, norm_type, group, collectives))
     if not parts:

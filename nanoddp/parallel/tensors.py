@@ -10,12 +10,16 @@ outputs (`cast_floats`). One definition here, so the structures they understand 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -129,3 +133,15 @@ def write_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         else:
             param.grad.copy_(piece)
         offset += param.numel()
+
+
+def is_dtensor(obj: Any) -> TypeGuard[DTensor]:
+    """`isinstance(obj, DTensor)`, without importing DTensor where nothing has.
+
+    [Note: DTensor on first use] Importing `torch.distributed.tensor` costs most of a second of
+    CPU (sympy, the op registrations), paid at start-up by every rank and command that imports
+    it. The modules every rank imports (snapshots, clipping, ZeRO) only ask "is this a DTensor?"
+    or act on one they were given, so they import it in the function that needs it, and ask
+    here: no DTensor can exist before its module is imported, so until then the answer is False."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(obj, dtensor_module.DTensor)

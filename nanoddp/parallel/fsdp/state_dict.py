@@ -24,13 +24,16 @@ The moves built on them:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nanoddp.parallel.tensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
 
 
 class FlatPiece(NamedTuple):
@@ -49,6 +52,8 @@ def local_block(
     [Note: torch's cut] The block is what torch's DTensor gives this rank (`torch.chunk` along
     each sharded dim: ceil(size / n) slices per rank, the last ranks fewer or none), so our
     shards, torch's FSDP2 and `torch.distributed.checkpoint` agree on who holds which rows."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # [Note: DTensor on first use]
+
     size, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
     return tuple(size), tuple(offset)
 
@@ -73,13 +78,15 @@ def rows_of(value: torch.Tensor, like: DTensor) -> DTensor:
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(f"whole tensor {tuple(value.shape)} does not match the sharded one {tuple(like.shape)}")
     local = rows_of_whole(value.to(like.device), like.device_mesh, like.placements).to(like.dtype).clone()
+    from torch.distributed.tensor import DTensor  # [Note: DTensor on first use]
+
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
 
 
 def _whole(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def full_state(module: nn.Module, wholes: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -112,7 +119,7 @@ def load_full_state(
         shape = piece.shape if piece is not None else target.shape
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, the model {tuple(shape)}")
-        if isinstance(target, DTensor):
+        if is_dtensor(target):
             target.to_local().copy_(rows_of_whole(value, target.device_mesh, target.placements))
         elif piece is not None:
             target.copy_(piece_of_whole(value, piece))
@@ -129,11 +136,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Every plain state tensor shaped like its DTensor parameter becomes this rank's rows of it
     (scalars such as Adam's `step` stay as they are)."""
     for p in _params(optimizer):
-        if not isinstance(p, DTensor) or p not in optimizer.state:
+        if not is_dtensor(p) or p not in optimizer.state:
             continue
         state = optimizer.state[p]
         for key, value in state.items():
-            if torch.is_tensor(value) and not isinstance(value, DTensor) and value.dim() > 0:
+            if torch.is_tensor(value) and not is_dtensor(value) and value.dim() > 0:
                 state[key] = rows_of(value, p)
 
 

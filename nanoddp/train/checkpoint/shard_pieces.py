@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nanoddp.parallel.fsdp.state_dict import local_block
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Piece = tuple[Any, ...]
 
@@ -47,6 +47,11 @@ def box_piece(shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, 
 def dtensor_piece(t: DTensor, where: str) -> Piece:
     """This rank's piece of DTensor `t`; ValueError naming `where` for placements other than
     Shard/Replicate (Partial values are not a piece of anything yet, strided shards not a block)."""
+    # Imported here: only a DTensor comes here ([Note: DTensor on first use]).
+    from torch.distributed.tensor import Replicate, Shard
+
+    from nanoddp.parallel.fsdp.state_dict import local_block
+
     odd = [p for p in t.placements if type(p) not in (Shard, Replicate)]
     if odd:
         raise ValueError(f"{where} is a DTensor placed {tuple(t.placements)}; only Shard and Replicate can be saved")

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from nanoddp.parallel.fsdp.state_dict import FlatPiece
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
+from nanoddp.parallel.tensors import is_dtensor
 from nanoddp.parallel.zero.flat import FlatParamUnit
 from nanoddp.parallel.zero.partition import assemble_state
 from nanoddp.parallel.zero.sharded_module import flat_pieces
@@ -71,7 +71,7 @@ def replica_registry(objects: list[Any], modules: list[nn.Module]) -> Registry:
         if stepped.isdisjoint(id(p) for p in module.parameters()):
             continue
         for value in module.state_dict(keep_vars=True).values():
-            if torch.is_tensor(value) and not isinstance(value, DTensor):
+            if torch.is_tensor(value) and not is_dtensor(value):
                 found[id(value)] = FlatPiece(value.shape, 0, value.numel())
     return found
 
@@ -104,7 +104,7 @@ def shapes(objects: dict[str, Any], modules: dict[str, nn.Module], kinds: dict[s
 
 
 def _is_piece(t: Any, registry: Registry) -> bool:
-    return isinstance(t, DTensor) or id(t) in registry
+    return is_dtensor(t) or id(t) in registry
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _piece_of(where: str, t: torch.Tensor, registry: Registry) -> tuple[shard_pieces.Piece, tuple[int, ...]]:
     """(this rank's piece, whole shape) of tensor `t`: a DTensor's, a flat piece's, or all of a plain one."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return shard_pieces.dtensor_piece(t, where), tuple(t.shape)
     if id(t) in registry:
         shape, start, stop = registry[id(t)]
@@ -123,7 +123,7 @@ def _piece_of(where: str, t: torch.Tensor, registry: Registry) -> tuple[shard_pi
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t
     return local.detach().to("cpu", copy=True)
 
 
@@ -156,7 +156,7 @@ def capture(name: str, obj: Any, module: nn.Module | None, kind: str, registry: 
         p, kept = params[i], {}
         for key, value in state.items():
             if torch.is_tensor(value) and _state_is_piece(value, p, registry):
-                of = value if isinstance(value, DTensor) else p
+                of = value if is_dtensor(value) else p
                 piece, shape = _piece_of(f"{name}: parameter #{i} {key!r}", of, registry)
                 found[(i, key)], tensors[(i, key)] = piece, _cpu(value)
                 specs[(i, key)] = {"shape": shape, "dtype": value.dtype}
@@ -168,9 +168,9 @@ def capture(name: str, obj: Any, module: nn.Module | None, kind: str, registry: 
 
 def _state_is_piece(value: torch.Tensor, p: torch.Tensor, registry: Registry) -> bool:
     """A state tensor sharded like its parameter: a DTensor, or one shaped like a flat piece."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return True
-    return id(p) in registry and not isinstance(p, DTensor) and value.shape == p.shape
+    return id(p) in registry and not is_dtensor(p) and value.shape == p.shape
 
 
 def merge(name: str, layout: dict[str, Any], per_rank: list[dict[Any, shard_pieces.Piece]]) -> None:
@@ -273,9 +273,11 @@ def _load_piece(where: str, spec: dict, target: torch.Tensor, read, ctx: dict) -
         values = shard_pieces.assemble(where, spec["dtype"], piece, spec["pieces"], read, prefer)
     except ValueError as exc:
         raise ValueError(f"load_state: {exc}") from None
-    if isinstance(target, DTensor):
+    if is_dtensor(target):
         local = target.to_local()
         values = values.view(local.shape).to(device=local.device)
+        from torch.distributed.tensor import DTensor  # [Note: DTensor on first use]
+
         return DTensor.from_local(
             values, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
         )
