@@ -54,7 +54,19 @@ def _pytest(tree: Path, env: dict[str, str], args: tuple[str, ...], timeout: flo
     killed on a timeout or Ctrl-C: nothing it started outlives it.
     """
     # pytest-timeout's per-test limit raised to ours: a loaded host must not read as "caught"
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={timeout:.0f}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={timeout:.0f}",
+        *args,
+    ]
     proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
     try:
