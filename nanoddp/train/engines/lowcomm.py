@@ -79,7 +79,7 @@ class PeriodicSyncEngine(Engine):
 
         state = self.module.state_dict()
         wrapper = self.wrapper
-        if wrapper is None or wrapper.local_step % wrapper.sync_every == 0:
+        if wrapper is None or wrapper.replicas_equal():
             return state
         state = {key: value.detach().clone() for key, value in state.items()}
         average_([v for v in state.values() if v.is_floating_point()], wrapper.collectives, wrapper.group)
