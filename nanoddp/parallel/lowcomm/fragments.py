@@ -27,9 +27,12 @@ import itertools
 from collections.abc import Sequence
 
 
-def check_schedule(sync_every: int, fragments: int, sync_delay: int, mix: float, n_tensors: int) -> None:
-    """One clear ValueError for the first knob that breaks the schedule's rules."""
-    if not 1 <= fragments <= n_tensors:
+def check_schedule(sync_every: int, fragments: int, sync_delay: int, mix: float, n_tensors: int | None = None) -> None:
+    """One clear ValueError for the first knob that breaks the schedule's rules (`n_tensors`: the
+    model's trainable tensors, None where the model is not built yet, as in the launcher)."""
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1 (1 = the whole model syncs at once), got {fragments}")
+    if n_tensors is not None and fragments > n_tensors:
         raise ValueError(
             f"fragments must be between 1 and the number of trainable parameter tensors ({n_tensors}): "
             f"each fragment is at least one whole tensor; got {fragments}"

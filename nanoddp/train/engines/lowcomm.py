@@ -72,9 +72,9 @@ class PeriodicSyncEngine(Engine):
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The replicas' mean (collective): right after a sync they are equal and this is the
-        model as it is; between syncs each floating-point tensor is averaged over ranks, the
-        weights a LocalSGD sync at this step would give."""
+        """The replicas' mean (collective): right after a whole-model sync that keeps nothing
+        local they are equal and this is the model as it is; otherwise each floating-point
+        tensor is averaged over ranks, the weights a LocalSGD sync at this step would give."""
         from nanoddp.parallel.lowcomm.flat_average import average_
 
         state = self.module.state_dict()
@@ -101,15 +101,38 @@ class LocalSGDEngine(PeriodicSyncEngine):
 
 class DiLoCoEngine(PeriodicSyncEngine):
     name = "diloco"
-    help = "DiLoCo: outer Nesterov step every --sync-every steps"
-    option_defaults = {"sync_every": SYNC_EVERY, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+    help = "DiLoCo: outer Nesterov step every --sync-every steps (Streaming: --fragments, --sync-delay)"
+    option_defaults = {
+        "sync_every": SYNC_EVERY,
+        "outer_lr": OUTER_LR,
+        "outer_momentum": OUTER_MOMENTUM,
+        "fragments": 1,
+        "sync_delay": 0,
+        "mix": 0.0,
+        "pseudo_grad_dtype": "fp32",
+    }
     wrapper_class = DiLoCo
 
     def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
         return DiLoCo(
-            optimizer, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
+            optimizer,
+            sync_every=config.sync_every,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            fragments=config.fragments,
+            sync_delay=config.sync_delay,
+            mix=config.mix,
+            compress=config.pseudo_grad_dtype,
         )
 
     def _settings(self, wrapper: Any) -> dict[str, Any]:
         outer = wrapper.outer.defaults
-        return {"sync_every": wrapper.sync_every, "outer_lr": outer["lr"], "outer_momentum": outer["momentum"]}
+        return {
+            "sync_every": wrapper.sync_every,
+            "outer_lr": outer.get("lr"),
+            "outer_momentum": outer.get("momentum"),
+            "fragments": len(wrapper.fragments),
+            "sync_delay": wrapper.sync_delay,
+            "mix": wrapper.mix,
+            "pseudo_grad_dtype": wrapper.compress,
+        }
