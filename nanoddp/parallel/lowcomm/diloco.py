@@ -98,6 +98,7 @@ class DiLoCo(PeriodicSync):
         # int8's error feedback: per fragment, what rounding lost last time (flat, fp32).
         self.residuals = [self._flat_zeros(f) if compress == "int8" else None for f in self.fragments]
         self.in_flight: dict[int, MeanInFlight] = {}  # fragment -> its mean on the wire
+        self.last_finished_wire_bytes = 0  # what the transport sent for the mean the last step used
 
     def _flat_zeros(self, fragment: range) -> torch.Tensor:
         tensors = [self.last_sync[i] for i in fragment]
@@ -110,8 +111,7 @@ class DiLoCo(PeriodicSync):
         if starting is not None:
             sent = self._start(starting)
         finishing = fragment_finishing(self.local_step, self.sync_every, f)
-        if finishing is not None:
-            self._finish(finishing)
+        self.last_finished_wire_bytes = 0 if finishing is None else self._finish(finishing)
         return sent
 
     @torch.no_grad()
@@ -126,9 +126,11 @@ class DiLoCo(PeriodicSync):
         return pending.sent_bytes
 
     @torch.no_grad()
-    def _finish(self, fragment: int) -> None:
-        """The outer step on fragment's mean pseudo-gradient; then local = global + mix (local - global)."""
-        mean = self.in_flight.pop(fragment).wait()
+    def _finish(self, fragment: int) -> int:
+        """The outer step on fragment's mean pseudo-gradient; then local = global + mix (local - global).
+        Returns the bytes the transport sent for that mean (`MeanInFlight.wire_bytes`)."""
+        pending = self.in_flight.pop(fragment)
+        mean = pending.wait()
         params, offset = self._params(), 0
         for i in self.fragments[fragment]:
             synced = self.last_sync[i]
@@ -142,6 +144,7 @@ class DiLoCo(PeriodicSync):
             if local is not None:
                 p.lerp_(local, self.mix)
             synced.grad = None
+        return pending.wire_bytes()
 
     def replicas_equal(self) -> bool:
         """After a whole-model sync that keeps nothing local (one fragment, mix 0)."""

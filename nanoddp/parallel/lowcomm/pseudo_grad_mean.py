@@ -72,13 +72,32 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class MeanInFlight:
-    """A mean over ranks that may still be on the wire; `wait()` gives it (once finished, again)."""
+    """A mean over ranks that may still be on the wire; `wait()` gives it (once finished, again).
 
-    def __init__(self, works: Sequence, finish: Callable[[], torch.Tensor], sent_bytes: int) -> None:
+    [Note: wire bytes of a background collective] The trainer's `comm_bytes` counts what
+    nanoddp's transport sent inside each step; a collective that runs between steps would be
+    missed. So the mean measures its own: the transport's byte count when it is submitted, and
+    again when it completes (a callback on the group's worker thread, before the next queued
+    collective runs). Collectives on a group run one at a time, in order, so with nothing else
+    queued on it at submission (DiLoCo has at most one fragment in flight) the difference is
+    this collective's bytes, headers included. Traffic of another group at the same time would
+    be counted too; the low-communication engines use one group.
+    """
+
+    def __init__(
+        self, works: Sequence, finish: Callable[[], torch.Tensor], sent_bytes: int, wire_mark: int = 0
+    ) -> None:
         self._works = list(works)
         self._finish: Callable[[], torch.Tensor] | None = finish
         self._mean: torch.Tensor | None = None
         self.sent_bytes = sent_bytes  # the payload this rank handed to the collective
+        self._wire_marks = [wire_mark]  # the transport's count before submission, then at completion
+        if self._works:
+            self._works[-1].get_future().then(lambda _: self._wire_marks.append(_transport_sent()))
+
+    def wire_bytes(self) -> int:
+        """What the transport sent for this mean (after `wait()`; 0 for a mean known already)."""
+        return self._wire_marks[-1] - self._wire_marks[0] if len(self._wire_marks) == 2 else 0
 
     @classmethod
     def done(cls, mean: torch.Tensor) -> MeanInFlight:
@@ -108,8 +127,9 @@ def start_mean(
     if compress == "int8":
         return _start_int8_mean(flat, world_size, collectives, group, residual)
     wire = flat.div_(world_size).to(WIRE_DTYPES[compress])  # divide, then sum: flat_average's Note
+    mark = _transport_sent()
     work = collectives.all_reduce(wire, group=group, async_op=True)
-    return MeanInFlight([work], lambda: wire.to(torch.float32), wire.numel() * wire.element_size())
+    return MeanInFlight([work], lambda: wire.to(torch.float32), wire.numel() * wire.element_size(), mark)
 
 
 def _start_int8_mean(
@@ -122,6 +142,7 @@ def _start_int8_mean(
     residual.copy_(flat - dequantize_int8(q, scales))
     payload = torch.cat([scales.view(torch.int8), q])  # scales first: their fp32 view stays aligned
     gathered = [torch.empty_like(payload) for _ in range(world_size)]
+    mark = _transport_sent()
     work = collectives.all_gather(gathered, payload, group=group, async_op=True)
     n_scale_bytes = scales.numel() * scales.element_size()
 
@@ -131,4 +152,11 @@ def _start_int8_mean(
             total.add_(dequantize_int8(theirs[n_scale_bytes:], theirs[:n_scale_bytes].view(torch.float32)))
         return total.div_(world_size)
 
-    return MeanInFlight([work], finish, payload.numel())
+    return MeanInFlight([work], finish, payload.numel(), mark)
+
+
+def _transport_sent() -> int:
+    """nanoddp's transport byte count (imported here: importing a wrapper never needs nanoddp.comm)."""
+    from nanoddp.comm.transport.transport import sent_bytes
+
+    return sent_bytes()

@@ -125,6 +125,16 @@ class DiLoCoEngine(PeriodicSyncEngine):
             compress=config.pseudo_grad_dtype,
         )
 
+    def step_comm_bytes(self, counted: int) -> int:
+        """With --sync-delay 0 a sync runs inside its step: what the transport counted. With a
+        delay a fragment's collective runs in the background, also between steps, where the
+        step's count misses it: its own measured bytes instead, in the record of the step that
+        used the mean (`pseudo_grad_mean`'s Note: wire bytes of a background collective)."""
+        wrapper = self.wrapper
+        if isinstance(wrapper, DiLoCo) and wrapper.sync_delay > 0:
+            return wrapper.last_finished_wire_bytes
+        return counted
+
     def _settings(self, wrapper: Any) -> dict[str, Any]:
         outer = wrapper.outer.defaults
         return {
