@@ -8,8 +8,9 @@
   group as torchft's Manager does: sum, then divide by the participants on completion. Ours
   divides, then sums; with two ranks x/2 + y/2 and (x + y)/2 round the same (halving is exact);
 - int8 with error feedback (F = 2, tau = 1, alpha = 0.5): bitwise a single-process simulation of
-  the two replicas that quantizes block by block by the rule `pseudo_grad_mean` documents; the
-  last-sync weights (the global model) are the same on both ranks; the bytes are the int8 ones;
+  the two replicas that quantizes block by block by the rule `pseudo_grad_mean` documents; so
+  are bf16 and fp16 (cast, summed in fp32, rounded once); the last-sync weights (the global
+  model) are the same on both ranks; the bytes are the wire format's;
 - the same run stopped with a fragment's mean on the wire, saved, rebuilt and resumed, equals
   the uninterrupted run bitwise.
 """
@@ -29,6 +30,7 @@ from nanoddp.parallel.lowcomm import DiLoCo
 
 H, STEPS, STOP = 4, 9, 5  # after step 5 (tau = 1, F = 2) fragment 0's mean is on the wire
 INT8_BLOCK = 256  # the documented block size (pseudo_grad_mean.INT8_BLOCK); the simulation's own copy
+WIRES = ("int8", "bf16", "fp16")
 COMBOS = [(f, tau, alpha) for f, tau, alpha in itertools.product((1, 2), (0, 1), (0.0, 0.5))]
 
 
@@ -141,9 +143,9 @@ def ours_run(rank: int, fragments: int, tau: int, alpha: float, backend: str) ->
     return params(model)
 
 
-def int8_diloco(model: nn.Module) -> DiLoCo:
+def streaming_diloco(model: nn.Module, compress: str = "int8") -> DiLoCo:
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return DiLoCo(inner, sync_every=H, fragments=2, sync_delay=1, mix=0.5, compress="int8")
+    return DiLoCo(inner, sync_every=H, fragments=2, sync_delay=1, mix=0.5, compress=compress)
 
 
 def _worker(env) -> dict:
@@ -153,22 +155,23 @@ def _worker(env) -> dict:
         out[f"ours-{combo}"] = ours_run(env.rank, *combo, backend="nanoddp")
     out["ours-torch-backend"] = ours_run(env.rank, 2, 1, 0.5, backend="torch")
 
-    whole = int8_model()
-    opt = int8_diloco(whole)
-    sent = []
-    for step in range(STEPS):
-        train(whole, opt, env.rank, range(step, step + 1))
-        sent.append(opt.last_sync_bytes)
-    out["int8"], out["int8-sent"] = params(whole), sent
-    out["int8-last-sync"] = [s.clone() for s in opt.last_sync]
+    for compress in WIRES:
+        whole = int8_model()
+        opt = streaming_diloco(whole, compress)
+        sent = []
+        for step in range(STEPS):
+            train(whole, opt, env.rank, range(step, step + 1))
+            sent.append(opt.last_sync_bytes)
+        out[compress], out[f"{compress}-sent"] = params(whole), sent
+        out[f"{compress}-last-sync"] = [s.clone() for s in opt.last_sync]
 
     stopped = int8_model()
-    stopped_opt = int8_diloco(stopped)
+    stopped_opt = streaming_diloco(stopped)
     train(stopped, stopped_opt, env.rank, range(STOP))
     assert stopped_opt.in_flight, "the resume check must stop with a fragment on the wire"
     saved_model, saved_opt = copy.deepcopy(stopped.state_dict()), copy.deepcopy(stopped_opt.state_dict())
     resumed = int8_model()
-    resumed_opt = int8_diloco(resumed)
+    resumed_opt = streaming_diloco(resumed)
     resumed.load_state_dict(saved_model)  # after the wrapper: its start-up broadcast would undo it
     resumed_opt.load_state_dict(saved_opt)
     train(resumed, resumed_opt, env.rank, range(STOP, STEPS))
@@ -212,9 +215,12 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def simulate_int8() -> list[list[torch.Tensor]]:
-    """Both replicas in this process: F = 2 (layer 1 | layer 2), period 2, tau = 1, alpha = 0.5;
-    each replica sends its quantized pseudo-gradient plus what rounding lost last time."""
+def simulate(wire: str) -> list[list[torch.Tensor]]:
+    """Both replicas in this process: F = 2 (layer 1 | layer 2), period 2, tau = 1, alpha = 0.5.
+    int8: each replica sends its quantized pseudo-gradient plus what rounding lost last time, and
+    the mean is the dequantized sum / 2. bf16/fp16: each sends its half cast to the wire dtype,
+    and the mean is their sum in fp32 rounded once to that dtype (two terms: one addition)."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
     models = [int8_model() for _ in range(2)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     synced = [p.detach().clone() for p in models[0].parameters()]
@@ -232,10 +238,17 @@ def simulate_int8() -> list[list[torch.Tensor]]:
                 sent = []
                 for rank, model in enumerate(models):
                     ps = list(model.parameters())
-                    x = torch.cat([(synced[i] - ps[i]).reshape(-1) for i in fragments[f]]) + residual[rank, f]
-                    sent.append(quantized(x))
-                    residual[rank, f] = x - sent[-1]
-                pending[f] = (sent[0] + sent[1]) / 2
+                    x = torch.cat([(synced[i] - ps[i]).reshape(-1) for i in fragments[f]])
+                    if half is None:
+                        x = x + residual[rank, f]
+                        sent.append(quantized(x))
+                        residual[rank, f] = x - sent[-1]
+                    else:
+                        sent.append((x / 2).to(half))
+                if half is None:
+                    pending[f] = (sent[0] + sent[1]) / 2
+                else:
+                    pending[f] = (sent[0].float() + sent[1].float()).to(half).float()
             if step % 2 == 0:
                 f = (step // 2 - 1) % 2
                 mean, offset = pending.pop(f), 0
@@ -254,8 +267,19 @@ def simulate_int8() -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_half_precision_wire_equals_the_simulation(ranks, wire):
+    replicas = simulate(wire)
+    for rank, out in enumerate(ranks):
+        assert_bitwise(out[wire], replicas[rank], f"rank {rank} {wire} vs the simulation")
+    assert_bitwise(ranks[0][f"{wire}-last-sync"], ranks[1][f"{wire}-last-sync"], "the global model, rank 0 vs 1")
+    halves = [2 * (512 + 32), 2 * (512 + 16)]  # 2 bytes an element
+    assert ranks[0][f"{wire}-sent"] == [halves[(s // 2) % 2] if s % 2 == 1 else 0 for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.timeout(300)
 def test_int8_with_error_feedback_equals_the_simulation(ranks):
-    replicas = simulate_int8()
+    replicas = simulate("int8")
     for rank, out in enumerate(ranks):
         assert_bitwise(out["int8"], replicas[rank], f"rank {rank} int8 vs the simulation")
     assert_bitwise(ranks[0]["int8-last-sync"], ranks[1]["int8-last-sync"], "the global model on rank 0 vs 1")
