@@ -86,6 +86,19 @@ class TrainConfig:
     the DiLoCo paper's)."""
     outer_momentum: float | None = None
     """--engine diloco: the outer SGD's Nesterov momentum (default 0.9; 0 = plain SGD)."""
+    fragments: int | None = None
+    """--engine diloco: Streaming DiLoCo: the model cut into this many contiguous pieces of near-equal
+    size that sync one at a time, sync_every/fragments steps apart (default 1: the whole model)."""
+    sync_delay: int | None = None
+    """--engine diloco: inner steps a fragment's all-reduce runs in the background before its outer
+    step, hiding the link (default 0; below sync_every/fragments). Those steps' progress on that
+    fragment is kept only in the --mix share."""
+    mix: float | None = None
+    """--engine diloco: share of its local weights a fragment keeps after its outer step (default 0:
+    the global weights; 1: the local ones)."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "fp16", "int8"] | None = None
+    """--engine diloco: the pseudo-gradient's format on the wire (default fp32); int8 is blockwise
+    absmax with error feedback, about 1/4 of fp32's bytes at 2 replicas."""
     compile: bool = False
     """torch.compile the model (slow to start; mostly pays off on GPU)."""
     grad_checkpoint: bool = False
@@ -147,7 +160,7 @@ MODEL_DEFAULTS: dict[str, dict[str, float]] = {
 
 
 # Fields that only some engines read (their `option_defaults` fill them; None = not given).
-ENGINE_OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
+ENGINE_OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "sync_delay", "mix", "pseudo_grad_dtype")
 
 T = TypeVar("T")
 
@@ -248,6 +261,10 @@ def _validate_engine_options(config: TrainConfig) -> None:
         raise ValueError(f"outer_lr must be a finite number > 0, got {config.outer_lr}")
     if config.outer_momentum is not None and not 0.0 <= config.outer_momentum < 1.0:
         raise ValueError(f"outer_momentum must be in [0, 1), got {config.outer_momentum}")
+    if config.fragments is not None:  # set together by the diloco engine's defaults
+        from nanoddp.parallel.lowcomm.fragments import check_schedule
+
+        check_schedule(filled(config.sync_every), config.fragments, filled(config.sync_delay), filled(config.mix))
 
 
 def _validate_smollm2(config: TrainConfig) -> None:

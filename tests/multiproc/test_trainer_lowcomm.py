@@ -32,6 +32,7 @@ from nanoddp.train.trainer import Trainer
 
 WORLD_SIZE, SYNC_EVERY, STEPS, STOP = 2, 3, 7, 4  # syncs after steps 3 and 6; stop and end between syncs
 LOWCOMM = ("localsgd", "diloco")
+STREAMING_STOP = 3
 
 
 def _config(engine: str, **changes) -> object:
@@ -58,10 +59,28 @@ def _worker(env: DistEnv, tmp: str) -> dict:
     accum = train_tiny(_config("localsgd", grad_accum=2, out=f"{tmp}/accum-localsgd"), env)
     out["localsgd-accum2"] = trainer_params(accum)
     train_tiny(_config("diloco", amp="bf16", out=f"{tmp}/bf16-diloco"), env)
+    out |= _streaming(env, tmp)
     for engine in ("nanoddp", "torch"):
         train_tiny(replace(TINY, engine=engine, steps=2, out=f"{tmp}/{engine}"), env)
     out["user"] = _users_own_wrapper(env, tmp)
     return out
+
+
+def _streaming_config(**changes) -> object:
+    # 2 fragments every 4 steps, each all-reduce started a step early: starts after steps 1, 3, 5, 7
+    streaming = {"fragments": 2, "sync_delay": 1, "mix": 0.5, "pseudo_grad_dtype": "int8"}
+    return replace(_config("diloco", **streaming, **changes), sync_every=4)
+
+
+def _streaming(env: DistEnv, tmp: str) -> dict:
+    """--fragments 2 --sync-delay 1 --mix 0.5 --pseudo-grad-dtype int8: straight, and stopped after
+    step 3 (fragment 1's mean on the wire) and resumed."""
+    whole = train_tiny(_streaming_config(out=f"{tmp}/whole-streaming"), env)
+    train_tiny(_streaming_config(out=f"{tmp}/split-streaming"), env, stop_after=STREAMING_STOP)
+    resumed = Trainer.from_config(_streaming_config(out=f"{tmp}/split-streaming", resume="auto"), env)
+    assert resumed.step == STREAMING_STOP and resumed.optimizer.in_flight.keys() == {1}
+    resumed.train()
+    return {"streaming": trainer_params(whole), "streaming-resumed": trainer_params(resumed)}
 
 
 def _users_own_wrapper(env: DistEnv, tmp: str) -> dict[str, torch.Tensor]:
@@ -256,3 +275,22 @@ def test_a_users_own_wrapper_is_used_as_is_when_the_options_agree(ws2):
     # step 3 is past the sync: the replicas (started from rank 0's weights) differ again
     assert not all(torch.equal(first[k], second[k]) for k in first)
     assert not (tmp / "user-refused").exists()  # the refused Trainer left no run directory
+
+
+def test_streaming_int8_resumes_exactly_and_sends_a_quarter(ws2):
+    """A streaming run stopped with a fragment in flight resumes to the straight run's bits; its
+    int8 fragments send under a third of what whole-model fp32 syncs send over the same steps
+    (2 whole models each way; int8 is 1 byte an element plus a scale per 256)."""
+    results, tmp = ws2
+    for rank in range(WORLD_SIZE):
+        for name, value in results[rank]["streaming"].items():
+            assert torch.equal(results[rank]["streaming-resumed"][name], value), (rank, name)
+    records = _records(tmp / "whole-streaming" / "metrics.jsonl")
+    # a fragment's bytes are in the record of the step that used its mean: steps 2, 4, 6 (the one
+    # started after step 7 is still out when the run ends); each send is counted once, whenever
+    # the background thread made it
+    sent = [r["comm_bytes"] for r in records]
+    assert [b > 0 for b in sent] == [r["step"] % 2 == 0 for r in records], sent
+    assert sent[1] == sent[5] != sent[3], sent  # fragment 0 twice, fragment 1 (another size) once
+    fp32 = sum(r["comm_bytes"] for r in _records(tmp / "whole-diloco" / "metrics.jsonl"))
+    assert 0 < sum(sent) < fp32 / 3, (sent, fp32)

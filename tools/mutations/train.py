@@ -389,8 +389,8 @@ FAULTS = (
     Mutation(
         "diloco engine: --outer-momentum not passed (the default 0.9 runs)",
         "nanoddp/train/engines/lowcomm.py",
-        "outer_lr=config.outer_lr, outer_momentum=config.outer_momentum",
-        "outer_lr=config.outer_lr",
+        "outer_momentum=config.outer_momentum,",
+        "outer_momentum=OUTER_MOMENTUM,",
         ("tests/multiproc/test_trainer_lowcomm.py", "-k", "outer_momentum_reaches"),
     ),
     Mutation(

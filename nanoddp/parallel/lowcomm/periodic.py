@@ -27,11 +27,7 @@ class PeriodicSync(torch.optim.Optimizer):
     def __init__(
         self, optimizer: torch.optim.Optimizer, sync_every: int, group=None, comm_backend: str = DEFAULT_COMM_BACKEND
     ):
-        name = type(self).__name__
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{name} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if int(sync_every) < 1:
-            raise ValueError(f"sync_every must be >= 1 (steps between syncs), got {sync_every}")
+        self.check_wrapped(optimizer, sync_every)
         self.optimizer = optimizer
         self.sync_every = int(sync_every)
         self.group = group
@@ -46,6 +42,14 @@ class PeriodicSync(torch.optim.Optimizer):
         if group_size_rank_src(group)[0] > 1:  # one rank alone has nothing to sync
             broadcast_rank0_weights(self._params(), self.collectives, group)
 
+    @classmethod
+    def check_wrapped(cls, optimizer: Any, sync_every: int) -> None:
+        """The one error for what every wrapper takes (a subclass checks these before its own)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{cls.__name__} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if int(sync_every) < 1:
+            raise ValueError(f"sync_every must be >= 1 (steps between syncs), got {sync_every}")
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
@@ -53,12 +57,21 @@ class PeriodicSync(torch.optim.Optimizer):
         """Bring the replicas together (collective); returns the bytes this rank sent."""
         raise NotImplementedError
 
+    def _after_step(self) -> int:
+        """Run after each inner step (all ranks together); returns the bytes this rank sent.
+        Here: every `sync_every`-th step `_sync()`. DiLoCo's fragments sync on a finer schedule."""
+        return self._sync() if self.local_step % self.sync_every == 0 else 0
+
+    def replicas_equal(self) -> bool:
+        """Whether every rank holds the same weights now (right after a whole-model sync)."""
+        return self.local_step % self.sync_every == 0
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """The inner optimizer's step; every `sync_every`-th also `_sync()` (all ranks together)."""
+        """The inner optimizer's step, then `_after_step()` (every `sync_every`-th: a sync)."""
         loss = self.optimizer.step(closure)
         self.local_step += 1
-        self.last_sync_bytes = self._sync() if self.local_step % self.sync_every == 0 else 0
+        self.last_sync_bytes = self._after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -45,7 +45,7 @@ class Engine:
     local_gradients = False
     # TrainConfig fields this engine reads, with their defaults (filled where left at None);
     # such a field set for an engine that does not list it is refused (`config.validate_loop`).
-    option_defaults: dict[str, float] = {}
+    option_defaults: dict[str, float | str] = {}
 
     def __init__(self, name: str, model: nn.Module, module: nn.Module, comm: CommTimer | None = None):
         self.name = name  # the class's for a registry engine; a benchmark's variant names itself

@@ -72,14 +72,14 @@ class PeriodicSyncEngine(Engine):
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The replicas' mean (collective): right after a sync they are equal and this is the
-        model as it is; between syncs each floating-point tensor is averaged over ranks, the
-        weights a LocalSGD sync at this step would give."""
+        """The replicas' mean (collective): right after a whole-model sync that keeps nothing
+        local they are equal and this is the model as it is; otherwise each floating-point
+        tensor is averaged over ranks, the weights a LocalSGD sync at this step would give."""
         from nanoddp.parallel.lowcomm.flat_average import average_
 
         state = self.module.state_dict()
         wrapper = self.wrapper
-        if wrapper is None or wrapper.local_step % wrapper.sync_every == 0:
+        if wrapper is None or wrapper.replicas_equal():
             return state
         state = {key: value.detach().clone() for key, value in state.items()}
         average_([v for v in state.values() if v.is_floating_point()], wrapper.collectives, wrapper.group)
@@ -101,15 +101,48 @@ class LocalSGDEngine(PeriodicSyncEngine):
 
 class DiLoCoEngine(PeriodicSyncEngine):
     name = "diloco"
-    help = "DiLoCo: outer Nesterov step every --sync-every steps"
-    option_defaults = {"sync_every": SYNC_EVERY, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+    help = "DiLoCo: outer Nesterov step every --sync-every steps (Streaming: --fragments, --sync-delay)"
+    option_defaults = {
+        "sync_every": SYNC_EVERY,
+        "outer_lr": OUTER_LR,
+        "outer_momentum": OUTER_MOMENTUM,
+        "fragments": 1,
+        "sync_delay": 0,
+        "mix": 0.0,
+        "pseudo_grad_dtype": "fp32",
+    }
     wrapper_class = DiLoCo
 
     def _wrap(self, optimizer: torch.optim.Optimizer, config: Any) -> PeriodicSync:
         return DiLoCo(
-            optimizer, sync_every=config.sync_every, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
+            optimizer,
+            sync_every=config.sync_every,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            fragments=config.fragments,
+            sync_delay=config.sync_delay,
+            mix=config.mix,
+            compress=config.pseudo_grad_dtype,
         )
+
+    def step_comm_bytes(self, counted: int) -> int:
+        """With --sync-delay 0 a sync runs inside its step: what the transport counted. With a
+        delay a fragment's collective runs in the background, also between steps, where the
+        step's count misses it: its own measured bytes instead, in the record of the step that
+        used the mean (`pseudo_grad_mean`'s Note: wire bytes of a background collective)."""
+        wrapper = self.wrapper
+        if isinstance(wrapper, DiLoCo) and wrapper.sync_delay > 0:
+            return wrapper.last_finished_wire_bytes
+        return counted
 
     def _settings(self, wrapper: Any) -> dict[str, Any]:
         outer = wrapper.outer.defaults
-        return {"sync_every": wrapper.sync_every, "outer_lr": outer["lr"], "outer_momentum": outer["momentum"]}
+        return {
+            "sync_every": wrapper.sync_every,
+            "outer_lr": outer.get("lr"),
+            "outer_momentum": outer.get("momentum"),
+            "fragments": len(wrapper.fragments),
+            "sync_delay": wrapper.sync_delay,
+            "mix": wrapper.mix,
+            "pseudo_grad_dtype": wrapper.compress,
+        }
