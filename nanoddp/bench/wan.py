@@ -102,19 +102,18 @@ def _run_env(link: dict[str, str]) -> dict[str, str]:
     return {**env, **link}
 
 
-def choose_link(requested: str | None) -> str:
-    """`--link` as given, or netns where namespaces and qdiscs can be made and shaper elsewhere
-    (said in one line); `--link netns` where they cannot is refused in one line."""
+def choose_link(requested: str | None) -> tuple[str, str]:
+    """`--link` as given, or netns where namespaces and qdiscs can be made and shaper elsewhere;
+    with why, in words. `--link netns` where they cannot is refused in one line."""
     reason = shaping_unavailable_reason()
     if requested == "netns" and reason is not None:
         raise ValueError(f"--link netns needs network namespaces and tc qdiscs, which cannot be made here ({reason}); "
                          "use --link shaper (the in-process shaper) or run as root with iproute2")  # fmt: skip
     if requested is not None:
-        return requested
-    link = "shaper" if reason else "netns"
-    why = f"namespaces cannot be made here: {reason}" if reason else "root, with ip and tc"
-    print(f"nanoddp bench wan: --link {link} ({why})", file=sys.stderr)
-    return link
+        return requested, "as asked"
+    if reason is not None:
+        return "shaper", f"the default here: namespaces cannot be made ({reason})"
+    return "netns", "the default here: root, with ip and tc"
 
 
 def link_latency(link: str, latency: str | None) -> str | None:
@@ -140,19 +139,20 @@ def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Pa
     return _result(engine, bool(link), run)
 
 
-def node_argvs(engine: str, args: argparse.Namespace, out: Path, hosts: NetnsHosts, port: int) -> list[list[str]]:
-    """The two nodes' commands, each inside its host; node 0 (host 0) serves the rendezvous and
-    writes `out`, node 1 its own directory beside it (two launchers never share a run dir)."""
-    endpoint = f"{hosts.addresses[0]}:{port}"
+def node_argvs(engine: str, args: argparse.Namespace, out: Path, endpoint: str) -> list[list[str]]:
+    """The two nodes' `nanoddp train` commands; node 0 serves the rendezvous at `endpoint` (its
+    own address) and writes `out`, node 1 its own directory beside it (two launchers never share
+    a run dir)."""
     outs = [out, out.with_name(f"{out.name}-node1")]
-    return [hosts.command(k, train_argv(engine, args, outs[k], node_launch(endpoint, k))) for k in (0, 1)]
+    return [train_argv(engine, args, outs[k], node_launch(endpoint, k)) for k in (0, 1)]
 
 
 def run_on_hosts(engine: str, args: argparse.Namespace, out: Path, hosts: NetnsHosts, port: int) -> dict[str, Any]:
     """Run `nanoddp train` once as two nodes, one per namespace host, over the fabric as `hosts`
     shapes it now; return node 0's summary (`summarize`) with its wall time. Either node failing
     fails the run; nothing either started outlives this call."""
-    node0, node1 = node_argvs(engine, args, out, hosts, port)
+    endpoint = f"{hosts.addresses[0]}:{port}"
+    node0, node1 = (hosts.command(k, argv) for k, argv in enumerate(node_argvs(engine, args, out, endpoint)))
     logger.info("running %s and %s", shlex.join(node0), shlex.join(node1))
     env = _run_env({})
     with child_run(node1, env=env) as peer:
@@ -387,10 +387,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    args.link = choose_link(args.link)
+    args.link, why = choose_link(args.link)
     args.latency = link_latency(args.link, args.latency)
     link_environ(args.bandwidth, args.latency)  # a bad value: refused before anything runs
     check_runs(args)
+    print(f"nanoddp bench wan: --link {args.link} ({why})", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="nanoddp-wan-") as root:
         report = run_bench(args, Path(root))
     print(format_markdown(report))

@@ -127,7 +127,33 @@ def test_the_command_line_refuses_with_exit_code_2_and_no_temp_dir(tmp_path):
 def test_wan_help_gives_the_default_link(capsys):
     assert _exit_code(["bench", "wan", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
-    assert "(default: 100mbit)" in help_text and "(default: 20ms)" in help_text and "(default: 1000)" in help_text
+    assert "(default: 100mbit)" in help_text and "(default: 1000)" in help_text
+    assert "(default: 20ms under --link shaper; none under --link netns, which refuses a nonzero one)" in help_text
+    assert "Default: netns where this process is root with ip and tc, else shaper" in help_text
+
+
+# Where namespaces can be made (None) and where they cannot: the link each asks for is refused in
+# one line, or a latency netns cannot give; the machine running the suite decides nothing.
+NO_NAMESPACES = "making network namespaces needs root"
+LINK_REFUSALS = [
+    (NO_NAMESPACES, ["--link", "netns"], f"--link netns needs network namespaces and tc qdiscs, which cannot be "
+                                         f"made here ({NO_NAMESPACES}); use --link shaper"),
+    (None, ["--link", "netns", "--latency", "20ms"], "--latency 20ms cannot be simulated under --link netns: this "
+                                                    "kernel has no netem"),
+    (None, ["--latency", "5ms"], "--latency 5ms cannot be simulated under --link netns"),  # netns by default
+    (None, ["--link", "netns", "--latency", "soon"], "--latency must be a number and a unit"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reason, flags, message", LINK_REFUSALS, ids=[" ".join(f) for _, f, _ in LINK_REFUSALS])
+def test_a_link_that_cannot_be_had_is_one_line_before_any_child(reason, flags, message, no_children, monkeypatch,
+                                                                capsys):  # fmt: skip
+    started, temp = no_children
+    monkeypatch.setattr(wan, "shaping_unavailable_reason", lambda: reason)
+    assert _exit_code(["bench", "wan", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoddp bench wan: error: ") and message in err, err
+    assert started == [] and list(temp.iterdir()) == []
 
 
 # --- a failure midway --------------------------------------------------------------------------
@@ -204,7 +230,7 @@ def test_a_run_that_fails_is_reported_without_a_traceback_and_nothing_is_left(tm
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     fail = "import sys; open(sys.argv[1], 'a').write('x'); print('planted: out of memory'); sys.exit(1)"
     monkeypatch.setattr(wan, "train_argv", lambda engine, args, out: [sys.executable, "-c", fail, str(starts)])
-    assert main(["bench", "wan", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
+    assert main(["bench", "wan", "--link", "shaper", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("nanoddp bench wan: error: ") and "failed (exit 1)" in err
     assert "planted: out of memory" in err and "Traceback" not in err
