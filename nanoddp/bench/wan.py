@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from subprocess import Popen
 from typing import Any
 
 from nanoddp.base.processes import child_run, end_tree, finish
@@ -157,15 +158,27 @@ def run_on_hosts(engine: str, args: argparse.Namespace, out: Path, hosts: NetnsH
     env = _run_env({})
     with child_run(node1, env=env) as peer:
         peer_output: list[str] = []
-        reader = threading.Thread(target=lambda: peer_output.append(finish(peer, RUN_TIMEOUT_S)), daemon=True)
-        reader.start()  # read on a thread: a full pipe would stall node 1, and with it node 0
-        run = run_training(node0, out, timeout_s=RUN_TIMEOUT_S, env=env)
-        reader.join(timeout=PEER_EXIT_S if run.returncode == 0 else 0)
-        if reader.is_alive():
+
+        def watch_peer(node0_proc: Popen) -> threading.Thread:
+            """Read node 1's output on a thread (a full pipe would stall it, and node 0 with it);
+            node 1 failing ends node 0, which would wait for it until a timeout."""
+
+            def read() -> None:
+                peer_output.append(finish(peer, RUN_TIMEOUT_S))
+                if peer.returncode != 0:
+                    end_tree(node0_proc)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            return reader
+
+        run = run_training(node0, out, timeout_s=RUN_TIMEOUT_S, env=env, during=watch_peer)
+        run.acted.join(timeout=PEER_EXIT_S if run.returncode == 0 else 0)
+        if run.acted.is_alive():
             end_tree(peer)
-            reader.join()
+            run.acted.join()
     nodes = [(node0, run.returncode, run.output), (node1, peer.returncode, "".join(peer_output))]
-    for argv, code, text in nodes:
+    for argv, code, text in sorted(nodes, key=lambda node: node[1] < 0):  # the one we ended is not the cause
         if code != 0:
             raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {code}):\n{text[-3000:]}")
     return _result(engine, hosts.bits_per_s is not None, run)

@@ -235,3 +235,43 @@ def test_a_run_that_fails_is_reported_without_a_traceback_and_nothing_is_left(tm
     assert err.startswith("nanoddp bench wan: error: ") and "failed (exit 1)" in err
     assert "planted: out of memory" in err and "Traceback" not in err
     assert starts.read_text() == "x" and list(temp.iterdir()) == []
+
+
+# node 1 of a netns run: waits until node 0's stand-in is up, then fails
+FAILING_NODE = """
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+print("planted: node 1 lost its disk")
+sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(wan.shaping_unavailable_reason() is not None, reason=f"netns: {wan.shaping_unavailable_reason()}")
+@pytest.mark.timeout(180)
+def test_a_netns_node_that_fails_ends_the_other_and_leaves_no_host(tmp_path, monkeypatch, capsys):
+    """`bench wan --link netns`: node 1 exits 1 while node 0 trains (sleeps, a worker in a session
+    of its own): node 0 is ended at once rather than left waiting for it, node 1's failure is the
+    one reported, and no process, namespace or temp dir is left."""
+    temp, pids = tmp_path / "tmp", tmp_path / "pids"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+
+    def stand_in(engine, args, out, launch=wan.LOCAL_LAUNCH):
+        script = FAILING_NODE if launch[launch.index("--node-rank") + 1] == "1" else FAKE_TRAIN
+        return [sys.executable, "-c", script, str(pids)]
+
+    monkeypatch.setattr(wan, "train_argv", stand_in)
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    started = time.monotonic()
+    assert main(["bench", "wan", "--link", "netns", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
+    assert time.monotonic() - started < 120  # not the stand-in's 300 s sleep
+    said, error = capsys.readouterr().err.split("\n", 1)  # the stand-in's script spans lines
+    assert said == "nanoddp bench wan: --link netns (as asked)"
+    assert error.startswith(f"nanoddp bench wan: error: `ip netns exec nanoddp-{os.getpid()}-")
+    assert error.split()[7].endswith("-1")  # node 1's host
+    assert "` failed (exit 1):\nplanted: node 1 lost its disk\n" in error and "Traceback" not in error
+    _assert_all_gone(pids)
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {name for name in after - before if name.startswith(f"nanoddp-{os.getpid()}-")}
+    assert list(temp.iterdir()) == []

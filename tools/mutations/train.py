@@ -338,6 +338,13 @@ FAULTS = (
         ("tests/reliability/test_netns_link.py",),
     ),
     Mutation(
+        "bench wan: node 0 waits on after node 1 failed",
+        "nanoddp/bench/wan.py",
+        "                if peer.returncode != 0:\n                    end_tree(node0_proc)\n",
+        "                if peer.returncode != 0:\n                    pass\n",
+        ("tests/reliability/test_bench_refusals.py", "-k", "netns_node"),
+    ),
+    Mutation(
         "bench wan: both netns nodes claim node rank 0",
         "nanoddp/bench/wan.py",
         "    return [train_argv(engine, args, outs[k], node_launch(endpoint, k)) for k in (0, 1)]\n",
