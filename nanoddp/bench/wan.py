@@ -103,15 +103,15 @@ def _run_env(link: dict[str, str]) -> dict[str, str]:
     return {**env, **link}
 
 
-def choose_link(requested: str | None) -> tuple[str, str]:
-    """`--link` as given, or netns where namespaces and qdiscs can be made and shaper elsewhere;
-    with why, in words. `--link netns` where they cannot is refused in one line."""
+def choose_link(requested: str | None) -> tuple[str, str | None]:
+    """`--link` as given, or netns where namespaces and qdiscs can be made and shaper elsewhere,
+    with why, in words (None: as given). `--link netns` where they cannot is refused in one line."""
     reason = shaping_unavailable_reason()
     if requested == "netns" and reason is not None:
         raise ValueError(f"--link netns needs network namespaces and tc qdiscs, which cannot be made here ({reason}); "
                          "use --link shaper (the in-process shaper) or run as root with iproute2")  # fmt: skip
     if requested is not None:
-        return requested, "as asked"
+        return requested, None
     if reason is not None:
         return "shaper", f"the default here: namespaces cannot be made ({reason})"
     return "netns", "the default here: root, with ip and tc"
@@ -404,7 +404,8 @@ def _run(args: argparse.Namespace) -> int:
     args.latency = link_latency(args.link, args.latency)
     link_environ(args.bandwidth, args.latency)  # a bad value: refused before anything runs
     check_runs(args)
-    print(f"nanoddp bench wan: --link {args.link} ({why})", file=sys.stderr)
+    if why is not None:  # a default is said, in one line
+        print(f"nanoddp bench wan: --link {args.link} ({why})", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="nanoddp-wan-") as root:
         report = run_bench(args, Path(root))
     print(format_markdown(report))

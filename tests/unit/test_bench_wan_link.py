@@ -4,12 +4,14 @@
   checks (`check_train_argv`) and give the same config but for the run dir, which differs; they
   name the same endpoint, rendezvous id and node count, one process each, node ranks 0 and 1 (what
   docs/multinode.md asks of a multi-node launch). `--link shaper`: one command, 2 processes here.
+- The default link: netns where namespaces can be made, else the shaper, with the reason.
 - The table and summary over a report with torch's DDP: a torch row, and its training time over
   DiLoCo's and ours derived from the rows (reference: a torch row that copies DDP's figures must
   come out at 1.0× ours and at DDP's own speedup over DiLoCo).
 
 The kernel link itself is measured in tests/reliability/test_netns_link.py; a whole run through
-`bench wan` in tests/multiproc/test_bench_wan.py.
+`bench wan` (under the shaper) in tests/multiproc/test_bench_wan.py; a node failing under netns in
+tests/reliability/test_bench_refusals.py.
 """
 
 from __future__ import annotations
@@ -80,3 +82,11 @@ def test_a_torch_row_renders_with_its_ratios_derived_from_the_rows():
     text = wan.format_markdown(report)
     assert text.count("| 100mbit veth (tbf) | DDP (`torch`) |") == 1 and text.count("| veth, full speed |") == 3
     assert text.count("and 1.0× ours.") == 2
+
+
+@pytest.mark.parametrize("reason, link", [(None, "netns"), ("making network namespaces needs root", "shaper")])
+def test_the_default_link_is_netns_where_it_can_be_made_and_says_why_otherwise(reason, link, monkeypatch):
+    monkeypatch.setattr(wan, "shaping_unavailable_reason", lambda: reason)
+    chosen, why = wan.choose_link(None)
+    assert chosen == link and why is not None and (reason is None or reason in why)
+    assert wan.choose_link("shaper") == ("shaper", None)  # asked for: nothing to say
