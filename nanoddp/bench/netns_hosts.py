@@ -12,6 +12,13 @@ the subnet is a random /24 in 10.200-254.x.x (the namespaces' routes are their o
 bridge holds no address, so even two fabrics on one subnet could not meet). `close()` kills what
 runs inside, deletes the veths, the namespaces and the bridge; a fabric left by a SIGKILLed
 maker is removed by the next `NetnsHosts()` (its pid is gone). Needs root and iproute2's `ip`.
+
+`shape(bits_per_s)` makes the fabric a slow link the kernel enforces for every process alike (our
+collectives, torch's gloo, anything): a token-bucket qdisc (`tc ... tbf`, iproute2's `tc`) at the
+root of the bridge's end of each veth. That end's egress is everything the bridge delivers to its
+host, so each host receives at most the rate, whoever sends; with two hosts each direction crosses
+exactly one bucket (a switch whose every port is that fast). No latency is added: that needs
+netem, which not every kernel has (this one does not); tbf's own `latency` is the queue's bound.
 """
 
 from __future__ import annotations
@@ -48,6 +55,33 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def shaping_unavailable_reason() -> str | None:
+    """Why `NetnsHosts.shape` cannot work here (a one-line reason), or None when it can."""
+    reason = unavailable_reason()
+    if reason is None and shutil.which("tc") is None:
+        return "iproute2's `tc` is not installed"
+    return reason
+
+
+def tbf_args(device: str, bits_per_s: float) -> list[str]:
+    """`tc` arguments that cap `device`'s egress at `bits_per_s` with a token bucket.
+
+    [Note: tbf's figures] The bucket holds 10 ms of the rate (at least 32 KiB: below one timer tick
+    of tokens the kernel cannot reach the rate); a burst that size is 1 % of a second's bytes, so a
+    transfer of a few MB is within a percent of the rate. The queue holds 100 ms of the rate before
+    it drops: enough for TCP to keep the bucket busy, little enough that a collective's small
+    message is not stuck for seconds behind a bulk transfer."""
+    burst_bytes = max(int(bits_per_s / 8 * 0.010), 32 * 1024)
+    return ["qdisc", "add", "dev", device, "root", "tbf", "rate", f"{int(bits_per_s)}bit",
+            "burst", str(burst_bytes), "latency", "100ms"]  # fmt: skip
+
+
+def _tc(*args: str) -> None:
+    done = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"`tc {' '.join(args)}` failed: {done.stderr.strip()}")
+
+
 def _ip(*args: str) -> str:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
@@ -74,6 +108,7 @@ class NetnsHosts:
         self._veths = [f"nd{token}v{i}" for i in range(count)]  # the bridge's ends (15 chars at most)
         subnet = ipaddress.ip_network(f"10.{200 + secrets.randbelow(55)}.{secrets.randbelow(256)}.0/24")
         self.addresses = [str(subnet.network_address + 1 + i) for i in range(count)]
+        self.bits_per_s: float | None = None  # the cap `shape` set (None: full speed)
         try:
             self._build(subnet.prefixlen)
         except BaseException:
@@ -97,6 +132,18 @@ class NetnsHosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def shape(self, bits_per_s: float | None) -> None:
+        """Cap what each host receives at `bits_per_s` (the module's note), replacing any cap set
+        before; None removes the caps (the veths at full speed)."""
+        if bits_per_s is not None and not bits_per_s > 0:
+            raise ValueError(f"a link rate must be > 0 bits/s, got {bits_per_s}")
+        for veth in self._veths:
+            # no qdisc of ours yet is not an error: the deletion is only for replacing one
+            subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True, timeout=30)
+            if bits_per_s is not None:
+                _tc(*tbf_args(veth, bits_per_s))
+        self.bits_per_s = bits_per_s
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """`argv` run inside host `host` (its network; everything else is shared).
@@ -130,7 +177,8 @@ class NetnsHosts:
         _kill_netns(self.names[host])
 
     def close(self) -> None:
-        """Kill every process inside, delete the veths, namespaces and bridge; safe to call twice."""
+        """Kill every process inside, delete the veths (their qdiscs with them), namespaces and
+        bridge; safe to call twice."""
         for name, veth in zip(self.names, self._veths, strict=True):
             with contextlib.suppress(RuntimeError):
                 _kill_netns(name)

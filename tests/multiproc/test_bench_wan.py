@@ -1,11 +1,13 @@
 """`nanoddp bench wan` end to end at a tiny setting: the plumbing and the bookkeeping, not the timings.
 
-One run (a 1-block GPT, 4 steps, DiLoCo H=2, a 50 ms link, the unshaped pair skipped) feeds every
-check: the JSON has its keys and each run's figures agree with its own metrics (the curve's last
-loss is the final loss, training time within wall time); the link reached the runs (every DDP step
-waits at least one latency); DiLoCo sends about 1/H of DDP's bytes (one pseudo-gradient every H
-steps against one gradient every step, both a whole model's worth at 2 ranks); the table renders
-from the JSON; the plot is a PNG. (Its refusals of bad input are in tests/reliability/test_bench_refusals.py.)
+One run under the in-process shaper (`--link shaper`; a 1-block GPT, 4 steps, DiLoCo H=2, a 50 ms
+link, the unshaped pair skipped) feeds every check: the JSON has its keys and each run's figures
+agree with its own metrics (the curve's last loss is the final loss, training time within wall
+time); the link reached the runs (every DDP step waits at least one latency); DiLoCo sends about 1/H
+of DDP's bytes (one pseudo-gradient every H steps against one gradient every step, both a whole
+model's worth at 2 ranks); the table renders from the JSON; the plot is a PNG. (Its refusals of bad
+input are in tests/reliability/test_bench_refusals.py; the kernel link of `--link netns` in
+tests/reliability/test_netns_link.py, the commands it runs in tests/unit/test_bench_wan_link.py.)
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ TRAIN_ARGS = "--d-model 32 --n-layers 1 --n-heads 2 --d-ff 64 --text-max-bytes 2
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_wan")
-    argv = ["bench", "wan", "--steps", str(STEPS), "--sync-every", str(H), "--eval-every", "2", "--eval-samples",
-            "16", "--bandwidth", "1gbit", "--latency", "50ms", "--no-unshaped", "--train-args", TRAIN_ARGS,
-            "--json", str(tmp / "wan.json"), "--plot", str(tmp / "wan.png")]  # fmt: skip
+    argv = ["bench", "wan", "--link", "shaper", "--steps", str(STEPS), "--sync-every", str(H), "--eval-every", "2",
+            "--eval-samples", "16", "--bandwidth", "1gbit", "--latency", "50ms", "--no-unshaped", "--train-args",
+            TRAIN_ARGS, "--json", str(tmp / "wan.json"), "--plot", str(tmp / "wan.png")]  # fmt: skip
     assert main(argv) == 0
     return json.loads((tmp / "wan.json").read_text()), tmp
 

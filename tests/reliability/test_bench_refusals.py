@@ -127,7 +127,33 @@ def test_the_command_line_refuses_with_exit_code_2_and_no_temp_dir(tmp_path):
 def test_wan_help_gives_the_default_link(capsys):
     assert _exit_code(["bench", "wan", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
-    assert "(default: 100mbit)" in help_text and "(default: 20ms)" in help_text and "(default: 1000)" in help_text
+    assert "(default: 100mbit)" in help_text and "(default: 1000)" in help_text
+    assert "(default: 20ms under --link shaper; none under --link netns, which refuses a nonzero one)" in help_text
+    assert "Default: netns where this process is root with ip and tc, else shaper" in help_text
+
+
+# Where namespaces can be made (None) and where they cannot: the link each asks for is refused in
+# one line, or a latency netns cannot give; the machine running the suite decides nothing.
+NO_NAMESPACES = "making network namespaces needs root"
+LINK_REFUSALS = [
+    (NO_NAMESPACES, ["--link", "netns"], f"--link netns needs network namespaces and tc qdiscs, which cannot be "
+                                         f"made here ({NO_NAMESPACES}); use --link shaper"),
+    (None, ["--link", "netns", "--latency", "20ms"], "--latency 20ms cannot be simulated under --link netns: this "
+                                                    "kernel has no netem"),
+    (None, ["--latency", "5ms"], "--latency 5ms cannot be simulated under --link netns"),  # netns by default
+    (None, ["--link", "netns", "--latency", "soon"], "--latency must be a number and a unit"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reason, flags, message", LINK_REFUSALS, ids=[" ".join(f) for _, f, _ in LINK_REFUSALS])
+def test_a_link_that_cannot_be_had_is_one_line_before_any_child(reason, flags, message, no_children, monkeypatch,
+                                                                capsys):  # fmt: skip
+    started, temp = no_children
+    monkeypatch.setattr(wan, "shaping_unavailable_reason", lambda: reason)
+    assert _exit_code(["bench", "wan", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoddp bench wan: error: ") and message in err, err
+    assert started == [] and list(temp.iterdir()) == []
 
 
 # --- a failure midway --------------------------------------------------------------------------
@@ -204,8 +230,47 @@ def test_a_run_that_fails_is_reported_without_a_traceback_and_nothing_is_left(tm
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     fail = "import sys; open(sys.argv[1], 'a').write('x'); print('planted: out of memory'); sys.exit(1)"
     monkeypatch.setattr(wan, "train_argv", lambda engine, args, out: [sys.executable, "-c", fail, str(starts)])
-    assert main(["bench", "wan", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
+    assert main(["bench", "wan", "--link", "shaper", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("nanoddp bench wan: error: ") and "failed (exit 1)" in err
     assert "planted: out of memory" in err and "Traceback" not in err
     assert starts.read_text() == "x" and list(temp.iterdir()) == []
+
+
+# node 1 of a netns run: waits until node 0's stand-in is up, then fails
+FAILING_NODE = """
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+print("planted: node 1 lost its disk")
+sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(wan.shaping_unavailable_reason() is not None, reason=f"netns: {wan.shaping_unavailable_reason()}")
+@pytest.mark.timeout(180)
+def test_a_netns_node_that_fails_ends_the_other_and_leaves_no_host(tmp_path, monkeypatch, capsys):
+    """`bench wan --link netns`: node 1 exits 1 while node 0 trains (sleeps, a worker in a session
+    of its own): node 0 is ended at once rather than left waiting for it, node 1's failure is the
+    one reported, and no process, namespace or temp dir is left."""
+    temp, pids = tmp_path / "tmp", tmp_path / "pids"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+
+    def stand_in(engine, args, out, launch=wan.LOCAL_LAUNCH):
+        script = FAILING_NODE if launch[launch.index("--node-rank") + 1] == "1" else FAKE_TRAIN
+        return [sys.executable, "-c", script, str(pids)]
+
+    monkeypatch.setattr(wan, "train_argv", stand_in)
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    started = time.monotonic()
+    assert main(["bench", "wan", "--link", "netns", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
+    assert time.monotonic() - started < 120  # not the stand-in's 300 s sleep
+    error = capsys.readouterr().err  # the stand-in's script spans lines
+    assert error.startswith(f"nanoddp bench wan: error: `ip netns exec nanoddp-{os.getpid()}-")
+    assert error.split()[7].endswith("-1")  # node 1's host
+    assert "` failed (exit 1):\nplanted: node 1 lost its disk\n" in error and "Traceback" not in error
+    _assert_all_gone(pids)
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {name for name in after - before if name.startswith(f"nanoddp-{os.getpid()}-")}
+    assert list(temp.iterdir()) == []
