@@ -14,6 +14,7 @@ sharded engines, and the refusals for a model that is sharded already.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,10 +96,14 @@ def _data(n: int = 64) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
-def _fit(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
+def _trainer(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"steps": 3, "batch_size": 8, "grad_clip": 0.5, "progress": False, "resume": "never", **options}
-    trainer = nanoddp.Trainer(model, optimizer, _data(), loss_fn=F.cross_entropy, env=env, out=out, **options)
+    return nanoddp.Trainer(model, optimizer, _data(), loss_fn=F.cross_entropy, env=env, out=out, **options)
+
+
+def _fit(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
+    trainer = _trainer(env, model, out, **options)
     trainer.fit()
     return trainer
 
@@ -222,3 +227,57 @@ def test_already_sharded_models_are_refused_or_used_as_is(tmp_path):
         assert r["as-is"].keys() == r["ours"].keys()
         for name, value in r["ours"].items():
             assert torch.equal(r["as-is"][name], value), name
+
+
+# ---- hsdp: fsdp within replica groups --------------------------------------------------------
+
+HSDP_STEPS, HSDP_STOP = 4, 2
+
+
+def _torch_hsdp(mesh) -> nn.Module:
+    """The reference: torch's own FSDP2 on the same 2-D mesh and the same units (each block, then
+    the root), which the fsdp engine trains as is."""
+    model = _sequential()
+    for block in model[1:4]:
+        torch.distributed.fsdp.fully_shard(block, mesh=mesh)
+    return torch.distributed.fsdp.fully_shard(model, mesh=mesh)
+
+
+def _hsdp_worker(env: DistEnv, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from nanoddp.train.checkpoint import snapshot
+
+    options = {"engine": "hsdp", "group_size": 2, "steps": HSDP_STEPS, "snapshot_every": HSDP_STOP}
+    ours = _fit(env, _sequential(), f"{tmp}/hsdp", **options)
+    weight = ours.module[1].fc1.weight
+    assert weight.device_mesh.mesh.tolist() == [[0, 1], [2, 3]], weight.device_mesh  # a group: consecutive ranks
+    assert weight.placements == (Replicate(), Shard(0))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch_ref = _fit(env, _torch_hsdp(mesh), f"{tmp}/torch", engine="fsdp", steps=HSDP_STEPS)
+    out = {"hsdp": ours.engine.state_dict(), "torch": torch_ref.engine.state_dict()}  # collective
+    _fit(env, _sequential(), f"{tmp}/split", **{**options, "steps": HSDP_STOP})  # the same run in two
+    resumed = _fit(env, _sequential(), f"{tmp}/split", **options, resume="auto")
+    assert resumed.resumed_from is not None and resumed.resumed_from.name.startswith(f"step-{HSDP_STOP:08d}")
+    out["resumed"] = resumed.engine.state_dict()
+    # the step-2 snapshot of the G=2 run, resumed at G=1 (DDP-like) and G=4 (fsdp-like)
+    dist.barrier()
+    step2 = str(snapshot.snapshot_path(f"{tmp}/hsdp/snapshots", HSDP_STOP))
+    for size in (1, 4):
+        other = _fit(env, _sequential(), f"{tmp}/g{size}", **{**options, "group_size": size, "resume": step2})
+        assert other.resumed_from == Path(step2) and other.module[1].fc1.weight.device_mesh.shape == (4 // size, size)
+        out[f"g{size}"] = other.engine.state_dict()
+    return out
+
+
+def test_hsdp_engine_matches_torch_hsdp_and_resumes_at_any_group_size(tmp_path):
+    """4 ranks, --group-size 2: the weights torch's FSDP2 gives on the same 2-D mesh, bitwise;
+    a run stopped at a snapshot and resumed, bitwise; that snapshot resumed at group size 1 and
+    4, the same run up to the order of float sums (the gradient is summed in other groupings)."""
+    for r in run_on_ranks(_hsdp_worker, 4, str(tmp_path), timeout=400):
+        for name, want in r["hsdp"].items():
+            assert torch.equal(r["torch"][name], want), name
+            assert torch.equal(r["resumed"][name], want), name
+            for size in (1, 4):
+                torch.testing.assert_close(r[f"g{size}"][name], want, rtol=1e-5, atol=1e-6, msg=f"G={size} {name}")
