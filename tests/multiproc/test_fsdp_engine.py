@@ -250,6 +250,8 @@ def _hsdp_worker(env: DistEnv, tmp: str) -> dict:
     from nanoddp.train.checkpoint import snapshot
 
     options = {"engine": "hsdp", "group_size": 2, "steps": HSDP_STEPS, "snapshot_every": HSDP_STOP}
+    with pytest.raises(ValueError, match=r"already sharded \(fsdp\): engine 'hsdp'.*engine='fsdp'"):
+        _fit(env, _presharded(), f"{tmp}/refused", **options)
     ours = _fit(env, _sequential(), f"{tmp}/hsdp", **options)
     weight = ours.module[1].fc1.weight
     assert weight.device_mesh.mesh.tolist() == [[0, 1], [2, 3]], weight.device_mesh  # a group: consecutive ranks
@@ -271,13 +273,29 @@ def _hsdp_worker(env: DistEnv, tmp: str) -> dict:
     return out
 
 
+def _hsdp_ws2_worker(env: DistEnv, tmp: str) -> dict:
+    """The 4-rank run's step-2 snapshot resumed by 2 ranks in groups of 1 (mesh 2 x 1)."""
+    step2 = f"{tmp}/hsdp/snapshots/step-{HSDP_STOP:08d}.pt"
+    options = {"engine": "hsdp", "group_size": 1, "steps": HSDP_STEPS, "resume": step2}
+    trainer = _fit(env, _sequential(), f"{tmp}/ws2", **options)
+    assert trainer.resumed_from == Path(step2) and trainer.module[1].fc1.weight.device_mesh.shape == (2, 1)
+    return {"ws2": trainer.engine.state_dict()}
+
+
 def test_hsdp_engine_matches_torch_hsdp_and_resumes_at_any_group_size(tmp_path):
-    """4 ranks, --group-size 2: the weights torch's FSDP2 gives on the same 2-D mesh, bitwise;
-    a run stopped at a snapshot and resumed, bitwise; that snapshot resumed at group size 1 and
-    4, the same run up to the order of float sums (the gradient is summed in other groupings)."""
-    for r in run_on_ranks(_hsdp_worker, 4, str(tmp_path), timeout=400):
-        for name, want in r["hsdp"].items():
-            assert torch.equal(r["torch"][name], want), name
-            assert torch.equal(r["resumed"][name], want), name
-            for size in (1, 4):
-                torch.testing.assert_close(r[f"g{size}"][name], want, rtol=1e-5, atol=1e-6, msg=f"G={size} {name}")
+    """4 ranks, --group-size 2: the weights torch's FSDP2 gives on the same 2-D mesh, bitwise
+    (and model.pt holds them); a run stopped at a snapshot and resumed, bitwise; that snapshot
+    resumed at group size 1 and 4, and by 2 ranks, the same run up to the order of float sums
+    (the gradient is summed in other groupings)."""
+    results = run_on_ranks(_hsdp_worker, 4, str(tmp_path), timeout=400)
+    saved = torch.load(tmp_path / "hsdp" / "model.pt", weights_only=True)
+    ws2 = run_on_ranks(_hsdp_ws2_worker, 2, str(tmp_path), timeout=300)
+    for r in results + ws2:
+        for name, want in results[0]["hsdp"].items():
+            for key, got in r.items():
+                if key in ("hsdp", "torch", "resumed"):
+                    assert torch.equal(got[name], want), (key, name)
+                else:
+                    torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+    for name, want in results[0]["hsdp"].items():
+        assert torch.equal(saved[name], want), name
