@@ -10,7 +10,7 @@
 | `zero1`     | `nanoddp.DistributedDataParallel`   | as `nanoddp`; optimizer: `ZeroRedundancyOptimizer` |
 | `zero2`     | ZeRO-2 hooks on the module (`parallel.zero.stage2`) | bucketed reduce-scatter into gradient shards |
 | `fsdp`      | `nanoddp.fsdp.fully_shard` per unit, then the root | all-gather params per unit, reduce-scatter grads |
-| `hsdp`      | as `fsdp`, on a 2-D mesh (groups x `--group-size`) | as `fsdp` in a group, all-reduce across |
+| `hsdp`      | `fully_shard` per unit on a 2-D mesh (groups x `--group-size`) | as `fsdp` in a group, then across |
 | `localsgd`  | nothing; optimizer: `nanoddp.LocalSGD` | none; weights averaged every `--sync-every` steps |
 | `diloco`    | nothing; optimizer: `nanoddp.DiLoCo` | none; outer step on the mean pseudo-gradient every H |
 
