@@ -47,6 +47,7 @@ from nanoddp.bench.report import summarise
 from nanoddp.models import GPT, count_parameters, gpt_config
 from nanoddp.train.engines import AMP_DTYPES, ENGINE_REGISTRY, Engine, ManualEngine, build_engine, shard_model
 from nanoddp.train.engines import ENGINES as TRAIN_ENGINES
+from nanoddp.train.engines.fsdp import HSDPEngine
 from nanoddp.train.metrics import CommTimer
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
@@ -145,8 +146,8 @@ class _Runner:
         if name == NOCOMM:  # the module itself, never synced (build_engine refuses `single` at ws > 1)
             return Engine(name, module, module), None
         base = "single" if name == ALLCORES else name
-        if name == "fsdp":
-            shard_model(module, env, amp=amp)  # the trainer's units; build_engine takes it as is
+        if name in ("fsdp", "hsdp"):  # the trainer's units (hsdp: a node per group); build_engine takes it as is
+            shard_model(module, env, amp=amp, mesh=HSDPEngine.mesh_for(env, None) if name == "hsdp" else None)
         engine = (build_traced_engine if traced else build_engine)(base, module, env)
         # our DDP wrapper, if this engine has one: the probes read its buckets, and its own
         # timeline is switched off when they time it (__init__)

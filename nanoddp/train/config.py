@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 import torch.nn as nn
 
 from nanoddp.train.data.datasets import BUILTIN_DATA, DataSpec
-from nanoddp.train.engines import ENGINE_REGISTRY, ENGINES, EngineName
+from nanoddp.train.engines import ENGINE_REGISTRY, ENGINES, EngineName, check_group_size
 
 
 @dataclass(kw_only=True)
@@ -75,9 +75,13 @@ class TrainConfig:
     so every rank skips the same steps). fsdp also gathers and computes its units in that dtype
     and reduces gradients in float32 (MixedPrecisionPolicy)."""
     fsdp_wrap: str = ""
-    """--engine fsdp: comma-separated module class names to shard as units before the root
+    """--engine fsdp|hsdp: comma-separated module class names to shard as units before the root
     (default: the model's layers: GPT blocks, a Hugging Face model's _no_split_modules, else
     children holding at least 5 percent of the parameters)."""
+    group_size: int | None = None
+    """--engine hsdp: ranks per replica group; the model is sharded within a group and replicated
+    across groups (default: the processes per node, so each host is a group; 1 is DDP-like, the
+    world size is fsdp). Must divide the world size."""
     sync_every: int | None = None
     """--engine localsgd|diloco: optimizer steps each rank takes on its own between two syncs of
     the replicas (default 50); refused with any other engine."""
@@ -238,8 +242,17 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"engine 'single' runs one process, got world size {world_size}; use --nproc 1")
     if config.amp not in ("off", "bf16", "fp16"):
         raise ValueError(f"amp must be off, bf16 or fp16, got {config.amp!r}")
-    if config.fsdp_wrap and config.engine != "fsdp":
-        raise ValueError(f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp")
+    if config.fsdp_wrap and config.engine not in ("fsdp", "hsdp"):
+        raise ValueError(
+            f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp or hsdp"
+        )
+    if config.group_size is not None:
+        if config.engine != "hsdp":
+            raise ValueError(
+                f"--group-size (ranks per replica group) applies to --engine hsdp, not {config.engine!r}: "
+                "drop --group-size or use --engine hsdp"
+            )
+        check_group_size(config.group_size, world_size)
     _validate_engine_options(config)
     if config.resume not in ("auto", "never") and not Path(config.resume).exists():
         raise FileNotFoundError(

@@ -8,12 +8,15 @@ sharded engines, and the refusals for a model that is sharded already.
   every rank when one rank's gradient shard overflowed;
 - an already-sharded model: `DistributedDataParallel` and the non-fsdp engines refuse it,
   naming the engine to use; engine fsdp trains it as is (bitwise what the trainer's own
-  sharding of the same model gives).
+  sharding of the same model gives);
+- hsdp (fsdp within replica groups) at 4 ranks in groups of 2 against torch's FSDP2 on the
+  same 2-D mesh, bitwise, and its snapshots resumed at the same and at other group and world sizes.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,10 +98,14 @@ def _data(n: int = 64) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
-def _fit(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
+def _trainer(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"steps": 3, "batch_size": 8, "grad_clip": 0.5, "progress": False, "resume": "never", **options}
-    trainer = nanoddp.Trainer(model, optimizer, _data(), loss_fn=F.cross_entropy, env=env, out=out, **options)
+    return nanoddp.Trainer(model, optimizer, _data(), loss_fn=F.cross_entropy, env=env, out=out, **options)
+
+
+def _fit(env: DistEnv, model: nn.Module, out: str, **options) -> nanoddp.Trainer:
+    trainer = _trainer(env, model, out, **options)
     trainer.fit()
     return trainer
 
@@ -222,3 +229,85 @@ def test_already_sharded_models_are_refused_or_used_as_is(tmp_path):
         assert r["as-is"].keys() == r["ours"].keys()
         for name, value in r["ours"].items():
             assert torch.equal(r["as-is"][name], value), name
+
+
+# ---- hsdp: fsdp within replica groups --------------------------------------------------------
+
+HSDP_STEPS, HSDP_STOP = 4, 2
+
+
+def _torch_hsdp(mesh, amp: str = "off") -> nn.Module:
+    """The reference: torch's own FSDP2 on the same 2-D mesh and the same units (each block, then
+    the root) with the trainer's policy for `amp`, which the fsdp engine trains as is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp == "bf16" else None
+    model = _sequential()
+    for unit in (*model[1:4], model):
+        torch.distributed.fsdp.fully_shard(unit, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    return model
+
+
+def _hsdp_worker(env: DistEnv, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from nanoddp.train.checkpoint import snapshot
+
+    options = {"engine": "hsdp", "group_size": 2, "steps": HSDP_STEPS, "snapshot_every": HSDP_STOP}
+    with pytest.raises(ValueError, match=r"already sharded \(fsdp\): engine 'hsdp'.*engine='fsdp'"):
+        _fit(env, _presharded(), f"{tmp}/refused", **options)
+    ours = _fit(env, _sequential(), f"{tmp}/hsdp", **options)
+    weight = ours.module[1].fc1.weight
+    assert weight.device_mesh.mesh.tolist() == [[0, 1], [2, 3]], weight.device_mesh  # a group: consecutive ranks
+    assert weight.placements == (Replicate(), Shard(0))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch_ref = _fit(env, _torch_hsdp(mesh), f"{tmp}/torch", engine="fsdp", steps=HSDP_STEPS)
+    out = {"hsdp": ours.engine.state_dict(), "torch": torch_ref.engine.state_dict()}  # collective
+    ours_bf16 = _fit(env, _sequential(), f"{tmp}/hsdp-bf16", **{**options, "amp": "bf16"})
+    torch_bf16 = _fit(env, _torch_hsdp(mesh, "bf16"), f"{tmp}/torch-bf16", engine="fsdp", amp="bf16", steps=HSDP_STEPS)
+    out |= {"hsdp-bf16": ours_bf16.engine.state_dict(), "torch-bf16": torch_bf16.engine.state_dict()}
+    _fit(env, _sequential(), f"{tmp}/split", **{**options, "steps": HSDP_STOP})  # the same run in two
+    resumed = _fit(env, _sequential(), f"{tmp}/split", **options, resume="auto")
+    assert resumed.resumed_from is not None and resumed.resumed_from.name.startswith(f"step-{HSDP_STOP:08d}")
+    out["resumed"] = resumed.engine.state_dict()
+    # the step-2 snapshot of the G=2 run, resumed at G=1 (DDP-like) and G=4 (fsdp-like)
+    dist.barrier()
+    step2 = str(snapshot.snapshot_path(f"{tmp}/hsdp/snapshots", HSDP_STOP))
+    for size in (1, 4):
+        other = _fit(env, _sequential(), f"{tmp}/g{size}", **{**options, "group_size": size, "resume": step2})
+        assert other.resumed_from == Path(step2) and other.module[1].fc1.weight.device_mesh.shape == (4 // size, size)
+        out[f"g{size}"] = other.engine.state_dict()
+    return out
+
+
+def _hsdp_ws2_worker(env: DistEnv, tmp: str) -> dict:
+    """The 4-rank run's step-2 snapshot resumed by 2 ranks in groups of 1 (mesh 2 x 1)."""
+    step2 = f"{tmp}/hsdp/snapshots/step-{HSDP_STOP:08d}.pt"
+    options = {"engine": "hsdp", "group_size": 1, "steps": HSDP_STEPS, "resume": step2}
+    trainer = _fit(env, _sequential(), f"{tmp}/ws2", **options)
+    assert trainer.resumed_from == Path(step2) and trainer.module[1].fc1.weight.device_mesh.shape == (2, 1)
+    return {"ws2": trainer.engine.state_dict()}
+
+
+def test_hsdp_engine_matches_torch_hsdp_and_resumes_at_any_group_size(tmp_path):
+    """4 ranks, --group-size 2: the weights torch's FSDP2 gives on the same 2-D mesh, bitwise, in
+    float32 and under --amp bf16 (and model.pt holds them); a run stopped at a snapshot and
+    resumed, bitwise; that snapshot resumed at group size 1 and 4, and by 2 ranks, the same run
+    up to the order of float sums (the gradient is summed in other groupings)."""
+    results = run_on_ranks(_hsdp_worker, 4, str(tmp_path), timeout=400)
+    results += run_on_ranks(_hsdp_ws2_worker, 2, str(tmp_path), timeout=300)
+    saved = torch.load(tmp_path / "hsdp" / "model.pt", weights_only=True)
+    want = results[0]["hsdp"]
+    for r in results:
+        for name in want:
+            for key in ("hsdp", "torch", "resumed"):
+                assert key not in r or torch.equal(r[key][name], want[name]), (key, name)
+            for key in ("g1", "g4", "ws2"):
+                if key in r:
+                    torch.testing.assert_close(r[key][name], want[name], rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+            if "torch-bf16" in r:  # FSDP's policy: gather and compute in bf16, reduce in fp32
+                assert torch.equal(r["hsdp-bf16"][name], r["torch-bf16"][name]), name
+    assert not all(torch.equal(results[0]["hsdp-bf16"][name], want[name]) for name in want)  # bf16 really ran
+    for name in want:
+        assert torch.equal(saved[name], want[name]), name

@@ -38,3 +38,21 @@ def test_zero1_is_the_one_way_to_zero_no_zero_flag_or_key(tmp_path, capsys):
     (tmp_path / "c.toml").write_text("zero = true\n")
     assert cli.main(["train", "--config", str(tmp_path / "c.toml")]) == 2
     assert "unknown key(s) ['zero']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--group-size", "2"], "--group-size (ranks per replica group) applies to --engine hsdp, not 'nanoddp'"),
+        (["--engine", "fsdp", "--group-size", "2"], "applies to --engine hsdp, not 'fsdp'"),
+        (["--engine", "hsdp", "--nproc", "4", "--group-size", "3"], "--group-size 3 (ranks per replica group) must "
+         "divide the world size 4 into equal groups; use a divisor of 4"),
+        (["--engine", "hsdp", "--group-size", "0"], "--group-size 0 (ranks per replica group) must divide"),
+        (["--engine", "hsdp", "--nproc", "2", "--nnodes", "2", "--group-size", "3", "--rdzv-endpoint", "127.0.0.1:1"],
+         "--group-size 3 (ranks per replica group) must divide the world size 4"),
+    ],
+)  # fmt: skip
+def test_group_size_is_refused_in_one_line_before_anything_starts(argv, message, capsys):
+    assert cli.main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

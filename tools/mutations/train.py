@@ -268,6 +268,13 @@ FAULTS = (
         ("tests/multiproc/test_fsdp_engine.py", "-k", "amp"),
     ),
     Mutation(
+        "hsdp engine: the mesh's dims swapped (replica groups strided across nodes)",
+        "nanoddp/train/engines/fsdp.py",
+        "        rows = torch.arange(env.world_size).reshape(-1, size)  # (replica groups, group_size)\n",
+        "        rows = torch.arange(env.world_size).reshape(size, -1).T\n",
+        ("tests/multiproc/test_fsdp_engine.py", "-k", "hsdp"),
+    ),
+    Mutation(
         "snapshots: a file weights_only refuses is not skipped",
         "nanoddp/train/checkpoint/snapshot.py",
         "    except Exception as exc:  # intact bytes that are not ours to unpickle: another program or torch\n",

@@ -37,7 +37,7 @@ LOCK_NAME = ".lock"
 # Outputs of a run, moved aside together by --overwrite.
 RUN_OUTPUTS = ("snapshots", records.FILE_NAME, "model.pt", "config.json", "tensorboard", "logs")
 # Config fields that may differ between a snapshot and the run resuming it: run length, logging,
-# output and launch details, and engines, which compute the same math (tested bitwise); what a
+# output and launch details, and engines (and hsdp's group size), which compute the same math; what a
 # lost rank costs (a continue run's snapshot resumes under restart, and the other way round).
 MAY_CHANGE_ON_RESUME = frozenset(
     {
@@ -55,6 +55,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "metrics",
         "trace",
         "engine",
+        "group_size",
         "compile",
         "grad_accum",
         "on_nan",

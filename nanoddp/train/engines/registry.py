@@ -12,7 +12,7 @@ import torch.nn as nn
 from nanoddp.env import DistEnv
 from nanoddp.train.engines.base import Engine
 from nanoddp.train.engines.ddp import NanoddpEngine, TorchDDPEngine, Zero1Engine
-from nanoddp.train.engines.fsdp import FSDPEngine
+from nanoddp.train.engines.fsdp import FSDPEngine, HSDPEngine
 from nanoddp.train.engines.lowcomm import DiLoCoEngine, LocalSGDEngine
 from nanoddp.train.engines.manual import AllReduceEngine, ReduceScatterAllGatherEngine
 from nanoddp.train.engines.single import SingleEngine
@@ -27,6 +27,7 @@ _IN_HELP_ORDER: tuple[type[Engine], ...] = (
     Zero1Engine,
     Zero2Engine,
     FSDPEngine,
+    HSDPEngine,
     LocalSGDEngine,
     DiLoCoEngine,
 )
@@ -34,7 +35,7 @@ ENGINE_REGISTRY: dict[str, type[Engine]] = {kind.name: kind for kind in _IN_HELP
 ENGINES = tuple(ENGINE_REGISTRY)
 if TYPE_CHECKING:  # the checker needs the names spelled out; keep them in ENGINE_REGISTRY's order
     EngineName = Literal[
-        "nanoddp", "torch", "allreduce", "rs_ag", "single", "zero1", "zero2", "fsdp", "localsgd", "diloco"
+        "nanoddp", "torch", "allreduce", "rs_ag", "single", "zero1", "zero2", "fsdp", "hsdp", "localsgd", "diloco"
     ]
 else:
     EngineName = Literal[ENGINES]  # the type of TrainConfig.engine: its --engine choices
@@ -59,5 +60,5 @@ def build_engine(name: str, module: nn.Module, env: DistEnv) -> Engine:
 
 def prepare_model(config: Any, module: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
     """The trainer's step before resume, for `config.engine`: every engine refuses a model
-    sharded for another; fsdp shards a plain model now and moves `optimizer` onto it."""
+    sharded for another; fsdp and hsdp shard a plain model now and moves `optimizer` onto it."""
     _kind(config.engine).prepare(module, optimizer, env, config)
