@@ -8,24 +8,27 @@ rank's pieces. Wrapping it again in DDP would broadcast rank 0's pieces over eve
 
 from __future__ import annotations
 
+import sys
+
 import torch.nn as nn
+
+from nanoddp.parallel.tensors import is_dtensor
 
 
 def sharded_by(model: nn.Module) -> str | None:
     """ "fsdp" if any submodule is an FSDPModule (nanoddp's or torch's) or any parameter is a
     DTensor, "zero2" if it has ZeRO-2 installed, else None."""
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    from torch.distributed.tensor import DTensor
-
-    from nanoddp.parallel.fsdp.module import FSDPModule
     from nanoddp.parallel.zero.stage2 import Zero2Module
 
     if not isinstance(model, nn.Module):  # not a model at all: the caller's own type check says so
         return None
     modules = list(model.modules())
-    if any(isinstance(m, (FSDPModule, TorchFSDPModule)) for m in modules):
+    # Asked of torch's module only if it is loaded: an FSDPModule (ours derives from torch's) cannot
+    # exist before it is, and every rank's engine asks here ([Note: DTensor on first use]).
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")
+    if torch_fsdp is not None and any(isinstance(m, torch_fsdp.FSDPModule) for m in modules):
         return "fsdp"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         return "fsdp"
     if any(isinstance(m, Zero2Module) for m in modules):
         return "zero2"
