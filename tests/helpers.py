@@ -510,7 +510,10 @@ def run_cell(kc, code: str, timeout: float = 120, until=None):
                 return msg_id, text
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    return kc.get_shell_msg(timeout=timeout)["content"], text
+    # The reply to *this* request: the shell channel may still hold an older one (a second
+    # kernel_info reply that `wait_for_ready` asked for on a loaded machine), and taking the next
+    # message would then hand every later cell its predecessor's reply.
+    return finish_cell(kc, msg_id, timeout), text
 
 
 def finish_cell(kc, msg_id: str, timeout: float = 60):
