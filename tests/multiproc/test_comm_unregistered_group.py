@@ -64,6 +64,16 @@ def _the_registry_does_not_know_it(env, group) -> None:
     assert runner.peers.global_ranks == (0, 1, 2)
 
 
+def _src_outside_the_group(env, group) -> None:
+    """src/dst name the group's own ranks: one past its size is refused on every rank, before any traffic."""
+    try:
+        comm.broadcast(torch.ones(3), src=WORLD, group=group)
+    except ValueError as error:
+        assert "must be a rank of the group in [0, 3)" in str(error), error
+    else:
+        raise AssertionError("broadcast from src=3 on a group of 3 was accepted")
+
+
 def _all_reduce(env, group) -> None:
     for numel in SIZES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -165,6 +175,7 @@ def _hang_report_without_the_store(env, group, log_dir: str) -> None:
 
 CASES = {
     "registry": _the_registry_does_not_know_it,
+    "src_outside": _src_outside_the_group,
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
