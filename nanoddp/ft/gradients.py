@@ -2,14 +2,13 @@
 
 Why not `all_reduce`: a ring sums each chunk in a different order (starting at a different rank),
 so the result depends on the world size and on who holds which rank, and a run that lost a rank
-could not be compared bitwise with a replay of its schedule. Here every rank all-gathers the
-weighted pieces and adds them up itself in rank order (`reduce_in_rank_order`, the same rule
-nanoddp's collectives use when they reduce whole contributions): `((piece_0 + piece_1) + piece_2)`
-on every rank, in the run and in a single-process replay alike. It sends world_size times the
-bytes a ring would (each rank receives every piece); for the models a step loop like this one
-serves on CPU, the determinism is worth it, and docs/ft.md says where it stops being so.
+could not be compared bitwise with a replay of its schedule. Here the weighted pieces are summed
+by `all_reduce_in_rank_order`: every element `((piece_0 + piece_1) + piece_2)`, in the run and in
+a single-process replay alike, for a ring's bytes.
 
-The step's loss rides along as one more element, so the global batch's mean loss costs nothing.
+Each rank's loss rides along in a slot of its own (zeros in the others' slots, so the sum leaves
+every rank's loss as it was): the global batch's mean loss, added up in rank order here, and
+which ranks' losses were not finite, cost a few elements more.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
-import nanoddp.comm as comm
 from nanoddp.comm.algorithms.reduce import reduce_in_rank_order
+from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.parallel.tensors import write_grads
 
 
@@ -34,16 +34,13 @@ def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
 class WeightedPieceSum:
     """sum over ranks of (weight_r * gradient_r), added in rank order on every rank, for `params`.
 
-    The flat piece and the gathered pieces live in buffers kept from step to step: a fresh
-    buffer of world_size x the model every step is paid in page faults (on CPU, about as much
-    as the all-gather itself)."""
+    The flat piece lives in a buffer kept from step to step (a fresh model-sized buffer every
+    step is paid in page faults on CPU)."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
-        self.numel = sum(p.numel() for p in self.params) + 1  # + the loss
-        self.flat = torch.empty(self.numel, dtype=self.params[0].dtype)
-        self.gathered = torch.empty(0, dtype=self.flat.dtype)
-        self.total = torch.empty_like(self.flat)
+        self.grads_numel = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(0, dtype=self.params[0].dtype)
         self.nonfinite_ranks: tuple[int, ...] = ()  # of the last call: ranks whose loss was NaN or inf
 
     @torch.no_grad()
@@ -53,14 +50,17 @@ class WeightedPieceSum:
 
         Call on every rank of the current group, after backward. A peer lost meanwhile raises here
         (gloo's error, or its timeout for a peer that hangs); the step must then not be committed."""
-        torch.cat([flatten_grads(self.params), loss.detach().reshape(1).to(self.flat.dtype)], out=self.flat)
+        numel = self.grads_numel + world_size  # the gradients, then one loss slot per rank
+        if self.flat.numel() != numel:
+            self.flat = torch.empty(numel, dtype=self.flat.dtype)
+        losses = self.flat[self.grads_numel :]
+        self.flat[: self.grads_numel].copy_(flatten_grads(self.params))
+        losses.zero_()
+        losses[dist.get_rank()] = loss.detach().to(self.flat.dtype)
         self.flat.mul_(weight)
-        if self.gathered.numel() < world_size * self.numel:
-            self.gathered = torch.empty(world_size * self.numel, dtype=self.flat.dtype)
-        gathered = self.gathered[: world_size * self.numel]
-        comm.all_gather_into_tensor(gathered, self.flat)
-        pieces = gathered.view(world_size, -1)  # (world_size, numel): each rank's weighted piece, its loss last
-        self.nonfinite_ranks = tuple(int(r) for r in (~pieces[:, -1].isfinite()).nonzero().flatten())
-        reduce_in_rank_order("SUM", list(pieces.unbind(0)), self.total)
-        write_grads(self.total[:-1], self.params)
-        return float(self.total[-1])
+        all_reduce_in_rank_order(self.flat)
+        self.nonfinite_ranks = tuple(int(r) for r in (~losses.isfinite()).nonzero().flatten())
+        total = torch.empty(1, dtype=self.flat.dtype)
+        reduce_in_rank_order("SUM", list(losses.split(1)), total)
+        write_grads(self.flat[: self.grads_numel], self.params)
+        return float(total)

@@ -32,7 +32,8 @@ from helpers import replica_pid  # noqa: E402
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.training_run import run_training
-from nanoddp.comm.plan import plan  # noqa: E402  (after the skip)
+from nanoddp.comm.api.rank_order import chunk_numel  # noqa: E402  (after the skip)
+from nanoddp.comm.plan import plan  # noqa: E402
 from nanoddp.comm.protocol import wire
 from nanoddp.ft.supervisor import Launch, Supervisor, supervise  # noqa: E402
 from nanoddp.train.checkpoint import snapshot  # noqa: E402
@@ -159,10 +160,17 @@ def test_quorum_the_survivor_of_two_waits_for_the_replacement(two_replicas):
 def test_comm_bytes_are_each_steps_own(two_replicas):
     config = TrainConfig(**GPT)
     module = build_model(config, build_datasets(config.data, config.seq_len, config.val_fraction, 1900)[2])
-    flat = sum(p.numel() * p.element_size() for p in module.parameters()) + 4  # + the loss, one float32
-    assert plan.plan("all_gather", flat, 2, "gloo") is plan.Path.PAIR  # one frame: header + this rank's flat
+    # The rank-order all-reduce (`all_reduce_in_rank_order`) of the gradients and one float32 loss
+    # slot per replica: an all-to-all hands each rank its chunk's other copy (a header with both
+    # ranks' send/receive counts, then the data), an all-gather returns the summed chunk (one
+    # frame: header + chunk). Rank 0 sends the other chunk, then its own: the flat tensor once.
+    numel = sum(p.numel() for p in module.parameters()) + 2
+    chunk = chunk_numel(numel, 2) * 4
+    assert plan.plan("all_gather", chunk, 2, "gloo") is plan.Path.PAIR
+    counts = 2 * 2 * 8  # the all-to-all's header round: 2n int64 split sizes
     sent = [r["comm_bytes"] for r in _steps(two_replicas)]
-    assert sent == [wire.HEADER_BYTES + flat] * STEPS, sent  # every step, the one redone after the kill too
+    expected = 2 * wire.HEADER_BYTES + counts + numel * 4
+    assert sent == [expected] * STEPS, sent  # every step, the one redone after the kill too
 
 
 @pytest.mark.timeout(420)

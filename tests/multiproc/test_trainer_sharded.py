@@ -102,3 +102,88 @@ def test_cli_resumes_a_sharded_run_whose_snapshot_keeps_the_model_in_rank_files(
     bigger = _nanoddp_train(tmp_path, "--steps", "6", "--resume", "auto", "--d-model", "64")
     assert bigger.returncode == 2, bigger.stderr[-3000:]  # refused in the launcher, named
     assert "does not fit this model" in bigger.stderr or "different configuration" in bigger.stderr
+
+
+# ---- the cross-replica phase of a fault-tolerant step, engine by engine -----------------------
+# 4 ranks: restart mode is one world of 4; continue is 2 replica groups of 2 ranks (each its own
+# default group, as under torchft) whose rank g sums its buffers with the other group's rank g
+# over a group torch's registry does not know (torchft's shape), by the rank-order all-reduce.
+CROSS_ENGINES = ("nanoddp", "zero2", "fsdp", "hsdp")
+CROSS_LR = 0.5
+
+
+def _default_group(store, prefix: str, rank: int, world_size: int) -> None:
+    from nanoddp.comm.transport.runner import forget_groups
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        forget_groups()
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size)
+
+
+def _one_step_of(name: str, env: DistEnv, rank: int, cross=None) -> dict[str, torch.Tensor]:
+    """Build `name` over the default group, run one backward on global rank `rank`'s rows, sum
+    across groups by `cross` (None: restart mode), step SGD; the whole parameters after it."""
+    from helpers import B, build, global_batch, shard
+
+    from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
+    from nanoddp.train.engines import ENGINE_REGISTRY
+
+    engine = ENGINE_REGISTRY[name].build(build("mlp"), env)
+    optimizer = torch.optim.SGD(engine.module.parameters(), lr=CROSS_LR)
+    if cross is not None:
+        engine.use_cross_replica()
+    x, y = global_batch("mlp", 4 * B, step=1)
+    with engine.micro_step(sync=True):
+        engine.model(shard(x, rank), shard(y, rank))[1].backward()
+    if cross is not None:
+        for buffer in engine.cross_replica_grads():
+            buffer.mul_(0.5)  # this group's weight: 2 of the 4 ranks' rows
+            all_reduce_in_rank_order(buffer, cross)
+        engine.finish_cross_replica()
+    optimizer.step()
+    return engine.state_dict()
+
+
+def _cross_worker(env: DistEnv) -> dict:
+    store = dist.distributed_c10d._get_default_store()  # outlives the groups made over it
+    replica, g = divmod(env.rank, 2)
+    as_hosts = replace(env, local_rank=g, local_world_size=2, node_rank=replica)  # hsdp: a group per "host"
+    as_group = replace(env, rank=g, local_rank=g, world_size=2, local_world_size=2, node_rank=0)
+    results = {}
+    for i, name in enumerate(CROSS_ENGINES):
+        if i:
+            _default_group(store, f"world{i}", env.rank, 4)
+        restart = _one_step_of(name, as_hosts, env.rank)
+        _default_group(store, f"replica{replica}-{i}", g, 2)
+        cross = _row_group(store, f"row{g}-{i}", replica)
+        cont = _one_step_of(name, as_group, env.rank, cross)
+        results[name] = {k: (restart[k], cont[k]) for k in restart}
+    return results
+
+
+def _row_group(store, prefix: str, rank: int) -> dist.ProcessGroup:
+    """A bare c10d gloo group of 2 (rank g of each replica group), as torchft's Manager configures."""
+    import datetime
+
+    prefixed = dist.PrefixStore(prefix, store)
+    group = dist.ProcessGroup(prefixed, rank, 2)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=60))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def test_engines_cross_buffers_sum_to_restart_modes_gradients():
+    """Each engine's `cross_replica_grads`, summed across two replica groups and finished, give
+    the step restart mode's all-reduce over every rank gives: the same sum of 4 ranks' gradients,
+    in another order (a ring's) for nanoddp/zero2/fsdp, in the same one for hsdp (its restart mode
+    reduce-scatters within the group, then all-reduces across the 2 groups): bitwise there."""
+    per_rank = run_on_ranks(_cross_worker, 4, timeout=300)
+    for rank, results in enumerate(per_rank):
+        assert set(results) == set(CROSS_ENGINES)
+        for name, tensors in results.items():
+            for key, (restart, cont) in tensors.items():
+                if name == "hsdp":
+                    assert torch.equal(cont, restart), f"rank {rank} {name} {key}: not bitwise"
+                torch.testing.assert_close(cont, restart, rtol=1e-6, atol=1e-7, msg=f"rank {rank} {name} {key}")

@@ -147,4 +147,18 @@ FAULTS = (
         "        pass  # one thread",
         ("tests/multiproc/test_link_shaper.py", "-k", "second_link"),
     ),
+    Mutation(
+        "rank-order all-reduce: each chunk summed in reverse rank order",
+        "nanoddp/comm/api/rank_order.py",
+        "list(copies.view(size, mine).unbind(0))",
+        "list(copies.view(size, mine).unbind(0))[::-1]",
+        ("tests/multiproc/test_comm_rank_order.py",),
+    ),
+    Mutation(
+        "unregistered group: its rank taken from the default group",
+        "nanoddp/comm/transport/membership.py",
+        "Membership(group.rank(), size,",
+        "Membership(dist.get_rank(), size,",
+        ("tests/multiproc/test_comm_unregistered_group.py",),
+    ),
 )

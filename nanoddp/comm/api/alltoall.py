@@ -29,6 +29,7 @@ from nanoddp.comm.protocol.checks import KIND, Prepared, check, check_list, defa
 from nanoddp.comm.protocol.wire import DTYPE_CODES
 from nanoddp.comm.transport import watchdog
 from nanoddp.comm.transport.collectives_only import or_torch_on_collectives_only
+from nanoddp.comm.transport.membership import membership
 from nanoddp.comm.transport.runner import GroupRunner, Work, runner_for
 from nanoddp.comm.transport.transport import Peers, posted, wait_all
 
@@ -314,8 +315,9 @@ def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[_WatchedP2P]:
     if len(groups) != 1:
         raise ValueError("all ops of one batch_isend_irecv must use the same group, as in torch.distributed")
     group = p2p_op_list[0].group
-    ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
-    if dist.get_backend(group) != "gloo":
+    member = membership(group)
+    ranks = member.watch_key
+    if member.backend != "gloo":
         works = dist.batch_isend_irecv(list(p2p_op_list))
         return [
             _WatchedP2P(w, watchdog.begin("batch_isend_irecv", p.tensor.numel(), ranks))

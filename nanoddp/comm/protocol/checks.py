@@ -105,6 +105,11 @@ def group_root(peers: Peers, rank: int, what: str) -> int:
     """Translate a global src/dst rank into a group rank, or raise."""
     world = peers.world_size
     if not isinstance(rank, int) or not 0 <= rank < world:
+        if not peers.registered:  # no global ranks to name: src/dst are the group's own
+            raise ValueError(
+                f"{what} must be a rank of the group in [0, {world}) (a group torch's registry does not know, "
+                f"whose src/dst are its own ranks), got {rank!r}"
+            )
         raise ValueError(f"{what} must be a global rank in [0, {world}), got {rank!r}")
     if rank not in peers.global_ranks:
         raise ValueError(

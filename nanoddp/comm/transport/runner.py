@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.transport import watchdog
+from nanoddp.comm.transport.membership import membership
 from nanoddp.comm.transport.transport import Peers
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class GroupRunner:
         it, as far as its peers can tell) until its body finishes."""
         if torch.compiler.is_compiling():
             return _submit_eagerly(self, name, numel, body, result, async_op)
-        token = watchdog.begin(name, numel, self.peers.global_ranks)
+        token = watchdog.begin(name, numel, self.peers.watch_key)
         with self._mutex:
             inline = not async_op and self._pending == 0
             self._pending += 1
@@ -214,7 +215,8 @@ def runner_for(group: dist.ProcessGroup | None, op: str = "collective") -> Group
     runner = _RUNNERS.get(group)  # a runner exists only for a group this rank is in
     if runner is not None and dist.is_initialized():
         return runner
-    if not dist.is_initialized() or dist.get_rank(group) < 0:
+    # a group torch's registry does not know (a torchft group's) answers for itself
+    if not dist.is_initialized() or membership(group).rank < 0:
         _warn_not_in_group(op)
         return None
     with _RUNNERS_LOCK:

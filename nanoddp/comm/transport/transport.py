@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.transport.link import Backlog, LinkModel, LinkShaper, link_from_environ
-from nanoddp.groups import group_ranks
+from nanoddp.comm.transport.membership import membership
 
 TAG_DATA = 0x6E6402  # our own tags: user send/recv on the same group cannot steal our messages
 # The bulk phase of call number k on a group uses tags TAG_CALLS + 2 (k mod CALL_TAG_CYCLE) + {0, 1}.
@@ -49,12 +49,17 @@ class Peers:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.global_ranks = tuple(group_ranks(group))  # hashable: the watchdog keys groups by it
-        self.world_size = dist.get_world_size()  # of the default group: src/dst are global ranks
+        member = membership(group)  # torch's registry, else the group itself (a torchft group's)
+        self.rank, self.size = member.rank, member.size
+        self.global_ranks = member.ranks  # what src/dst name: global ranks, or an unregistered group's own
+        self.watch_key = member.watch_key  # the hang watchdog counts this group's calls under it
+        # src/dst are global ranks, checked against the default group's size; an unregistered
+        # group's src/dst are its own ranks
+        self.world_size = dist.get_world_size() if member.registered else member.size
+        # [Note: straight to the group] torch's p2p wrappers (`dist.isend`, `P2POp`) need the registry
+        self.registered = member.registered
         # gloo can receive a message into a larger buffer; nccl needs exact sizes and no tags
-        self.gloo = dist.get_backend(group) == "gloo"
+        self.gloo = member.backend == "gloo"
         self._scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
         # The protocol layer's frames per device (`wire.buffers` makes and types them): kept here,
         # with the group they belong to, but never read by this layer, which sits below the wire.
@@ -66,7 +71,7 @@ class Peers:
         if _SHAPER is not None and not self.gloo:
             raise ValueError(
                 "NANODDP_LINK_BANDWIDTH / NANODDP_LINK_LATENCY shape gloo's sends only, and this group is "
-                f"{dist.get_backend(group)}: unset them, or run on gloo (--backend gloo)"
+                f"{member.backend}: unset them, or run on gloo (--backend gloo)"
             )
 
     @property
@@ -98,7 +103,9 @@ class Peers:
     # [Note: straight to the group] On gloo, the group's own send/recv (which take group ranks):
     # `dist.isend`'s wrapper re-checks the group and translates ranks on every call, CPU paid on
     # both ranks' critical path twice per header round. nccl keeps the wrapper (its batching
-    # rules live there).
+    # rules live there) on a group the registry knows; on one it does not, the wrapper cannot
+    # look the group up, so nccl too uses the group's own send/recv (tag 0: nccl has no tags),
+    # and batches a round itself (`exchange`).
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> Waitable:
         if self.gloo:
             work = send_on(self.group, tensor, peer, tag)
@@ -106,6 +113,8 @@ class Peers:
                 self.unsettled.append((peer, tag, tensor.numel() * tensor.element_size(), True, work))
             return work
         count_sent(tensor)
+        if not self.registered:
+            return self.group.send([tensor], peer, 0)
         return posted(dist.isend(tensor, group=self.group, group_dst=peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = TAG_DATA) -> dist.Work:
@@ -114,6 +123,8 @@ class Peers:
             if tag >= TAG_CALLS and self._before_verdict(tag):
                 self.unsettled.append((peer, tag, tensor.numel() * tensor.element_size(), False, work))
             return work
+        if not self.registered:
+            return self.group.recv([tensor], peer, 0)
         return posted(dist.irecv(tensor, group=self.group, group_src=peer))
 
     def _before_verdict(self, tag: int) -> bool:
@@ -142,11 +153,30 @@ class Peers:
         if self.gloo:
             works: list[Waitable] = [self.irecv(t, p, tag) for t, p in recvs]
             return works + [self.isend(t, p, tag) for t, p in sends]
+        if not self.registered:
+            return self._exchange_coalesced(sends, recvs)
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
         for t, _ in sends:
             count_sent(t)
         return [*dist.batch_isend_irecv(ops)] if ops else []
+
+    def _exchange_coalesced(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[Waitable]:
+        """nccl on an unregistered group: what `dist.batch_isend_irecv` does, on the group object
+        (its coalescing makes the round one nccl group, so a receive and a send to the same peer
+        cannot deadlock); the one coalesced work stands for every op of the round."""
+        tensors = [t for t, _ in recvs] + [t for t, _ in sends]
+        if not tensors:
+            return []
+        device = tensors[0].device
+        self.group._start_coalescing(device)
+        try:
+            works = [self.irecv(t, p) for t, p in recvs] + [self.isend(t, p) for t, p in sends]
+        finally:
+            coalesced = self.group._end_coalescing(device)
+        return [coalesced] * len(works) if coalesced is not None else works
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable 1-D buffer of `numel` elements (contents undefined)."""

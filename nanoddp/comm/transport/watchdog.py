@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.comm.transport import link, transport
+from nanoddp.comm.transport.membership import GroupKey, Unregistered, membership
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ class InFlight:
     op: str
     seq: int
     numel: int
-    group_ranks: tuple[int, ...]
+    group_key: GroupKey  # `Membership.watch_key`: member ranks, or an `Unregistered` group
     started: float
 
 
-def _group_key(group_ranks: tuple[int, ...]) -> str:
+def _store_key(group_ranks: tuple[int, ...]) -> str:
     return "world" if group_ranks == tuple(range(dist.get_world_size())) else "-".join(map(str, group_ranks))
 
 
@@ -73,10 +74,10 @@ class CollectiveWatchdog:
         # The default store is the one every rank already shares (file, TCP or torchrun's).
         self.store = store or dist.distributed_c10d._get_default_store()
         self._lock = threading.Lock()
-        self._seq: dict[tuple[int, ...], int] = {}  # group -> last sequence number entered
+        self._seq: dict[GroupKey, int] = {}  # group key -> last sequence number entered
         self._in_flight: dict[int, InFlight] = {}
         self._tokens = itertools.count()
-        self._published: dict[tuple[int, ...], int] = {}
+        self._published: dict[GroupKey, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nanoddp-watchdog", daemon=True)
         self.last_report: str | None = None
@@ -90,13 +91,14 @@ class CollectiveWatchdog:
         if self._thread.is_alive():
             self._thread.join()
 
-    def begin(self, op: str, numel: int, group_ranks: tuple[int, ...]) -> int:
-        """Record that this rank entered collective `op`; returns a token for `end`."""
+    def begin(self, op: str, numel: int, group_key: GroupKey) -> int:
+        """Record that this rank entered collective `op` on the group `group_key` names
+        (`Membership.watch_key`); returns a token for `end`."""
         with self._lock:
-            seq = self._seq.get(group_ranks, 0) + 1
-            self._seq[group_ranks] = seq
+            seq = self._seq.get(group_key, 0) + 1
+            self._seq[group_key] = seq
             token = next(self._tokens)
-            self._in_flight[token] = InFlight(op, seq, numel, group_ranks, time.monotonic())
+            self._in_flight[token] = InFlight(op, seq, numel, group_key, time.monotonic())
         return token
 
     def end(self, token: int) -> None:
@@ -105,14 +107,17 @@ class CollectiveWatchdog:
 
     def _publish_progress(self) -> None:
         with self._lock:
-            changed = {g: s for g, s in self._seq.items() if self._published.get(g) != s}
+            # an unregistered group's members need not share our store: nothing to publish to them
+            changed = {
+                g: s for g, s in self._seq.items() if self._published.get(g) != s and not isinstance(g, Unregistered)
+            }
         for group_ranks, seq in changed.items():
-            self.store.set(f"{STORE_PREFIX}/{_group_key(group_ranks)}/{self.rank}", str(seq))
+            self.store.set(f"{STORE_PREFIX}/{_store_key(group_ranks)}/{self.rank}", str(seq))
             self._published[group_ranks] = seq
 
     def _progress_of(self, group_ranks: tuple[int, ...]) -> dict[int, int]:
         """Last sequence number each member of the group published (0 if none yet)."""
-        keys = [f"{STORE_PREFIX}/{_group_key(group_ranks)}/{r}" for r in group_ranks]
+        keys = [f"{STORE_PREFIX}/{_store_key(group_ranks)}/{r}" for r in group_ranks]
         progress = {}
         for rank, key in zip(group_ranks, keys, strict=True):
             progress[rank] = int(self.store.get(key)) if self.store.check([key]) else 0
@@ -120,13 +125,20 @@ class CollectiveWatchdog:
 
     def hang_report(self, stuck: InFlight) -> str:
         waited = time.monotonic() - stuck.started
-        progress = self._progress_of(stuck.group_ranks)
+        if isinstance(stuck.group_key, Unregistered):
+            return (
+                f"collective hang on rank {self.rank}: {stuck.op} #{stuck.seq} ({stuck.numel} elements, on a "
+                f"group of {stuck.group_key.size} ranks torch's registry does not know, a fault-tolerance "
+                f"manager's, say) has waited {waited:.0f}s > timeout {self.timeout_s:g}s; its members' "
+                "progress is not in this rank's store, so which of them did not arrive is unknown. " + _likely_cause([])
+            )
+        progress = self._progress_of(stuck.group_key)
         arrived = sorted(r for r, s in progress.items() if s >= stuck.seq)
         missing = sorted(r for r, s in progress.items() if s < stuck.seq)
         behind = ", ".join(f"rank {r} at #{progress[r]}" for r in missing)
         return (
             f"collective hang on rank {self.rank}: {stuck.op} #{stuck.seq} ({stuck.numel} elements, "
-            f"group {list(stuck.group_ranks)}) has waited {waited:.0f}s > timeout {self.timeout_s:g}s; "
+            f"group {list(stuck.group_key)}) has waited {waited:.0f}s > timeout {self.timeout_s:g}s; "
             f"arrived: ranks {arrived}; not arrived: ranks {missing} ({behind or 'none'}). " + _likely_cause(missing)
         )
 
@@ -194,9 +206,9 @@ def active() -> CollectiveWatchdog | None:
     return _active
 
 
-def begin(op: str, numel: int, group_ranks: tuple[int, ...]) -> int | None:
+def begin(op: str, numel: int, group_key: GroupKey) -> int | None:
     """Mark the start of a collective (async ones end when their Work completes); None when disabled."""
-    return None if _active is None else _active.begin(op, numel, group_ranks)
+    return None if _active is None else _active.begin(op, numel, group_key)
 
 
 def end(token: int | None) -> None:
@@ -210,8 +222,7 @@ def track(op: str, numel: int, group: dist.ProcessGroup | None = None) -> Iterat
     if _active is None:
         yield
         return
-    ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
-    token = _active.begin(op, numel, ranks)
+    token = _active.begin(op, numel, membership(group).watch_key)
     try:
         yield
     finally:
@@ -259,8 +270,8 @@ def _watched(fn: Callable[..., Any], name: str, tensor_arg: int) -> Callable[...
     def call(*args: Any, group: dist.ProcessGroup | None = None, async_op: bool = False, **kwargs: Any) -> Any:
         if active() is None:
             return fn(*args, group=group, async_op=async_op, **kwargs)
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-        token = begin(name, _numel(args[tensor_arg]) if len(args) > tensor_arg else 0, ranks)
+        key = membership(group).watch_key
+        token = begin(name, _numel(args[tensor_arg]) if len(args) > tensor_arg else 0, key)
         try:
             work = fn(*args, group=group, async_op=async_op, **kwargs)
         except BaseException:

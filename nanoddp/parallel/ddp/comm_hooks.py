@@ -9,6 +9,9 @@ The same functions work on `nanoddp.DistributedDataParallel` (they then reduce w
 `comm_backend`) and on `torch.nn.parallel.DistributedDataParallel` (with torch.distributed).
 
 - `allreduce_hook`: what the engine does by default.
+- `reduce_scatter_hook` (with its state, `CrossReplicaShards`): a fault-tolerant step's first
+  half. Each rank keeps only its averaged shard of each bucket, for the step to sum across
+  replica groups; `CrossReplicaShards.finish` then all-gathers the shards back into `.grad`.
 - `fp16_compress_hook` / `bf16_compress_hook`: send half the bytes. The bucket is cast to 16
   bits, divided by the world size (in 16 bits, as torch's hooks do, so the sum cannot
   overflow fp16), all-reduced and cast back. Gradients then carry 16-bit rounding error;
@@ -35,7 +38,7 @@ from nanoddp.parallel.ddp.buckets import GradBucket
 from nanoddp.parallel.ddp.gradient_average import divide_for_average
 from nanoddp.parallel.ddp.sparse import sparse_all_reduce
 
-__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["CrossReplicaShards", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "reduce_scatter_hook"]
 
 
 def check_comm_hook(hook: Any) -> None:
@@ -110,3 +113,55 @@ def fp16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.fut
 def bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in bfloat16: fp32's range (no overflow risk), 8 bits of mantissa."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
+
+
+class CrossReplicaShards:
+    """The state of `reduce_scatter_hook`: what a backward left for the cross-replica sum.
+
+    Why split DDP's all-reduce: a fault-tolerant step averages over replica groups after the
+    group's own average (`Engine.cross_replica_grads`). Summing only this rank's shard of each
+    bucket across groups, then gathering within the group, moves the same bytes as one ring
+    all-reduce over every rank, where summing whole buckets would send each group's full
+    gradient across."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group  # the replica group's own (None: the default group)
+        self.shards: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged shard, (chunk,)
+        self._gathers: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], Collectives]] = {}
+
+    def finish(self) -> None:
+        """All-gather every bucket's shard (summed across groups meanwhile) into its buffer, and
+        the buffer into each parameter's `.grad` (a copy, unless the grad is the buffer's view)."""
+        for index in sorted(self._gathers):
+            buffer, params, views, collectives = self._gathers[index]
+            shard = self.shards[index]
+            whole = buffer.new_empty(shard.numel() * dist.get_world_size(self.group))
+            collectives.all_gather_into_tensor(whole, shard, group=self.group)
+            buffer.copy_(whole[: buffer.numel()])
+            for param, view in zip(params, views, strict=True):
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    param.grad.copy_(view)
+
+
+def reduce_scatter_hook(state: CrossReplicaShards, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over the group into this rank's shard only (`state.shards`): divide by
+    the world size, reduce-scatter (SUM) into equal chunks (the last padded with zeros). The
+    bucket's buffer, and so `.grad`, keeps this rank's own divided gradient until
+    `state.finish()`."""
+    collectives, group = _collectives_and_group(state.group, bucket)
+    buffer = bucket.buffer()  # (N,)
+    if buffer.is_sparse:
+        raise ValueError("the cross-replica step reduces dense buckets only: build the model without sparse=True")
+    world_size = dist.get_world_size(group)
+    divide_for_average(buffer, world_size)
+    chunk = -(-buffer.numel() // world_size)
+    padded = (
+        buffer
+        if chunk * world_size == buffer.numel()
+        else torch.cat([buffer, buffer.new_zeros(chunk * world_size - buffer.numel())])
+    )
+    shard = buffer.new_empty(chunk)
+    state.shards[bucket.index()] = shard
+    state._gathers[bucket.index()] = (buffer, bucket.parameters(), bucket.gradients(), collectives)
+    work = collectives.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
+    return _future_when_done(work, lambda: buffer)

@@ -7,7 +7,10 @@ a timeline draws its communication (`trace_comm`). Its class attributes are its 
 (`engines.registry`): `name`, `help`, `zero_optimizer`, `sharded`, `local_gradients`,
 `option_defaults`. Nothing asks an engine its name. Two hooks finish the trainer's setup and
 step record: `wrap_optimizer` (the optimizer the trainer steps) and `step_comm_bytes` (what a
-step sent).
+step sent). Three more serve a fault-tolerant step, which averages over replica groups after the
+engine's own reduction within its group: `use_cross_replica` (once, before the first backward),
+`cross_replica_grads` (the buffers to sum across groups) and `finish_cross_replica`; a restart
+run never calls them.
 """
 
 from __future__ import annotations
@@ -90,6 +93,22 @@ class Engine:
         from nanoddp.parallel.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module, max_norm)
+
+    def use_cross_replica(self) -> None:
+        """From the next backward on, leave the gradients in the form `cross_replica_grads` hands
+        out (DDP: reduce-scattered shards only). Here: they are already."""
+
+    def cross_replica_grads(self) -> list[torch.Tensor]:
+        """After backward: the gradient buffers, already averaged within this engine's group, that a
+        fault-tolerant step sums across replica groups, as 1-D views: changed in place, they are the
+        gradients (after `finish_cross_replica`). Each rank of a group holds different ones (a shard
+        each, for the sharded engines); the same rank of every group holds the same shapes. Here:
+        every parameter's whole gradient."""
+        return [p.grad.view(-1) for p in self.module.parameters() if p.grad is not None]
+
+    def finish_cross_replica(self) -> None:
+        """The cross-group sum is in `cross_replica_grads()`'s buffers: make the gradients whole
+        again where the engine split them (DDP: a gather within the group). Here: nothing to do."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's plain state_dict (collective for sharded engines: call on every rank)."""

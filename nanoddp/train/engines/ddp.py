@@ -1,13 +1,17 @@
 """The DDP engines: `nanoddp` (our DDP), `torch` (torch's), `zero1` (ours plus a sharded optimizer).
 
 Gradients are averaged inside backward, bucket by bucket, by the wrapper's hooks; on the
-non-final micro-steps of an accumulation `no_sync()` skips that (`Engine.micro_step`).
+non-final micro-steps of an accumulation `no_sync()` skips that (`Engine.micro_step`). Under a
+fault-tolerant step (`use_cross_replica`) a bucket is only reduce-scattered in backward; its
+shards are summed across replica groups, then gathered back (`comm_hooks.reduce_scatter_hook`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from nanoddp.env import DistEnv
@@ -15,11 +19,36 @@ from nanoddp.train.engines.base import Engine, device_ids_for
 from nanoddp.train.metrics import CommTimer, timed_comm_hook
 
 if TYPE_CHECKING:
+    from nanoddp.parallel.ddp.comm_hooks import CrossReplicaShards
     from nanoddp.parallel.ddp.wrapper import DistributedDataParallel
 
 
 class DDPEngine(Engine):
     """A DDP wrapper (ours or torch's: the same comm-hook contract) around the bare model."""
+
+    cross_shards: CrossReplicaShards | None = None  # set by `use_cross_replica`
+
+    def use_cross_replica(self) -> None:
+        """Reduce-scatter each bucket in backward instead of all-reducing it (one process:
+        nothing is reduced in backward, and the gradients are the buffers as they are)."""
+        from nanoddp.parallel.ddp.comm_hooks import CrossReplicaShards, reduce_scatter_hook
+
+        self.cross_shards = CrossReplicaShards()
+        if dist.get_world_size() > 1:
+            cast(Any, self.model).register_comm_hook(self.cross_shards, reduce_scatter_hook)
+
+    def cross_replica_grads(self) -> list[torch.Tensor]:
+        """Each bucket's averaged shard, this rank's, in bucket order."""
+        if self.cross_shards is None:
+            raise RuntimeError("cross_replica_grads() before use_cross_replica(): DDP all-reduced the buckets already")
+        if dist.get_world_size() == 1:
+            return super().cross_replica_grads()
+        return [self.cross_shards.shards[i] for i in sorted(self.cross_shards.shards)]
+
+    def finish_cross_replica(self) -> None:
+        """Gather every bucket's summed shards within the group into `.grad`."""
+        if self.cross_shards is not None and dist.get_world_size() > 1:
+            self.cross_shards.finish()
 
     def trace_comm(self, env, wrap_hook, wrap_sync) -> None:
         """Reduce through `hooks.allreduce_hook` (the default path's math), drawn and timed."""

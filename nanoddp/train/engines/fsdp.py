@@ -80,6 +80,15 @@ class FSDPEngine(Engine):
                 "model.parameters() after fully_shard"
             )
 
+    def cross_replica_grads(self) -> list[torch.Tensor]:
+        """Each DTensor gradient's local shard (hsdp: averaged within the replica group only when
+        its mesh has one group, the fault-tolerant shape; its replicate all-reduce is the
+        cross-group sum)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return [(g.to_local() if isinstance(g, DTensor) else g).view(-1) for g in grads]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every DTensor whole (nanoddp's fully_shard or torch's; collective: call on every rank)."""
         from nanoddp.parallel.fsdp.state_dict import full_state
