@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import nanoddp
+import nanoddp.groups  # a submodule: `import nanoddp` alone does not load it
 from nanoddp.models import GPT, gpt_config
 from nanoddp.parallel.zero.stage1 import ZeroRedundancyOptimizer, assign_owners, optimizer_state_bytes
 

@@ -57,7 +57,10 @@ def membership(group: dist.ProcessGroup | None) -> Membership:
         ranks = tuple(dist.get_process_group_ranks(group))
     except (KeyError, ValueError, RuntimeError):  # torch's registry does not know it
         return _of_the_object(group)
-    return Membership(dist.get_rank(group), len(ranks), ranks, dist.get_backend(group), True, ranks)
+    rank = dist.get_rank(group)
+    if rank < 0:  # registered, but not with this process in it: torch keeps no backend for it here
+        return Membership(rank, len(ranks), ranks, "", True, ranks)
+    return Membership(rank, len(ranks), ranks, dist.get_backend(group), True, ranks)
 
 
 def _of_the_object(group: dist.ProcessGroup) -> Membership:
