@@ -120,6 +120,7 @@ class FaultTolerantTrainer(Trainer):
         self._evaluated: set[int] = set()  # steps this process recorded a validation loss for
         self._history: list[int] = []  # a resumed snapshot's world size per step
         self.shards: OptimizerShards | None = None  # made after the resume, which loads the whole optimizer
+        self._whole_optimizer: dict[str, Any] | None = None  # a sharded one's state, gathered for a snapshot
         self.engine = SingleEngine(SingleEngine.name, module, module)  # the model as it is
         self.scaler = torch.amp.GradScaler(CPU.type, enabled=False)  # --amp is refused under continue
         self._step_comm_bytes = 0
@@ -163,8 +164,8 @@ class FaultTolerantTrainer(Trainer):
 
     def _parts(self) -> dict[str, Any]:
         parts = super()._parts()
-        if self.shards is not None:  # FT: a sharded optimizer is snapshotted whole
-            parts["optimizer"] = WholeOptimizer(self.shards, self.optimizer)
+        if self._whole_optimizer is not None:  # FT: a sharded optimizer is snapshotted whole
+            parts["optimizer"] = WholeOptimizer(self._whole_optimizer, self.optimizer)
         return parts
 
     def _take_facts(self) -> dict[str, Any]:
@@ -252,7 +253,12 @@ class FaultTolerantTrainer(Trainer):
         final = step >= self.config.steps
         if final or _every(step, self.config.snapshot_every):
             self._place_sampler()
-            self._save_snapshot()
+            # every member gathers (a collective); the snapshot writer asks rank 0's copy only
+            self._whole_optimizer = None if self.shards is None else self.shards.whole_state_dict()
+            try:
+                self._save_snapshot()
+            finally:
+                self._whole_optimizer = None
             if ft.is_master:
                 logger.info("snapshot %s", snapshot.snapshot_path(self.run_dir / "snapshots", step))
         if final or _every(step, self.config.eval_every):
@@ -281,14 +287,14 @@ class FaultTolerantTrainer(Trainer):
 
 
 class WholeOptimizer:
-    """A sharded optimizer as a snapshot keeps it: its whole state_dict (gathered when written);
-    a snapshot's whole state loads into the plain optimizer, which then holds every parameter's."""
+    """A sharded optimizer as a snapshot keeps it: its whole state_dict (`OptimizerShards.
+    whole_state_dict`, gathered on every member); a whole state loads into the plain optimizer."""
 
-    def __init__(self, shards: OptimizerShards, optimizer: torch.optim.Optimizer) -> None:
-        self.shards, self.optimizer = shards, optimizer
+    def __init__(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        self.state, self.optimizer = state, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return self.shards.whole_state_dict()
+        return self.state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
