@@ -116,7 +116,6 @@ class FaultTolerantTrainer(Trainer):
         self.sampler = ResumableDistributedSampler(self.train_set, 1, 0, shuffle=True, seed=config.seed)
         self.step, self._signum = 0, 0
         self._last_step_finite, self._newest_finite_snapshot = True, None
-        self._start_step = 0  # the step the run started or resumed at: no boundary work there again
         self._evaluated: set[int] = set()  # steps this process recorded a validation loss for
         self._history: list[int] = []  # a resumed snapshot's world size per step
         self.shards: OptimizerShards | None = None  # made after the resume, which loads the whole optimizer
@@ -128,7 +127,7 @@ class FaultTolerantTrainer(Trainer):
         self.metrics = None
         self.run_id = first_run_id(self.replica, config.out)
         self.resumed_from = None if self.replica.joiner else self._maybe_resume()  # a joiner heals from a peer
-        self._start_step = self.step
+        self._start_step = self.step  # the step the run started or resumed at: no boundary work there again
         self.shards = _shards(config, self)
         self.ft = FaultTolerant(
             module,
