@@ -359,8 +359,8 @@ def replay_continue_run(
     import copy
 
     from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
-    from nanoddp.train.build import build_job
     from nanoddp.train.config import threads_per_rank
+    from nanoddp.train.recipe import build_job
 
     config = TrainConfig(
         text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,
@@ -412,10 +412,12 @@ def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | Non
     train --on-failure continue`), its `attempt`-th replacement if given; None if there is none."""
     import psutil
 
+    from nanoddp.train.ft_trainer import WORKER_MODULE as FT_WORKER
+
     for child in launcher.children(recursive=True):
         try:
             environ = child.environ()
-            if environ.get("NANODDP_FT_REPLICA") != str(replica) or "ft_loop" not in " ".join(child.cmdline()):
+            if environ.get("NANODDP_FT_REPLICA") != str(replica) or FT_WORKER not in " ".join(child.cmdline()):
                 continue
             if attempt is None or environ.get("NANODDP_FT_ATTEMPT") == str(attempt):
                 return child.pid

@@ -41,7 +41,7 @@ from nanoddp.base.records import Record, last_step, step_records
 from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.bench.training_run import run_training, train_command
-from nanoddp.train.ft_loop import WORKER_MODULE as CONTINUE_WORKER
+from nanoddp.train.ft_trainer import WORKER_MODULE as CONTINUE_WORKER
 
 TRAIN_ARGS = [
     "--nproc", "3", "--steps", "60", "--snapshot-every", "20", "--seq-len", "32", "--batch-size", "12",

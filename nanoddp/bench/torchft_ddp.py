@@ -2,7 +2,7 @@
 
 `nanoddp bench restarts --cost-trials N` measures what one lost rank costs under
 `--on-failure restart`, `--on-failure continue` and this: the same model, data, AdamW and
-schedule (`nanoddp.train.build`), the same launcher (`nanoddp.ft.supervisor`: torchft's Lighthouse,
+schedule (`nanoddp.train.recipe.build_job`), the same launcher (`nanoddp.ft.supervisor`: torchft's Lighthouse,
 one process per replica, a dead one replaced), but the step loop is torchft's documented FT-DDP
 path rather than `nanoddp.ft`'s:
 
@@ -59,11 +59,11 @@ from nanoddp.env import loopback_store, pin_gloo_to_loopback
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
-from nanoddp.train.build import Job, build_job
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batch_rules import batch_loss_for
-from nanoddp.train.ft_loop import start_replica
+from nanoddp.train.ft_trainer import start_replica
 from nanoddp.train.metrics import format_log_line
+from nanoddp.train.recipe import Job, build_job
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.bench.torchft_ddp"
@@ -201,7 +201,7 @@ def _step_record(
     """The trainer's step record (`nanoddp.ft`'s keys), `step` counted from 1; `loss` is the
     global batch's mean."""
     samples_per_s = samples / elapsed if elapsed > 0 else None
-    tokens = job.tokens_per_sample
+    tokens = getattr(job.train_set, "tokens_per_sample", None)
     return {
         "step": step + 1,
         "loss": loss,

@@ -4,12 +4,14 @@ warmup into a cosine decay. A `nanoddp.Trainer` user brings their own optimizer 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.utils.data import Dataset
 
-from nanoddp.train.config import TrainConfig, uses_zero_optimizer
+from nanoddp.train.config import TrainConfig, build_model, filled, uses_zero_optimizer
+from nanoddp.train.data.datasets import build_datasets
 
 
 class WarmupCosine:
@@ -72,3 +74,29 @@ def follow_steps_on_resume(scheduler: Any, saved_steps: int, steps: int, step: i
         f"{changed}: the warmup-cosine schedule is re-stretched over {steps} steps from step {step} "
         f"(lr {before:.3g} -> {lrs[0]:.3g})"
     )
+
+
+class Job(NamedTuple):
+    """`nanoddp train`'s built-in job (`build_job`): data, model, optimizer and schedule."""
+
+    train_set: Dataset
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    val_set: Dataset | None
+
+
+def build_job(config: TrainConfig, device: torch.device | None = None) -> Job:
+    """The data, model (seeded with `config.seed`: every process builds the same weights, on
+    `device`, default the CPU), AdamW and warmup-cosine schedule that `config` describes: what
+    `Trainer.from_config` trains in either `--on-failure` mode, and the torchft benchmark's job."""
+    train_set, val_set, spec = build_datasets(
+        config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
+    )
+    torch.manual_seed(config.seed)
+    module = build_model(config, spec).to(device)  # before the optimizer, which may shard by device
+    optimizer = make_optimizer(module, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
+    )
+    return Job(train_set, module, optimizer, scheduler, val_set)

@@ -40,15 +40,14 @@ from nanoddp.parallel.grad_scaler import ShardedGradScaler
 from nanoddp.parallel.tensors import move_to
 from nanoddp.train import evaluation, signals, step_check
 from nanoddp.train.checkpoint import rundir, snapshot, user_state
-from nanoddp.train.config import TrainConfig, build_model, check_data, filled, threads_per_rank, validate
+from nanoddp.train.config import TrainConfig, check_data, threads_per_rank, validate
 from nanoddp.train.data.batch_rules import batch_loss_for
-from nanoddp.train.data.datasets import build_datasets
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import build_engine, prepare_model
 from nanoddp.train.metrics import MetricsLogger, Window, format_log_line, redirect_logging
 from nanoddp.train.options import claim_run_dir, configure_logging, joined_env, options_config, release_run_dir
 from nanoddp.train.ranks import all_reduce_sum, broadcast_from_master
-from nanoddp.train.recipe import WarmupCosine, follow_steps_on_resume, make_optimizer
+from nanoddp.train.recipe import build_job, follow_steps_on_resume
 from nanoddp.train.trace import TraceSession, build_traced_engine, region
 
 logger = logging.getLogger(__name__)
@@ -110,18 +109,11 @@ class Trainer:
         validate(config, env.world_size)
         if config.out is None:  # every rank must agree on one directory: rank 0 picks it
             config = replace(config, out=broadcast_from_master(rundir.default_run_dir(), env))
-        train_set, val_set, spec = build_datasets(
-            config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
-        )
-        torch.manual_seed(config.seed)  # identical initial weights on every rank
-        module = build_model(config, spec).to(env.device)
-        optimizer = make_optimizer(module, config)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, WarmupCosine(filled(config.warmup_steps), config.steps, config.min_lr_ratio)
-        )
+        job = build_job(config, env.device)
         trainer = cls.__new__(cls)
         trainer._lock_fd = None  # the launcher's agent holds the run directory
-        trainer._setup(config, env, module, optimizer, scheduler, (train_set, val_set), batch_loss_for(None), None)
+        datasets = (job.train_set, job.val_set)
+        trainer._setup(config, env, job.module, job.optimizer, job.scheduler, datasets, batch_loss_for(None), None)
         return trainer
 
     def _setup(self, config, env, module, optimizer, scheduler, datasets, batch_loss, collate_fn) -> None:
@@ -182,15 +174,19 @@ class Trainer:
         if kind == "error":
             raise ValueError(value)
         if value is None:
-            self.run_id = broadcast_from_master(rundir.new_run_id(), self.env)
+            self.run_id = self._fresh_run_id()
             if self.env.is_master and self.config.resume != "never":
                 logger.info("no snapshot in %s: starting fresh at step 0", self.run_dir / "snapshots")
             return None
         self._load_snapshot(Path(value), found[1] if found else snapshot.load(value))
         if self.env.is_master:
             why = f"restart {self.env.restart_count}: " if self.env.restart_count else ""
-            logger.info("%sresumed from %s (step %d, epoch %d)", why, value, self.step, self.sampler.epoch)
+            logger.info("%sresumed from %s (step %d) in epoch %d", why, value, self.step, self.sampler.epoch)
         return Path(value)
+
+    def _fresh_run_id(self) -> str:
+        """The id of a run that starts at step 0, the same on every rank: rank 0's."""
+        return broadcast_from_master(rundir.new_run_id(), self.env)
 
     # --- snapshots --------------------------------------------------------------------------
 
@@ -210,13 +206,17 @@ class Trainer:
         path = snapshot.snapshot_path(directory, self.step)
         train = {"step": self.step, "epoch": self.sampler.epoch, "config": config, "run_id": self.run_id,
                  "fingerprint": rundir.fingerprint(config), "world_size": self.env.world_size,
-                 "interrupted": interrupted, "loss_finite": self._last_step_finite}  # fmt: skip
+                 "interrupted": interrupted, "loss_finite": self._last_step_finite, **self._loop_facts()}  # fmt: skip
         user_state.save_objects(path, {**self._parts(), snapshot.TRAIN: train})
         if self._last_step_finite:
             self._newest_finite_snapshot = self.step
         if self.env.is_master:
             snapshot.prune(directory, self.config.keep_snapshots, protect=self._newest_finite_snapshot)
             logger.debug("snapshot %s", path)
+
+    def _loop_facts(self) -> dict[str, Any]:
+        """What the loop itself keeps in a snapshot's `train` entry besides the common facts."""
+        return {}
 
     def _load_snapshot(self, path: Path, state: dict[str, Any]) -> None:
         """Collective, once the engine is built: every part the snapshot `state` (read from
@@ -226,13 +226,17 @@ class Trainer:
         parts = {name: part for name, part in self._parts().items() if name in state["objects"]}
         user_state.load_objects(path, parts, restore_rng=False, manifest=state)
         self.step = int(train["step"])
-        self.run_id = train.get("run_id") or broadcast_from_master(rundir.new_run_id(), self.env)
+        self.run_id = train.get("run_id") or self._fresh_run_id()
         self._newest_finite_snapshot = self.step if train.get("loss_finite", True) else None
         saved_steps = int(train["config"].get("steps", self.config.steps))
         note = follow_steps_on_resume(self.scheduler, saved_steps, self.config.steps, self.step)
         if note and self.env.is_master:
             logger.warning("%s", note)
-        saved = state["rng"]
+        self._load_loop_state(train, state["rng"])
+
+    def _load_loop_state(self, train: dict[str, Any], saved: list[Any]) -> None:
+        """The loop's own state from a snapshot's `train` entry and every rank's RNG streams
+        `saved`: this rank's streams (re-seeded at another world size: the data order stays exact)."""
         if len(saved) == self.env.world_size:
             restore_rng_state(saved[self.env.rank])
         else:

@@ -388,7 +388,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
 
 def test_train_continue_refuses_what_it_does_not_cover():
     from nanoddp.train.config import TrainConfig
-    from nanoddp.train.ft_loop import check_continue
+    from nanoddp.train.ft_trainer import check_continue
 
     with pytest.raises(ValueError, match="supports --engine nanoddp, zero1, zero2, fsdp, got 'localsgd'"):
         check_continue(TrainConfig(engine="localsgd", on_failure="continue"))

@@ -64,8 +64,8 @@ def _steps(run_dir) -> list[dict]:
 
 
 def _initial_weights() -> dict[str, torch.Tensor]:
-    from nanoddp.train.build import build_job
     from nanoddp.train.config import TrainConfig
+    from nanoddp.train.recipe import build_job
 
     config = TrainConfig(
         text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12,

@@ -268,9 +268,9 @@ FAULTS = (
     ),
     Mutation(
         "ft continue: --resume loads no optimizer state",
-        "nanoddp/train/ft_boundary.py",
-        'parts = {"model": job.module, "optimizer": job.optimizer, "scheduler": job.scheduler}',
-        'parts = {"model": job.module, "scheduler": job.scheduler}',
+        "nanoddp/train/trainer.py",
+        'parts = {name: part for name, part in self._parts().items() if name in state["objects"]}',
+        'parts = {n: p for n, p in self._parts().items() if n in state["objects"] and n != "optimizer"}',
         ("tests/multiproc/test_ft_sharded.py", "-k", "resumed_from_its_snapshot"),
     ),
     Mutation(
@@ -324,8 +324,8 @@ FAULTS = (
     ),
     Mutation(
         "ft continue: --on-nan stop ignored, the NaN update applied",
-        "nanoddp/train/ft_loop.py",
-        '        if nonfinite and config.on_nan == "stop":',
+        "nanoddp/train/ft_trainer.py",
+        '        if nonfinite and self.config.on_nan == "stop":',
         "        if False:",
         ("tests/multiproc/test_ft_guards.py", "-k", "on_nan_stop"),
     ),
@@ -380,7 +380,7 @@ FAULTS = (
     ),
     Mutation(
         "ft continue: snapshots never pruned (--keep-snapshots ignored)",
-        "nanoddp/train/ft_boundary.py",
+        "nanoddp/train/trainer.py",
         "            snapshot.prune(directory, self.config.keep_snapshots, protect=",
         "            (lambda *args, **kwargs: None)(directory, self.config.keep_snapshots, protect=",
         ("tests/multiproc/test_ft_counts.py", "-k", "prunes"),

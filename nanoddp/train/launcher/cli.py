@@ -187,7 +187,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
     if config.on_failure == "continue":  # refused here, before any process starts
         from nanoddp.ft.supervisor import check_single_node
-        from nanoddp.train.ft_loop import check_continue
+        from nanoddp.train.ft_trainer import check_continue
 
         check_continue(config)
         check_single_node(args.nnodes, args.rdzv_endpoint)
@@ -243,9 +243,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
-    """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_loop`)."""
+    """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_trainer`)."""
     from nanoddp.ft.supervisor import Launch, supervise
-    from nanoddp.train.ft_loop import WORKER_MODULE as FT_WORKER
+    from nanoddp.train.ft_trainer import WORKER_MODULE as FT_WORKER
 
     command = [sys.executable, "-m", FT_WORKER, *config_to_argv(config)]
     launch = Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train",

@@ -1,0 +1,34 @@
+"""`--on-failure continue` runs the Trainer: `FaultTolerantTrainer` is a subclass that overrides
+start-up and the step only, so the snapshot, evaluation, resume, log and export code a continue
+run executes is the restart path's own, not a copy that could drift from it.
+
+That the replicas of a `nanoddp train --on-failure continue` launch run this class is checked
+where they are launched: `tests/helpers.replica_pid` finds them by `WORKER_MODULE` in their
+command line (test_ft.py's kill tests need that pid).
+"""
+
+from __future__ import annotations
+
+from nanoddp.train import ft_trainer
+from nanoddp.train.ft_trainer import FaultTolerantTrainer
+from nanoddp.train.trainer import Trainer
+
+# The Trainer's methods a continue run calls as they are.
+SHARED = ("_maybe_resume", "_load_snapshot", "_save_snapshot", "evaluate", "_log", "_skip_nonfinite",
+          "_export_final_model", "_run_batch", "_autocast", "fit")  # fmt: skip
+
+# Start-up (with its seams: the run's id, a snapshot's history and RNG, the whole optimizer of a
+# sharded one) and the step (with its loop, which `FaultTolerant.steps` drives).
+OVERRIDDEN = {"for_replica", "_setup", "_fresh_run_id", "_loop_facts", "_load_loop_state", "_parts",
+              "train", "_run_step"}  # fmt: skip
+
+
+def test_the_continue_trainer_is_the_trainer_with_startup_and_step_overridden():
+    assert issubclass(FaultTolerantTrainer, Trainer)
+    for name in SHARED:
+        assert getattr(FaultTolerantTrainer, name) is getattr(Trainer, name), name
+    named = {name for name in vars(FaultTolerantTrainer) if not name.startswith("__")}
+    overrides = {name for name in named if hasattr(Trainer, name) or name == "for_replica"}
+    assert overrides == OVERRIDDEN
+    # the supervisor launches `python -m WORKER_MODULE`, whose `main` runs this class
+    assert FaultTolerantTrainer.__module__ == ft_trainer.WORKER_MODULE
