@@ -44,8 +44,8 @@ FAULTS = (
     Mutation(
         "bench wan: both netns nodes claim node rank 0",
         "nanoddp/bench/wan.py",
-        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, k)) for k in (0, 1)]\n",
-        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, 0)) for k in (0, 1)]\n",
+        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, k), lr) for k in (0, 1)]\n",
+        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, 0), lr) for k in (0, 1)]\n",
         ("tests/unit/test_bench_wan_link.py", "-k", "two_nodes"),
     ),
     Mutation(
