@@ -2,8 +2,16 @@
 
 `nanoddp train` runs the built-in GPT on 2 replicas with the same steps, batch and seed: engine
 `nanoddp` (DDP: every step all-reduces every gradient), engine `diloco --sync-every H` (each
-replica takes H AdamW steps alone, then one all-reduce of the pseudo-gradient) and, over a kernel
-link, engine `torch` (torch's own DDP, its gloo all-reduce: the baseline users would pick).
+replica takes H AdamW steps alone, then one all-reduce of the pseudo-gradient; Streaming DiLoCo
+with `--fragments`, `--sync-delay`, `--mix`, `--pseudo-grad-dtype`), the same DiLoCo run with no
+communication at all (`nocomm`: its first sync lies past the last step, so it is the compute bound
+DiLoCo's overlap is measured against) and, over a kernel link, engine `torch` (torch's own DDP,
+its gloo all-reduce: the baseline users would pick).
+
+With `--lrs a,b,c`, DDP and DiLoCo each run at every one of those peak learning rates and the one
+with the lowest final validation loss is kept (an engine at its best, not at one lr that suits the
+other); torch's DDP then runs at our DDP's best lr, the no-communication run at DiLoCo's. Every
+run stays in the JSON; the comparison is between the kept ones.
 
 The link (`--link`) is one of two:
 
@@ -32,6 +40,7 @@ start-up excluded, the same for every engine); each run's whole wall time is rep
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import shlex
@@ -39,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from subprocess import Popen
 from typing import Any
@@ -55,7 +65,12 @@ from nanoddp.train.launcher.cli import check_train_argv
 logger = logging.getLogger(__name__)
 
 # DDP first: its final validation loss is the target. torch's DDP only where the link shapes it.
-ENGINES = {"shaper": ("nanoddp", "diloco"), "netns": ("nanoddp", "torch", "diloco")}
+# Each run after its twin, whose best lr it takes (`LR_TWIN`).
+ENGINES = {"shaper": ("nanoddp", "diloco", "nocomm"), "netns": ("nanoddp", "torch", "diloco", "nocomm")}
+LR_TWIN = {"torch": "nanoddp", "nocomm": "diloco"}  # the same math (torch), the same run unsynced (nocomm)
+TRAIN_ENGINE = {"nocomm": "diloco"}  # the `nanoddp train --engine` of a run that is not named after one
+# DiLoCo's flags of the benchmark, passed on to `nanoddp train` as given (None: the trainer's default)
+DILOCO_FLAGS = ("fragments", "sync_delay", "mix", "pseudo_grad_dtype", "outer_lr", "outer_momentum")
 SHAPER_LATENCY = "20ms"  # --latency's default under the shaper
 RUN_TIMEOUT_S = 4 * 3600
 PEER_EXIT_S = 120.0  # node 1 ends within this of node 0, or is ended
@@ -71,27 +86,45 @@ def node_launch(endpoint: str, node_rank: int) -> tuple[str, ...]:
             "--rdzv-id", "wan")  # fmt: skip
 
 
-def train_argv(engine: str, args: argparse.Namespace, out: Path, launch: tuple[str, ...] = LOCAL_LAUNCH) -> list[str]:
+def train_argv(
+    engine: str, args: argparse.Namespace, out: Path, launch: tuple[str, ...] = LOCAL_LAUNCH, lr: float | None = None
+) -> list[str]:
     """The `nanoddp train` command of one run (of one node of it, with `node_launch`)."""
-    return train_command(*train_flags(engine, args, out, launch))
+    return train_command(*train_flags(engine, args, out, launch, lr))
 
 
-def train_flags(engine: str, args: argparse.Namespace, out: Path, launch: tuple[str, ...] = LOCAL_LAUNCH) -> list[str]:
-    """The flags of one run's `nanoddp train`: the benchmark's, then `--train-args`."""
-    argv = ["--engine", engine, *launch, *BASE_ARGS, "--out", str(out)]
+def train_flags(
+    engine: str, args: argparse.Namespace, out: Path, launch: tuple[str, ...] = LOCAL_LAUNCH, lr: float | None = None
+) -> list[str]:
+    """The flags of one run's `nanoddp train`: the benchmark's, then `--train-args`. `nocomm` is
+    the DiLoCo run with H/F, the steps between two fragments' syncs, past the last step even less
+    the sync delay (no fragment's all-reduce starts within the run), so it never communicates;
+    `lr` (None: the model's default) is the peak lr."""
+    argv = ["--engine", TRAIN_ENGINE.get(engine, engine), *launch, *BASE_ARGS, "--out", str(out)]
     argv += ["--steps", str(args.steps), "--seed", str(args.seed), "--eval-every", str(args.eval_every)]
     argv += ["--log-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
-    if engine == "diloco":
-        argv += ["--sync-every", str(args.sync_every)]
+    argv += [] if lr is None else ["--lr", repr(lr)]
+    if engine in ("diloco", "nocomm"):
+        never = (args.fragments or 1) * (args.steps + (args.sync_delay or 0) + 1)
+        argv += ["--sync-every", str(args.sync_every if engine == "diloco" else never)]
+        for name in DILOCO_FLAGS:
+            if getattr(args, name) is not None:
+                argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv + shlex.split(args.train_args)
 
 
 def check_runs(args: argparse.Namespace) -> None:
     """Refuse now, in one line, what `nanoddp train` would refuse of either engine's run a minute
     in (`--train-args` parsed by its own parser, the config checked against its data)."""
+    given_lr = any(word == "--lr" or word.startswith("--lr=") for word in shlex.split(args.train_args))
+    if args.lrs and given_lr:
+        raise ValueError("--lrs sets each run's --lr, so --train-args may not give one too; drop --lr from "
+                         "--train-args, or drop --lrs to run every engine at that one lr")  # fmt: skip
     for engine in ENGINES[args.link]:
         try:
-            check_train_argv(train_flags(engine, args, Path(tempfile.gettempdir(), "nanoddp-wan-unused")))
+            unused = Path(tempfile.gettempdir(), "nanoddp-wan-unused")
+            for lr in args.lrs or [None]:
+                check_train_argv(train_flags(engine, args, unused, lr=lr))
         except (ValueError, FileNotFoundError) as exc:
             given = f" with --train-args {args.train_args!r}" if args.train_args else ""
             raise ValueError(f"`nanoddp train` would refuse the {engine} run{given}: {exc}") from None
@@ -129,31 +162,37 @@ def link_latency(link: str, latency: str | None) -> str | None:
     return None
 
 
-def run_one(engine: str, link: dict[str, str], args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_one(
+    engine: str, link: dict[str, str], args: argparse.Namespace, out: Path, lr: float | None = None
+) -> dict[str, Any]:
     """Run `nanoddp train` once on this machine (the shaper's `link`, or none); return its summary
     (`summarize`) with its wall time."""
-    argv = train_argv(engine, args, out)
+    argv = train_argv(engine, args, out, lr=lr)
     logger.info("running %s", shlex.join(argv))
     run = run_training(argv, out, timeout_s=RUN_TIMEOUT_S, env=_run_env(link))
     if run.returncode != 0:
         raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {run.returncode}):\n{run.output[-3000:]}")
-    return _result(engine, bool(link), run)
+    return _result(engine, bool(link), run, lr)
 
 
-def node_argvs(engine: str, args: argparse.Namespace, out: Path, endpoint: str) -> list[list[str]]:
+def node_argvs(
+    engine: str, args: argparse.Namespace, out: Path, endpoint: str, lr: float | None = None
+) -> list[list[str]]:
     """The two nodes' `nanoddp train` commands; node 0 serves the rendezvous at `endpoint` (its
     own address) and writes `out`, node 1 its own directory beside it (two launchers never share
     a run dir)."""
     outs = [out, out.with_name(f"{out.name}-node1")]
-    return [train_argv(engine, args, outs[k], node_launch(endpoint, k)) for k in (0, 1)]
+    return [train_argv(engine, args, outs[k], node_launch(endpoint, k), lr) for k in (0, 1)]
 
 
-def run_on_hosts(engine: str, args: argparse.Namespace, out: Path, hosts: NetnsHosts, port: int) -> dict[str, Any]:
+def run_on_hosts(
+    engine: str, args: argparse.Namespace, out: Path, hosts: NetnsHosts, port: int, lr: float | None = None
+) -> dict[str, Any]:
     """Run `nanoddp train` once as two nodes, one per namespace host, over the fabric as `hosts`
     shapes it now; return node 0's summary (`summarize`) with its wall time. Either node failing
     fails the run; nothing either started outlives this call."""
     endpoint = f"{hosts.addresses[0]}:{port}"
-    node0, node1 = (hosts.command(k, argv) for k, argv in enumerate(node_argvs(engine, args, out, endpoint)))
+    node0, node1 = (hosts.command(k, argv) for k, argv in enumerate(node_argvs(engine, args, out, endpoint, lr)))
     logger.info("running %s and %s", shlex.join(node0), shlex.join(node1))
     env = _run_env({})
     with child_run(node1, env=env) as peer:
@@ -181,11 +220,11 @@ def run_on_hosts(engine: str, args: argparse.Namespace, out: Path, hosts: NetnsH
     for argv, code, text in sorted(nodes, key=lambda node: node[1] < 0):  # the one we ended is not the cause
         if code != 0:
             raise ChildFailed(f"`{shlex.join(argv)}` failed (exit {code}):\n{text[-3000:]}")
-    return _result(engine, hosts.bits_per_s is not None, run)
+    return _result(engine, hosts.bits_per_s is not None, run, lr)
 
 
-def _result(engine: str, shaped: bool, run: TrainingRun) -> dict[str, Any]:
-    return {"engine": engine, "shaped": shaped, **summarize(run.records), "wall_s": run.wall_s}
+def _result(engine: str, shaped: bool, run: TrainingRun, lr: float | None) -> dict[str, Any]:
+    return {"engine": engine, "shaped": shaped, "lr": lr, **summarize(run.records), "wall_s": run.wall_s}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -210,15 +249,29 @@ def time_to_reach(curve: list[list[float]], target: float) -> float | None:
     return next((train_s for _, train_s, loss in curve if loss <= target), None)
 
 
+def best_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per engine and link, the run with the lowest final validation loss (of an `--lrs` sweep;
+    without one, the only run), in the order the runs came."""
+    kept: dict[tuple[str, bool], dict[str, Any]] = {}
+    for r in runs:
+        key = (r["engine"], r["shaped"])
+        if key not in kept or r["final_val_loss"] < kept[key]["final_val_loss"]:
+            kept[key] = r
+    return [r for r in runs if kept[(r["engine"], r["shaped"])] is r]
+
+
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per link, DiLoCo against DDP: the loss gap at the same samples, the bytes ratio, and the
-    training time each engine takes to DDP's final validation loss and to the loss both reach (the
-    worse of the two finals), with their ratios (None: DiLoCo never reached it); where torch's DDP
-    ran, its training time over DiLoCo's and over ours (the same steps: the steps/s ratios)."""
+    """Per link, each engine at its best (`best_runs`), DiLoCo against DDP: the loss gap at the same
+    samples, the bytes ratio, and the training time each engine takes to DDP's final validation
+    loss and to the loss both reach (the worse of the two finals), with their ratios (None: DiLoCo
+    never reached it); where torch's DDP ran, its training time over DiLoCo's and over ours (the
+    same steps: the steps/s ratios); where the no-communication run ran, DiLoCo's steps/s over its
+    own; after a sweep, the lr each engine was kept at."""
     summary: dict[str, Any] = {}
+    best = best_runs(runs)
     for shaped in (True, False):
-        ddp, torch_ddp, diloco = (next((r for r in runs if r["engine"] == e and r["shaped"] == shaped), None)
-                                  for e in ENGINES["netns"])  # fmt: skip
+        at = {r["engine"]: r for r in best if r["shaped"] == shaped}
+        ddp, torch_ddp, diloco, nocomm = (at.get(engine) for engine in ENGINES["netns"])
         if ddp is None or diloco is None:
             continue
         target, common = ddp["final_val_loss"], max(ddp["final_val_loss"], diloco["final_val_loss"])
@@ -239,6 +292,10 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if torch_ddp is not None:
             summary[name]["torch_ddp_over_diloco"] = torch_ddp["train_s"] / diloco["train_s"]
             summary[name]["torch_ddp_over_nanoddp"] = torch_ddp["train_s"] / ddp["train_s"]
+        if nocomm is not None:  # the same steps: DiLoCo's steps/s over the compute bound's
+            summary[name]["diloco_over_nocomm"] = nocomm["train_s"] / diloco["train_s"]
+        if any(r.get("lr") is not None for r in at.values()):
+            summary[name]["lr"] = {engine: r["lr"] for engine, r in at.items()}
     return summary
 
 
@@ -246,26 +303,50 @@ def _quotient(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def sweep(engines: tuple[str, ...], lrs: list[float] | None, run: Callable[[str, float | None], dict[str, Any]]
+          ) -> list[dict[str, Any]]:  # fmt: skip
+    """Every run of one link, in `engines`' order: each engine at every lr of `lrs` (None: once, at
+    the model's default), or, for one with an `LR_TWIN`, once at its twin's best."""
+    runs: list[dict[str, Any]] = []
+    for engine in engines:
+        twin = LR_TWIN.get(engine)
+        if twin is None:
+            engine_lrs: list[float | None] = list(lrs) if lrs else [None]
+        else:
+            engine_lrs = [r["lr"] for r in best_runs(runs) if r["engine"] == twin] or [None]
+        runs += [run(engine, lr) for lr in engine_lrs]
+    return runs
+
+
 def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Every run (shaped, then unshaped), compared; the report `--json` writes. `args.link` and
     `args.latency` are settled (`choose_link`, `link_latency`)."""
     load_before = os.getloadavg()[0]  # other work on the host slows compute, the same for every run
     shapings = [True] + ([] if args.no_unshaped else [False])
+    runs: list[dict[str, Any]] = []
     if args.link == "shaper":
         shaped = link_environ(args.bandwidth, args.latency)
-        runs = [run_one(engine, shaped if shaping else {}, args, root / f"{engine}-{_name(shaping)}")
-                for shaping in shapings for engine in ENGINES["shaper"]]  # fmt: skip
+        for shaping in shapings:
+
+            def here(engine: str, lr: float | None, shaping: bool = shaping) -> dict[str, Any]:
+                link = shaped if shaping else {}
+                return run_one(engine, link, args, root / _dir(engine, shaping, lr), lr)
+
+            runs += sweep(ENGINES["shaper"], args.lrs, here)
     else:
-        runs = []
+        ports = itertools.count(RDZV_PORT)  # a fresh rendezvous port, hence store, for every run
         with NetnsHosts(2) as hosts:
             for shaping in shapings:
                 hosts.shape(parse_bandwidth(args.bandwidth, "--bandwidth") if shaping else None)
-                for engine in ENGINES["netns"]:
-                    out = root / f"{engine}-{_name(shaping)}"
-                    runs.append(run_on_hosts(engine, args, out, hosts, RDZV_PORT + len(runs)))  # a fresh store each
+
+                def on_hosts(engine: str, lr: float | None, shaping: bool = shaping) -> dict[str, Any]:
+                    out = root / _dir(engine, shaping, lr)
+                    return run_on_hosts(engine, args, out, hosts, next(ports), lr)
+
+                runs += sweep(ENGINES["netns"], args.lrs, on_hosts)
     meta = {
         "link": args.link, "bandwidth": args.bandwidth, "latency": args.latency, "steps": args.steps,
-        "sync_every": args.sync_every,
+        "sync_every": args.sync_every, **{name: getattr(args, name) for name in DILOCO_FLAGS}, "lrs": args.lrs,
         "eval_every": args.eval_every, "eval_samples": args.eval_samples, "seed": args.seed,
         "train_args": args.train_args, "nproc": 2, "date": time.strftime("%Y-%m-%d"),
         "host_cpus": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]], "command": _command(args),
@@ -277,11 +358,18 @@ def _name(shaped: bool) -> str:
     return "shaped" if shaped else "unshaped"
 
 
+def _dir(engine: str, shaped: bool, lr: float | None) -> str:
+    return f"{engine}-{_name(shaped)}" + ("" if lr is None else f"-lr{lr:g}")
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     words = ["nanoddp", "bench", "wan", "--link", args.link, "--bandwidth", args.bandwidth]
     words += ["--latency", args.latency] if args.latency is not None else []
     words += ["--steps", str(args.steps), "--sync-every", str(args.sync_every), "--eval-every", str(args.eval_every)]
+    for name in DILOCO_FLAGS:
+        words += [] if getattr(args, name) is None else [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    words += [] if not args.lrs else ["--lrs", ",".join(f"{lr:g}" for lr in args.lrs)]
     words += ["--eval-samples", str(args.eval_samples), "--seed", str(args.seed)]
     words += (["--no-unshaped"] if args.no_unshaped else []) + (
         ["--train-args", args.train_args] if args.train_args else []
@@ -302,7 +390,14 @@ def _ratio(x: float | None) -> str:
 
 
 def _engine_name(engine: str, meta: dict[str, Any]) -> str:
-    return {"nanoddp": "DDP (`nanoddp`)", "torch": "DDP (`torch`)"}.get(engine, f"DiLoCo H={meta['sync_every']}")
+    if engine in ("nanoddp", "torch"):
+        return f"DDP (`{engine}`)"
+    streaming = [f"F={meta['fragments']}"] if meta.get("fragments") not in (None, 1) else []
+    streaming += [f"τ={meta['sync_delay']}"] if meta.get("sync_delay") else []
+    streaming += [f"α={meta['mix']}"] if meta.get("mix") else []
+    streaming += [str(meta["pseudo_grad_dtype"])] if meta.get("pseudo_grad_dtype") not in (None, "fp32") else []
+    name = " ".join(["Streaming DiLoCo" if streaming else "DiLoCo", f"H={meta['sync_every']}", *streaming])
+    return f"{name}, no sync" if engine == "nocomm" else name
 
 
 def _link_name(meta: dict[str, Any], shaped: bool) -> str:
@@ -314,15 +409,20 @@ def _link_name(meta: dict[str, Any], shaped: bool) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The table (one row per run) and one line per link on the goals, derived from the runs' own
-    figures (`compare`), so the text cannot drift from the data."""
+    """The table (one row per run; after an `--lrs` sweep, with its lr, the kept ones in bold) and
+    one line per link on the goals, derived from the runs' own figures (`compare`), so the text
+    cannot drift from the data."""
     meta, summary = report["meta"], compare(report["results"])
-    rows = ["| link | engine | steps | training time | wall time | bytes sent (rank 0) | final val loss "
-            "| training time to DDP's final val loss |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    swept, kept = any(r.get("lr") is not None for r in report["results"]), best_runs(report["results"])
+    lr_head, lr_rule = ("| lr ", "|---") if swept else ("", "")
+    rows = [f"| link | engine {lr_head}| steps | training time | wall time | bytes sent (rank 0) | final val loss "
+            "| training time to DDP's final val loss |", f"|---|---{lr_rule}|---|---|---|---|---|---|"]  # fmt: skip
     for r in report["results"]:
         engine = _engine_name(r["engine"], meta)
-        reached = summary["shaped" if r["shaped"] else "unshaped"]["time_to_ddp_final_s"][r["engine"]]
-        rows.append(f"| {_link_name(meta, r['shaped'])} | {engine} | {r['steps']:,} | "
+        ddp = next(k for k in kept if k["engine"] == "nanoddp" and k["shaped"] == r["shaped"])
+        reached = time_to_reach(r["curve"], ddp["final_val_loss"])
+        lr = "" if not swept else f"**{_lr(r['lr'])}** | " if any(r is k for k in kept) else f"{_lr(r['lr'])} | "
+        rows.append(f"| {_link_name(meta, r['shaped'])} | {engine} | {lr}{r['steps']:,} | "
                     f"{_seconds(r['train_s'])} | {_seconds(r['wall_s'])} | {_mb(r['comm_bytes'])} | "
                     f"{r['final_val_loss']:.4f} | {_seconds(reached)} |")  # fmt: skip
     lines = ["\n".join(rows), ""]
@@ -334,10 +434,27 @@ def format_markdown(report: dict[str, Any]) -> str:
         common = s["time_to_common_s"]
         both = (f"to {s['common_val_loss']:.4f}, the val loss both reach, DDP takes {_seconds(common['nanoddp'])} "
                 f"and DiLoCo {_seconds(common['diloco'])} ({_ratio(s['time_to_common_speedup'])})")  # fmt: skip
-        lines.append(f"- {link}: DiLoCo's final val loss is {s['val_loss_gap']:+.1%} from DDP's at the same "
-                     f"samples, with {_ratio(s['bytes_ratio'])} fewer bytes; it {reach}; {both}; training time "
-                     f"{_ratio(s['train_time_speedup'])} shorter{_against_torch(s)}.")  # fmt: skip
+        lines.append(f"- {link}: {_at_best(s)}DiLoCo's final val loss is {s['val_loss_gap']:+.1%} from DDP's at the "
+                     f"same samples, with {_ratio(s['bytes_ratio'])} fewer bytes; it {reach}; {both}; training time "
+                     f"{_ratio(s['train_time_speedup'])} shorter{_against_torch(s)}{_against_nocomm(s)}.")  # fmt: skip
     return "\n".join(lines).rstrip()
+
+
+def _lr(lr: float | None) -> str:
+    return "default" if lr is None else f"{lr:g}"
+
+
+def _at_best(s: dict[str, Any]) -> str:
+    """`each at its best lr (DDP 1e-3, DiLoCo 2e-3): ` after a sweep; nothing without one."""
+    if "lr" not in s:
+        return ""
+    return f"each at its best lr (DDP {_lr(s['lr']['nanoddp'])}, DiLoCo {_lr(s['lr']['diloco'])}): "
+
+
+def _against_nocomm(s: dict[str, Any]) -> str:
+    if "diloco_over_nocomm" not in s:
+        return ""
+    return f"; DiLoCo's steps/s is {s['diloco_over_nocomm']:.3f}× those of the same run with no communication"
 
 
 def _against_torch(s: dict[str, Any]) -> str:
@@ -356,12 +473,12 @@ def plot(report: dict[str, Any], path: str) -> None:
 
     meta = report["meta"]
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in report["results"]:
+    for r in best_runs(report["results"]):  # each engine at its best lr
         name, link = _engine_name(r["engine"], meta).replace("`", ""), _link_name(meta, r["shaped"])
         steps, seconds, losses = zip(*r["curve"], strict=True)
         style = {
             "linestyle": "-" if r["shaped"] else "--",
-            "color": {"nanoddp": "C0", "torch": "C2"}.get(r["engine"], "C1"),
+            "color": {"nanoddp": "C0", "torch": "C2", "nocomm": "C3"}.get(r["engine"], "C1"),
         }
         by_time.plot(seconds, losses, label=f"{name}, {link}", **style)
         by_step.plot(steps, losses, label=f"{name}, {link}", **style)
@@ -371,6 +488,18 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.suptitle(f"nanoddp bench wan: GPT, 2 ranks, {meta['steps']} steps ({meta['date']})")
     fig.tight_layout()
     save_figure(path, fig)
+
+
+def lr_list(text: str) -> list[float]:
+    """`--lrs`: two or more distinct positive numbers, comma-separated."""
+    try:
+        lrs = [float(word) for word in text.split(",")]
+    except ValueError:
+        lrs = []
+    if len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(0 < lr < float("inf") for lr in lrs):
+        raise argparse.ArgumentTypeError(f"expected two or more distinct positive learning rates, comma-separated "
+                                         f"(e.g. 1e-3,2e-3,4e-3), got {text!r}")  # fmt: skip
+    return lrs
 
 
 def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -390,6 +519,35 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
                              "--link netns, which refuses a nonzero one)")  # fmt: skip
     parser.add_argument("--steps", type=count(1), default=1000, help="optimizer steps of every run")
     parser.add_argument("--sync-every", type=count(1), default=50, help="DiLoCo's H")
+    parser.add_argument("--fragments", type=count(1), default=None,
+                        help="Streaming DiLoCo: the model in this many fragments, syncing one at a time (H must be a "
+                             "multiple; default: the trainer's, 1)")  # fmt: skip
+    parser.add_argument(
+        "--sync-delay",
+        type=count(0),
+        default=None,
+        help="Streaming DiLoCo: inner steps a fragment's all-reduce overlaps (default: trainer's, 0)",
+    )
+    parser.add_argument(
+        "--mix",
+        type=float,
+        default=None,
+        help="Streaming DiLoCo: share of its local weights a fragment keeps (default: trainer's, 0)",
+    )
+    parser.add_argument(
+        "--pseudo-grad-dtype",
+        choices=("fp32", "bf16", "fp16", "int8"),
+        default=None,
+        help="DiLoCo's pseudo-gradient on the wire (default: the trainer's, fp32)",
+    )
+    parser.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer lr (default: the trainer's)")
+    parser.add_argument(
+        "--outer-momentum", type=float, default=None, help="DiLoCo's outer Nesterov momentum (default: the trainer's)"
+    )
+    parser.add_argument("--lrs", type=lr_list, default=None,
+                        help="comma-separated peak lrs, e.g. 1e-3,2e-3,4e-3: DDP and DiLoCo run at each and keep "
+                             "the one with the lowest final val loss; torch's DDP and the no-sync run take their "
+                             "twin's (default: every run at the model's lr, or --train-args' --lr)")  # fmt: skip
     parser.add_argument("--eval-every", type=count(1), default=50, help="validation loss every this many steps")
     parser.add_argument("--eval-samples", type=count(1), default=512, help="validation samples per evaluation")
     parser.add_argument("--seed", type=int, default=1337, help="the same seed for every run")

@@ -5,7 +5,8 @@ link, the unshaped pair skipped) feeds every check: the JSON has its keys and ea
 agree with its own metrics (the curve's last loss is the final loss, training time within wall
 time); the link reached the runs (every DDP step waits at least one latency); DiLoCo sends about 1/H
 of DDP's bytes (one pseudo-gradient every H steps against one gradient every step, both a whole
-model's worth at 2 ranks); the table renders from the JSON; the plot is a PNG. (Its refusals of bad
+model's worth at 2 ranks) and the no-communication run none; the table renders from the JSON; the
+plot is a PNG. (Its refusals of bad
 input are in tests/reliability/test_bench_refusals.py; the kernel link of `--link netns` in
 tests/reliability/test_netns_link.py, the commands it runs in tests/unit/test_bench_wan_link.py.)
 """
@@ -36,7 +37,8 @@ def report(tmp_path_factory):
 def test_json_keys_and_each_runs_figures_agree(report):
     data, _ = report
     assert {"meta", "results", "summary"} <= data.keys()
-    assert [(r["engine"], r["shaped"]) for r in data["results"]] == [("nanoddp", True), ("diloco", True)]
+    assert [(r["engine"], r["shaped"]) for r in data["results"]] == [("nanoddp", True), ("diloco", True),
+                                                                      ("nocomm", True)]  # fmt: skip
     for r in data["results"]:
         assert r["steps"] == STEPS and [p[0] for p in r["curve"]] == [2, 4]
         assert r["final_val_loss"] == r["curve"][-1][2]
@@ -45,7 +47,8 @@ def test_json_keys_and_each_runs_figures_agree(report):
     assert set(data["summary"]) == {"shaped"}
     summary = data["summary"]["shaped"]
     assert summary["time_to_ddp_final_s"]["nanoddp"] is not None  # DDP reaches its own final loss, by definition
-    assert summary["common_val_loss"] == max(r["final_val_loss"] for r in data["results"])
+    assert summary["common_val_loss"] == max(r["final_val_loss"] for r in data["results"][:2])
+    assert summary["diloco_over_nocomm"] == data["results"][2]["train_s"] / data["results"][1]["train_s"]
     assert None not in summary["time_to_common_s"].values()  # each reaches the worse of the two finals
 
 
@@ -54,9 +57,9 @@ def test_the_link_reaches_the_runs(report):
     assert ddp["train_s"] >= STEPS * LATENCY_S, f"{STEPS} DDP steps took {ddp['train_s']:.3f}s on a 50 ms link"
 
 
-def test_diloco_sends_about_one_h_th_of_ddps_bytes(report):
-    ddp, diloco = report[0]["results"]
-    assert 0 < diloco["comm_bytes"] < ddp["comm_bytes"]
+def test_diloco_sends_about_one_h_th_of_ddps_bytes_and_the_no_communication_run_none(report):
+    ddp, diloco, nocomm = report[0]["results"]
+    assert 0 < diloco["comm_bytes"] < ddp["comm_bytes"] and nocomm["comm_bytes"] == 0
     # headers and bucket boundaries differ a little between the two; the payloads are equal
     assert report[0]["summary"]["shaped"]["bytes_ratio"] == pytest.approx(H, rel=0.1)
 
@@ -65,6 +68,6 @@ def test_the_table_renders_from_the_json_and_the_plot_is_a_png(report):
     data, tmp = report
     text = f"<!-- bench:table {tmp.name}/wan.json -->\n<!-- /bench -->"
     rendered = render_text(text, tmp.parent)
-    assert rendered.count("| 1gbit, 50ms |") == 2 and "DiLoCo H=2" in rendered
+    assert rendered.count("| 1gbit, 50ms |") == 3 and "DiLoCo H=2 |" in rendered and "DiLoCo H=2, no sync |" in rendered
     assert f"{data['results'][1]['final_val_loss']:.4f}" in rendered
     assert (tmp / "wan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -80,6 +80,12 @@ REFUSALS = [
     (["wan", "--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
     (["wan", "--bandwidth", "fast"], "--bandwidth must be a number and a unit"),
     (["wan", "--bogus"], "unrecognized arguments: --bogus"),
+    (["wan", "--lrs", "1e-3"], "expected two or more distinct positive learning rates, comma-separated"),
+    (["wan", "--lrs", "1e-3,x"], "argument --lrs: expected two or more distinct positive learning rates"),
+    (["wan", "--lrs", "1e-3,-1"], "argument --lrs: expected two or more distinct positive learning rates"),
+    (["wan", "--lrs", "1e-3,2e-3", "--train-args", "--lr 1e-3"], "--train-args may not give one too"),
+    (["wan", "--sync-every", "50", "--fragments", "4"], "sync_every must be a multiple of fragments"),
+    (["wan", "--fragments", "2", "--sync-every", "4", "--sync-delay", "2"], "sync_delay"),
     (["collectives", "--iters", "nan"], "argument --iters: must be an integer >= 1, got 'nan'"),
     (["collectives", "--json", "{missing}"], "the directory {tmp}/missing does not exist"),
     (["zero", "--warmup", "-1"], "argument --warmup: must be an integer >= 0, got '-1'"),
@@ -229,7 +235,7 @@ def test_a_run_that_fails_is_reported_without_a_traceback_and_nothing_is_left(tm
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     fail = "import sys; open(sys.argv[1], 'a').write('x'); print('planted: out of memory'); sys.exit(1)"
-    monkeypatch.setattr(wan, "train_argv", lambda engine, args, out: [sys.executable, "-c", fail, str(starts)])
+    monkeypatch.setattr(wan, "train_argv", lambda engine, args, out, lr=None: [sys.executable, "-c", fail, str(starts)])
     assert main(["bench", "wan", "--link", "shaper", "--steps", "2", "--sync-every", "1", "--eval-every", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("nanoddp bench wan: error: ") and "failed (exit 1)" in err
@@ -257,7 +263,7 @@ def test_a_netns_node_that_fails_ends_the_other_and_leaves_no_host(tmp_path, mon
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
 
-    def stand_in(engine, args, out, launch=wan.LOCAL_LAUNCH):
+    def stand_in(engine, args, out, launch=wan.LOCAL_LAUNCH, lr=None):
         script = FAILING_NODE if launch[launch.index("--node-rank") + 1] == "1" else FAKE_TRAIN
         return [sys.executable, "-c", script, str(pids)]
 

@@ -33,7 +33,8 @@ TRAIN_ARGS = "--d-model 32 --n-layers 1 --n-heads 2 --d-ff 64 --text-max-bytes 2
 
 def _args(**overrides) -> argparse.Namespace:
     fields = {"steps": 4, "sync_every": 2, "eval_every": 2, "eval_samples": 16, "seed": 3, "train_args": TRAIN_ARGS,
-              "link": "netns", "bandwidth": "100mbit", "latency": None, "no_unshaped": True}  # fmt: skip
+              "link": "netns", "bandwidth": "100mbit", "latency": None, "no_unshaped": True, "lrs": None,
+              **dict.fromkeys(wan.DILOCO_FLAGS)}  # fmt: skip
     return argparse.Namespace(**{**fields, **overrides})
 
 
@@ -54,7 +55,7 @@ def test_the_two_nodes_make_one_job_of_one_process_each(engine, tmp_path):
     configs = [check_train_argv(flags) for flags in nodes]
     assert configs[0].out != configs[1].out and configs[0].out == str(tmp_path / "run")
     assert dataclasses.replace(configs[1], out=configs[0].out) == configs[0]
-    assert configs[0].engine == engine and configs[0].steps == 4 and configs[0].seed == 3
+    assert configs[0].engine == wan.TRAIN_ENGINE.get(engine, engine) and configs[0].steps == 4 and configs[0].seed == 3
     for rank, flags in enumerate(nodes):
         assert _flag(flags, "--node-rank") == str(rank) and _flag(flags, "--nproc") == "1"
         assert _flag(flags, "--nnodes") == "2" and _flag(flags, "--rdzv-endpoint") == endpoint

@@ -44,8 +44,8 @@ FAULTS = (
     Mutation(
         "bench wan: both netns nodes claim node rank 0",
         "nanoddp/bench/wan.py",
-        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, k)) for k in (0, 1)]\n",
-        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, 0)) for k in (0, 1)]\n",
+        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, k), lr) for k in (0, 1)]\n",
+        "    return [train_argv(engine, args, outs[k], node_launch(endpoint, 0), lr) for k in (0, 1)]\n",
         ("tests/unit/test_bench_wan_link.py", "-k", "two_nodes"),
     ),
     Mutation(
@@ -54,5 +54,19 @@ FAULTS = (
         "    check_runs(args)\n",
         "    pass\n",
         ("tests/reliability/test_bench_refusals.py", "-k", "train-args"),
+    ),
+    Mutation(
+        "bench wan: the no-communication run's first fragment leaves at the last step",
+        "nanoddp/bench/wan.py",
+        "        never = (args.fragments or 1) * (args.steps + (args.sync_delay or 0) + 1)\n",
+        "        never = (args.fragments or 1) * (args.steps + 1)\n",
+        ("tests/unit/test_bench_wan_sweep.py", "-k", "never_syncing"),
+    ),
+    Mutation(
+        "bench wan: torch's DDP and the no-sync run take the sweep's last lr, not their twin's best",
+        "nanoddp/bench/wan.py",
+        '            engine_lrs = [r["lr"] for r in best_runs(runs) if r["engine"] == twin] or [None]\n',
+        '            engine_lrs = [r["lr"] for r in runs if r["engine"] == twin][-1:] or [None]\n',
+        ("tests/unit/test_bench_wan_sweep.py", "-k", "twin"),
     ),
 )
