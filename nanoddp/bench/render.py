@@ -18,7 +18,7 @@ from nanoddp.base.files import atomic_write_bytes
 from nanoddp.bench.collectives import format_markdown as format_collectives
 from nanoddp.bench.inputs import check_input_file, check_output_file, input_file
 from nanoddp.bench.report import format_markdown, format_summary
-from nanoddp.bench.wan import format_markdown as format_wan
+from nanoddp.bench.wan_report import format_markdown as format_wan
 
 BLOCK = re.compile(
     r"(?P<open><!-- bench:(?P<kind>table|summary) (?P<file>\S+)(?: ws=(?P<ws>\d+))? -->\n)"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoddp.bench import wan
+from nanoddp.bench import wan, wan_report
 from nanoddp.train.launcher.cli import check_train_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,12 +75,12 @@ def test_a_torch_row_renders_with_its_ratios_derived_from_the_rows():
     for shaped in (True, False):
         ddp = next(r for r in report["results"] if r["engine"] == "nanoddp" and r["shaped"] == shaped)
         report["results"].append({**copy.deepcopy(ddp), "engine": "torch"})
-    summary = wan.compare(report["results"])
+    summary = wan_report.compare(report["results"])
     for s in summary.values():
         assert s["torch_ddp_over_nanoddp"] == 1.0
         assert s["torch_ddp_over_diloco"] == s["train_time_speedup"]
         assert s["time_to_ddp_final_s"]["torch"] == s["time_to_ddp_final_s"]["nanoddp"]
-    text = wan.format_markdown(report)
+    text = wan_report.format_markdown(report)
     assert text.count("| 100mbit veth (tbf) | DDP (`torch`) |") == 1 and text.count("| veth, full speed |") == 3
     assert text.count("and 1.0× ours.") == 2
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoddp.bench import wan
+from nanoddp.bench import wan, wan_report
 from nanoddp.parallel.lowcomm.fragments import fragment_finishing, fragment_starting
 from nanoddp.train.launcher.cli import check_train_argv
 
@@ -55,7 +55,8 @@ def test_the_sweep_keeps_each_engines_best_and_its_twin_runs_at_that_lr():
     assert best == {"nanoddp": 2e-3, "diloco": 1e-3}
     assert calls == [*(("nanoddp", lr) for lr in LRS), ("torch", best["nanoddp"]),
                      *(("diloco", lr) for lr in LRS), ("nocomm", best["diloco"])]  # fmt: skip
-    assert [r["lr"] for r in wan.best_runs(runs)] == [best["nanoddp"], best["nanoddp"], best["diloco"], best["diloco"]]
+    kept = [r["lr"] for r in wan_report.best_runs(runs)]
+    assert kept == [best["nanoddp"], best["nanoddp"], best["diloco"], best["diloco"]]
     assert wan.sweep(("nanoddp", "torch"), None, planted) == [planted("nanoddp", None), planted("torch", None)]
 
 
@@ -94,7 +95,7 @@ def test_the_summary_compares_the_kept_runs_and_derives_its_ratios():
     report = _report()
     ddp, diloco = (next(r for r in report["results"] if r["engine"] == e and r["lr"] == 2e-3)
                    for e in ("nanoddp", "diloco"))  # fmt: skip
-    s = wan.compare(report["results"])["shaped"]
+    s = wan_report.compare(report["results"])["shaped"]
     assert s["val_loss_gap"] == diloco["final_val_loss"] / ddp["final_val_loss"] - 1
     assert s["bytes_ratio"] == ddp["comm_bytes"] / diloco["comm_bytes"]
     assert s["diloco_over_nocomm"] == pytest.approx(0.98)
@@ -105,7 +106,7 @@ def test_the_summary_compares_the_kept_runs_and_derives_its_ratios():
 
 def test_the_table_lists_every_run_and_bolds_the_kept_ones():
     report = _report()
-    text = wan.format_markdown(report)
+    text = wan_report.format_markdown(report)
     rows = [line for line in text.splitlines() if line.startswith("| 100mbit veth (tbf) |")]
     assert len(rows) == len(report["results"]) == 6
     assert sum("| **0.002** |" in row for row in rows) == 4 and sum("| 0.004 |" in row for row in rows) == 2
