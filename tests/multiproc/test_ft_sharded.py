@@ -237,7 +237,7 @@ def _has_snapshot(out: Path) -> bool:
 def test_fsdp_loses_weights_rolls_back_and_regains_the_rank(tmp_path):
     """fsdp: each rank keeps only the weights it owns between steps, so replica 1's are lost with
     it (SIGKILL once a snapshot exists): the two others roll the whole state back to the newest
-    snapshot (one WARNING line, one record) and go on at world size 2; the replacement joins
+    snapshot (one WARNING line, one record) and go on without it; the replacement joins
     (its weights come in the re-partition). The steps after the snapshot are redone, and the run
     ends bitwise equal to a replay of the schedule it really ran."""
     out = tmp_path / "run"
@@ -253,7 +253,10 @@ def test_fsdp_loses_weights_rolls_back_and_regains_the_rank(tmp_path):
             assert record["step"] == len(history) + 1, (record["step"], history)
             history.append(record["world_size"])
     _check_lost_and_regained(events, "rolled_back", output)
-    assert len(history) == FSDP_STEPS and history[0] == 3 and 2 in history and history[-1] == 3, history
+    # The steps after the snapshot are redone; on a loaded machine the replacement (a warm spare)
+    # can be back for the first of them, so no committed step need have run at world size 2: the
+    # events above say the rank was lost and regained, and the replay below follows what ran.
+    assert len(history) == FSDP_STEPS and history[0] == 3 and history[-1] == 3, history
     got, want = torch.load(out / "model.pt"), replay_continue_run(history)
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"

@@ -97,8 +97,12 @@ def test_launch_timeout_stops_children(tmp_path, start_method):
 
 
 def _what_the_rank_sees(env):
-    print(f"rank {env.rank} on stdout", flush=True)
-    print(f"rank {env.rank} on stderr", file=sys.stderr, flush=True)
+    # One write per line: print() writes the text and its newline apart, and with unbuffered
+    # streams the two ranks' writes interleave ("rank 0 on stdoutrank 1 on stdout") on a busy machine.
+    sys.stdout.write(f"rank {env.rank} on stdout\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"rank {env.rank} on stderr\n")
+    sys.stderr.flush()
     return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd()
 
 
