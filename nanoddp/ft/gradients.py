@@ -23,12 +23,14 @@ from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.parallel.tensors import write_grads
 
 
-def flatten_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every parameter's gradient in one flat tensor (zeros for a parameter without one)."""
+def flatten_grads(params: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every parameter's gradient in one flat tensor (zeros for a parameter without one), written
+    into `out` when given (a kept buffer: no model-sized allocation and copy per step)."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"the fault-tolerant average needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    return torch.cat(grads) if out is None else torch.cat(grads, out=out)
 
 
 class WeightedPieceSum:
@@ -54,7 +56,7 @@ class WeightedPieceSum:
         if self.flat.numel() != numel:
             self.flat = torch.empty(numel, dtype=self.flat.dtype)
         losses = self.flat[self.grads_numel :]
-        self.flat[: self.grads_numel].copy_(flatten_grads(self.params))
+        flatten_grads(self.params, out=self.flat[: self.grads_numel])
         losses.zero_()
         losses[dist.get_rank()] = loss.detach().to(self.flat.dtype)
         self.flat.mul_(weight)
