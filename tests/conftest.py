@@ -20,3 +20,39 @@ multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 @pytest.fixture
 def on_ranks():
     return run_on_ranks
+
+
+# The files that take longest (busy CI's --durations, summed per file), longest first. With the
+# suite's `--dist loadfile --no-loadscope-reorder`, xdist hands out whole files in collection
+# order, so these start at once and the many short files fill the gaps beside them, instead of
+# one long file starting last and running alone at the end. A file missing here only runs later.
+LONGEST_FILES_FIRST = (
+    "examples/test_examples.py",
+    "multiproc/test_torchrun.py",
+    "multiproc/test_ft_guards.py",
+    "multiproc/test_notebook.py",
+    "multiproc/test_ft.py",
+    "multiproc/test_smollm2.py",
+    "reliability/test_reliability_leftovers.py",
+    "multiproc/test_notebook_launch.py",
+    "multiproc/test_user_trainer.py",
+    "multiproc/test_ft_sharded.py",
+    "examples/test_example_smollm2.py",
+    "multiproc/test_multinode_hosts.py",
+    "multiproc/test_bench_wan.py",
+    "multiproc/test_trainer_sharded.py",
+    "multiproc/test_notebook_interrupt.py",
+    "examples/test_examples_hf.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gone = [name for name in LONGEST_FILES_FIRST if not (TESTS_DIR / name).exists()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES_FIRST names files that are gone: {gone}")
+    rank = {name: place for place, name in enumerate(LONGEST_FILES_FIRST)}
+
+    def place(item: pytest.Item) -> int:
+        return rank.get(Path(item.path).relative_to(TESTS_DIR).as_posix(), len(rank))
+
+    items.sort(key=place)  # stable: the rest keep their order, and each file its tests' order

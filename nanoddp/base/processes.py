@@ -76,13 +76,15 @@ def die_with(pid: int) -> None:
 
 # The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
 # environment is imported) in the rank's process group, which it kills once the rank is gone.
+_GUARD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _GUARD = """# nanoddp: the guard of a rank's process group
-import ctypes, os, signal, sys, time
+import signal
+for stop in {stops}:
+    signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
+import ctypes, os, sys, time
 rank_pid = int(sys.argv[1])
 def sweep(*_):
     os.killpg(0, signal.SIGKILL)  # the rank's group: every descendant still in it, and this guard
-for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
 signal.signal(signal.SIGUSR1, sweep)
 try:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG: told as the rank dies
@@ -91,7 +93,7 @@ except OSError:
 while os.getppid() == rank_pid:  # also closes the window before prctl, and covers non-Linux
     time.sleep(1.0)
 sweep()
-"""
+""".format(stops=tuple(int(stop) for stop in _GUARD_IGNORES))
 _guards: dict[int, subprocess.Popen] = {}  # by the pid of the process it guards (one each)
 
 
@@ -111,11 +113,18 @@ def take_descendants_along(new_group: bool = False) -> None:
         os.setpgid(0, 0)
     elif os.getsid(0) != os.getpid():
         return
-    _guards[os.getpid()] = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    # The guard starts with the stops blocked (a child inherits its thread's signal mask through
+    # fork and exec) and ignores them first thing: a Ctrl-C sent to the group while the guard's
+    # interpreter still starts would otherwise print its KeyboardInterrupt beside the rank's line.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GUARD_IGNORES)
+    try:
+        _guards[os.getpid()] = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 # --- stopping --------------------------------------------------------------------------------

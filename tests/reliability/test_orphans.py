@@ -174,3 +174,29 @@ def test_launch_killed_while_its_ranks_start_leaves_no_rank(tmp_path):
         _sigkill_and_check(job, within=STARTING_GONE_WITHIN_S)
     finally:
         job.kill_all()
+
+
+
+GUARDED = """
+import os, signal, sys, time
+from nanoddp.base import processes
+os.setsid()
+signal.signal(signal.SIGINT, lambda *_: None)  # a handler, not SIG_IGN: exec resets it, so the guard gets no help
+processes.take_descendants_along()
+guard = processes._guards[os.getpid()]
+os.killpg(0, signal.SIGINT)  # at once: the guard's interpreter is still starting
+time.sleep(1.0)
+print(guard.poll(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_sent_while_the_guard_starts_neither_kills_it_nor_prints():
+    """Ctrl-C reaches a rank's whole group, its guard included; the stop is the rank's to handle."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(GUARDED)], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None"], proc.stdout  # the guard still runs
+    assert proc.stderr == ""
