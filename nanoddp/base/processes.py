@@ -77,9 +77,10 @@ def die_with(pid: int) -> None:
 # The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
 # environment is imported) in the rank's process group, which it kills once the rank is gone.
 _GUARD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_GUARD = """# nanoddp: the guard of a rank's process group
+_GUARD_IGNORED_NUMBERS = tuple(int(stop) for stop in _GUARD_IGNORES)
+_GUARD = f"""# nanoddp: the guard of a rank's process group
 import signal
-for stop in {stops}:
+for stop in {_GUARD_IGNORED_NUMBERS}:
     signal.signal(stop, signal.SIG_IGN)  # a stop sent to the whole group is the rank's to handle
 import ctypes, os, sys, time
 rank_pid = int(sys.argv[1])
@@ -93,7 +94,7 @@ except OSError:
 while os.getppid() == rank_pid:  # also closes the window before prctl, and covers non-Linux
     time.sleep(1.0)
 sweep()
-""".format(stops=tuple(int(stop) for stop in _GUARD_IGNORES))
+"""
 _guards: dict[int, subprocess.Popen] = {}  # by the pid of the process it guards (one each)
 
 

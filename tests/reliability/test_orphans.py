@@ -176,7 +176,6 @@ def test_launch_killed_while_its_ranks_start_leaves_no_rank(tmp_path):
         job.kill_all()
 
 
-
 GUARDED = """
 import os, signal, sys, time
 from nanoddp.base import processes

@@ -4,12 +4,14 @@ outlive a killed process for longer than the next start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -115,3 +117,56 @@ def test_dirs_of_killed_runs_are_removed_by_the_next_one(tmp_path, monkeypatch):
     assert not stale[1].exists() and live.is_dir()
     assert made.name.startswith(f"nanoddp-torchrun-{os.getpid()}-") and made.parent == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, made.name])  # launch removed its own
+
+
+WAN_TRAIN_ARGS = "--d-model 32 --n-layers 1 --n-heads 2 --d-ff 64 --text-max-bytes 20000 --batch-size 4 --seq-len 16"
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_bench_wan_with_one_line_and_no_process_namespace_or_temp_dir_left(tmp_path):
+    """SIGTERM reaches `nanoddp bench wan --link netns` while its first training runs in two
+    namespace hosts: it ends those runs, removes the hosts and its temp dir, says so in one line
+    and exits 128 + SIGTERM (a scheduler's stop, not a crash)."""
+    from nanoddp.bench.netns_hosts import NAME_PREFIX, shaping_unavailable_reason
+
+    if shaping_unavailable_reason() is not None:
+        pytest.skip(f"shaped namespace hosts: {shaping_unavailable_reason()}")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "nanoddp", "bench", "wan", "--link", "netns", "--steps", "400", "--no-unshaped",
+            "--train-args", WAN_TRAIN_ARGS, "--json", str(tmp_path / "wan.json")]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    started: list[psutil.Process] = []
+    try:
+        me = psutil.Process(bench.pid)
+        deadline = time.monotonic() + 200
+        while not any("train" in " ".join(p.cmdline()) for p in _alive(started)):  # a run of it is training
+            assert bench.poll() is None, bench.communicate()
+            assert time.monotonic() < deadline, "bench wan started no training run in 200 s"
+            time.sleep(0.2)
+            started = me.children(recursive=True)
+        ours = [name for name in _netns() if name.startswith(f"{NAME_PREFIX}{bench.pid}-")]
+        assert len(ours) == 2, _netns()
+        bench.send_signal(signal.SIGTERM)
+        out, err = bench.communicate(timeout=120)
+        assert err.splitlines()[-1:] == ["nanoddp bench wan: stopped by SIGTERM"], err[-2000:]
+        assert bench.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert not set(ours) & set(_netns())
+        assert _alive(started) == []
+        assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
+        assert not (tmp_path / "wan.json").exists()  # no report of a run that did not finish
+    finally:
+        for proc in [*_alive(started), *([] if bench.poll() is not None else [psutil.Process(bench.pid)])]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        bench.wait(timeout=30)
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _netns() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.split()]
