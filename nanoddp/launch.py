@@ -199,6 +199,8 @@ def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.Queue, timeout
                     raise LaunchError(rank, _describe_exit(0), 0)
     for proc in procs:
         proc.join()
+    if any(p.exitcode != 0 for p in procs):  # a rank returned, then failed leaving the group
+        _raise_root_cause(procs, results, values, errors)
     return [values[r] for r in range(len(procs))]
 
 
@@ -229,12 +231,18 @@ def _raise_root_cause(procs, results, values, errors) -> None:
         for rank, p in enumerate(procs)
         if p.exitcode not in (None, 0) and rank not in errors and rank not in values
     ]
+    # else: a rank whose function returned, then failed leaving the group (the closing barrier)
+    failed_after = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
     if silent_deaths:
         rank, exitcode = silent_deaths[0]
         error = LaunchError(rank, _describe_exit(exitcode), exitcode)
-    else:
+    elif errors:
         rank = next(iter(errors))
         error = LaunchError(rank, errors[rank], procs[rank].exitcode)
+    else:
+        rank, exitcode = failed_after[0]
+        error = LaunchError(rank, f"returned its result, then exited with code {exitcode} while leaving the group "
+                                  "(its traceback is on stderr)", exitcode)  # fmt: skip
     error.other_failures = {r: e for r, e in errors.items() if r != rank}
     raise error
 

@@ -78,6 +78,29 @@ def test_failed_rank_stops_all_and_leaves_no_process(tmp_path, how, message, sta
     assert leftover == []
 
 
+def _return_then_fail_leaving(env):
+    import nanoddp.env as nd
+
+    if env.rank == 1:
+        leave = nd.cleanup
+
+        def cleanup() -> None:
+            leave()  # the barrier and the group's end, with rank 0
+            raise RuntimeError("failed after leaving the group")
+
+        nd.cleanup = cleanup  # what the launcher's rank calls after reporting its result
+    return env.rank
+
+
+def test_a_rank_that_returns_then_fails_leaving_the_group_is_named():
+    """Every rank reported a result, but one then failed in the closing barrier: a LaunchError
+    that says so, not a result list with a failed rank behind it (nor a crash of the launcher)."""
+    with pytest.raises(LaunchError) as info:
+        _launch(_return_then_fail_leaving, 2, start_method="forkserver", timeout=60)
+    assert info.value.rank == 1 and info.value.exitcode == 1
+    assert "returned its result, then exited with code 1 while leaving the group" in str(info.value)
+
+
 def _sleep_forever(env, pid_dir=None):
     if pid_dir is not None:
         Path(pid_dir, str(env.rank)).write_text(str(os.getpid()))

@@ -241,8 +241,11 @@ def _abort_then_rebuild(env, store_dir: str) -> tuple[bool, str, float, float, b
         except RuntimeError as exc:
             error = str(exc)
     else:
-        # (a thread, like the worker's inbox; the moment does not matter: rank 0 waits until it)
-        threading.Timer(0.5, abort_collectives, args=(pids, env.backend)).start()
+        # (a thread, like the worker's inbox; the moment does not matter: rank 0 waits until it).
+        # Joined before the rebuild: a late abort would cut the new group's connections too.
+        aborter = threading.Timer(0.5, abort_collectives, args=(pids, env.backend))
+        aborter.start()
+        aborter.join()
     rebuild_group(env, f"file://{store_dir}/store-g2", 60.0, pids)
     assert dist.group.WORLD is not held
     t = torch.tensor([float(env.rank + 1)])
