@@ -26,23 +26,33 @@ def on_ranks():
 # suite's `--dist loadfile --no-loadscope-reorder`, xdist hands out whole files in collection
 # order, so these start at once and the many short files fill the gaps beside them, instead of
 # one long file starting last and running alone at the end. A file missing here only runs later.
+# Except: the three files that load SmolLM2-135M are spread out (first, ninth, fourteenth): side
+# by side they compete for the cores and memory, and each took twice as long.
 LONGEST_FILES_FIRST = (
-    "examples/test_examples.py",
-    "multiproc/test_torchrun.py",
-    "multiproc/test_ft_guards.py",
-    "multiproc/test_notebook.py",
-    "multiproc/test_ft.py",
     "multiproc/test_smollm2.py",
-    "reliability/test_reliability_leftovers.py",
-    "multiproc/test_notebook_launch.py",
-    "multiproc/test_user_trainer.py",
-    "multiproc/test_ft_sharded.py",
-    "examples/test_example_smollm2.py",
+    "multiproc/test_torchrun.py",
+    "examples/test_examples.py",
+    "multiproc/test_ft_guards.py",
     "multiproc/test_multinode_hosts.py",
-    "multiproc/test_bench_wan.py",
+    "multiproc/test_ft_sharded.py",
+    "reliability/test_reliability_leftovers.py",
+    "multiproc/test_ft.py",
+    "examples/test_example_smollm2.py",
+    "multiproc/test_launch.py",
+    "multiproc/test_notebook_launch.py",
+    "multiproc/test_comm_algorithms.py",
     "multiproc/test_trainer_sharded.py",
+    "multiproc/test_notebook.py",
+    "multiproc/test_user_trainer.py",
     "multiproc/test_notebook_interrupt.py",
     "examples/test_examples_hf.py",
+    "multiproc/test_comm.py",
+    "multiproc/test_run.py",
+    "multiproc/test_fsdp_engine.py",
+    "reliability/test_loopback.py",
+    "reliability/test_run_lifecycle.py",
+    "multiproc/test_bench_wan.py",
+    "reliability/test_orphans.py",
 )
 
 
