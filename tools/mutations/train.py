@@ -345,9 +345,9 @@ FAULTS = (
     ),
     Mutation(
         "ft quorum: half the replicas, not more than half (a survivor of 2 trains alone)",
-        "nanoddp/ft/supervisor.py",
-        "    return nproc // 2 + 1\n",
-        "    return (nproc + 1) // 2\n",
+        "nanoddp/ft/placement.py",
+        "    return replicas // 2 + 1\n",
+        "    return (replicas + 1) // 2\n",
         ("tests/multiproc/test_ft_counts.py", "-k", "quorum"),
     ),
     Mutation(
