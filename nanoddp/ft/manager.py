@@ -88,7 +88,10 @@ def make_manager(
             pg=pg,
             load_state_dict=state[1],
             state_dict=state[0],
-            min_replica_size=env.min_replicas,
+            # the quorum service forms no group below env.min_replicas; the Manager refuses a commit
+            # below it too, except under an asynchronous quorum, whose healing replicas sit out
+            # their first step (the torchft-DDP loop's: its floor stays the quorum service's)
+            min_replica_size=1 if use_async_quorum else env.min_replicas,
             use_async_quorum=use_async_quorum,
             timeout=timeout,
             quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),

@@ -29,10 +29,10 @@ with a smaller `--min-replicas`) the group that went on holds the state (a commi
 member), or found nobody holding it and resumed from a snapshot itself (`FaultTolerant`)
 before the kill: at 3 replicas or more, a holder that stopped heartbeating (hung) while two
 replacements formed such a group is given up at the quorum's heartbeat timeout, not the
-collective timeout. The end-of-run kills follow a replica
-that finished (the state is written) or a stop. A stop is one group's verdict, reached by all its
-members at once; the one verdict a member reaches alone, the same error thrice, came from a
-replica whose peers went on: that is the stop the launcher no longer takes for the run's.
+collective timeout. The end-of-run kills follow a replica that finished (the state is written)
+or a stop. A stop is one group's verdict, reached by all its members at once; the one verdict a
+member reaches alone, the same error thrice, came from a replica whose peers went on: that is
+the stop the launcher no longer takes for the run's.
 Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
 replica dies with the launcher even if the launcher is SIGKILLed (it asks Linux for that with
 the launcher's pid, `ReplicaEnv.launcher_pid`), and each replica's own children go with it.
