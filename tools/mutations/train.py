@@ -351,6 +351,27 @@ FAULTS = (
         ("tests/multiproc/test_ft_counts.py", "-k", "quorum"),
     ),
     Mutation(
+        "ft hosts: a host started again resumes from its snapshot instead of joining",
+        "nanoddp/ft/replica_env.py",
+        "        return self.attempt > 0 or self.join\n",
+        "        return self.attempt > 0\n",
+        ("tests/unit/test_ft_placement.py", "-k", "carries_address"),
+    ),
+    Mutation(
+        "ft hosts: a fresh quorum service taken for a run under way",
+        "nanoddp/ft/quorum_service.py",
+        "    return int(found.group(1)) > 0\n",
+        "    return int(found.group(1)) >= 0\n",
+        ("tests/unit/test_ft_placement.py", "-k", "under_way"),
+    ),
+    Mutation(
+        "ft hosts: the Manager server listens on every interface",
+        "nanoddp/ft/manager.py",
+        '        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})\n',
+        "        return original(**kwargs)\n",
+        ("tests/multiproc/test_ft_hosts.py", "-k", "listener"),
+    ),
+    Mutation(
         "atomic writer: the temp file not fsynced before the rename",
         "nanoddp/base/files.py",
         "                    os.fsync(fh.fileno())\n",

@@ -1,0 +1,250 @@
+"""`--on-failure continue` across real hosts: every host a network namespace with its own address
+on one bridge (`nanoddp.bench.netns_hosts`), one-rank replicas (`--nproc 1` per host).
+
+One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes 2 --min-replicas 1`,
+a tiny GPT, lives through, in order:
+- both hosts train together (world size 2); every host's listening sockets are read meanwhile;
+- host 1 is killed whole (its launcher and its replica, SIGKILL to every process of its
+  namespace): host 0 goes on alone at once, no restart, no snapshot read (world size 1);
+- host 1's launcher is started again with the same command: it finds the run under way, and
+  its replica joins at a step boundary, takes its state from host 0's replica, without resuming
+  from the snapshots OUT holds or waiting for the run's first full group (world size 2 again).
+
+[Note: holding the survivor] A relaunched host spends seconds starting (imports, data, model),
+while the survivor's tiny steps take milliseconds: it would finish the run first. So host 0's
+replica is held (SIGSTOP) from its second step alone until host 1's replica has its Manager up,
+as a survivor in a long step. A held process cannot send the heartbeats a busy survivor sends,
+so a helper in host 0's namespace sends them for it (torchft's LighthouseClient, the replica's
+own id): the quorum service then sees what it sees of a busy survivor, and a joiner that asks
+before the survivor does waits for it (torchft forms no group of less than half the healthy
+replicas) instead of forming a group alone.
+
+Every test reads that one run; the reference for the weights is the single-process replay of
+its world-size schedule (`helpers.replay_continue_run`, the one-node continue tests' own).
+Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+
+from nanoddp.base.records import read_records
+from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
+
+STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD = 30, 5, 3, 2
+PORT = 29510  # inside the namespaces this module made: nothing else listens there
+RUN_TIMEOUT_S = 150
+
+# Sends replica 0's heartbeats while the test holds it (see the module's note): once it reaches the
+# quorum service, waits for a line on stdin; then beats every 0.1 s for the replica_0 the Lighthouse
+# lists, until EOF.
+HEARTBEATS = r"""
+import datetime, re, sys, threading, time, urllib.request
+from torchft.coordination import LighthouseClient
+url, deadline = sys.argv[1], time.monotonic() + 120
+while True:  # the quorum service starts with node 0's launcher, maybe after this helper
+    try:
+        client = LighthouseClient(url, datetime.timedelta(seconds=10))
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.2)
+print("READY", flush=True)
+sys.stdin.readline()
+page = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/status", timeout=10).read().decode()
+replica_id = re.findall(r"(replica_0:[0-9a-f-]+): seen", page)[-1]
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+client.heartbeat(replica_id)
+print("BEATING " + replica_id, flush=True)
+while not done.wait(0.1):
+    client.heartbeat(replica_id)
+"""
+
+
+class _Output:
+    """A process's output, read on a thread so that it never blocks on a full pipe."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.text = proc, ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        self.text = self.proc.stdout.read()
+
+    def done(self) -> str:
+        self._reader.join(timeout=30)
+        return self.text
+
+
+def _listen_count(hosts: NetnsHosts, host: int) -> int:
+    """TCP sockets listening in host `host`'s namespace (its kernel table, read through a process in it)."""
+    for pid in hosts.pids(host)[:1]:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            rows = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+            return sum(1 for row in rows if row.split()[3] == "0A")
+    return 0
+
+
+def _step_records(out: Path) -> list[dict]:
+    with contextlib.suppress(ValueError):  # a line being written
+        return [r for r in read_records(out, missing_ok=True) if "event" not in r]
+    return []
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The one launch every test reads (the module docstring): outputs, records, listeners, model."""
+    out = tmp_path_factory.mktemp("ft-hosts") / "run"
+    with NetnsHosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:{PORT}"
+        train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2",
+                 "--nproc", "1", "--rdzv-endpoint", endpoint, "--min-replicas", "1", "--max-restarts", "0",
+                 "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY), "--eval-every", "0",
+                 "--out", str(out), *FT_TINY_GPT, "--collective-timeout", "5"]  # fmt: skip
+
+        def launch(host: int) -> subprocess.Popen:
+            argv = hosts.command(host, [*train, "--node-rank", str(host)])
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        procs: list[subprocess.Popen] = []
+        outputs: list[_Output] = []
+        helper = hosts.popen(0, [sys.executable, "-c", HEARTBEATS, f"http://{endpoint}"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, RUST_LOG="error"))  # fmt: skip
+        try:
+            started = time.monotonic()
+            deadline = started + RUN_TIMEOUT_S
+            for host in (1, 0):  # host 1 first: it reads the quorum service before host 0's replica forms a group
+                procs.append(launch(host))
+                outputs.append(_Output(procs[-1]))
+            first, zero = procs
+            assert helper.stdout.readline().strip() == "READY"
+
+            def records_where(world_size: int, count: int):
+                def enough():
+                    assert all(p.poll() is None for p in procs), "a launcher ended early"
+                    return len([r for r in _step_records(out) if r["world_size"] == world_size]) >= count
+
+                return wait_for(enough, deadline, step_s=0.01)
+
+            records_where(2, BOTH_BEFORE_KILL)
+            listening = {host: hosts.listening(host) for host in (0, 1)}
+            survivor = replica_pid(psutil.Process(zero.pid), 0)
+            assert survivor is not None
+            hosts.kill(1)
+            assert first.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(1)
+            killed_output = outputs[0].done()
+
+            # host 0 alone, then held (the module's note); its heartbeats sent for it meanwhile
+            procs.remove(first)
+            records_where(1, ALONE_BEFORE_HOLD)
+            helper.stdin.write("beat\n")
+            helper.stdin.flush()
+            assert helper.stdout.readline().startswith("BEATING replica_0:")
+            os.kill(survivor, signal.SIGSTOP)
+            try:
+                again = launch(1)  # the same command, on the same host
+                procs.append(again)
+                outputs.append(_Output(again))
+                wait_for(lambda: _listen_count(hosts, 1) >= 2, deadline, step_s=0.01)  # its group store, its Manager
+            finally:
+                os.kill(survivor, signal.SIGCONT)
+            helper.stdin.close()
+            for proc in [*procs, helper]:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # the exit codes below say it
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            wall_s = time.monotonic() - started
+            texts = [killed_output, outputs[1].done(), outputs[2].done()]
+            left = {host: hosts.pids(host) for host in (0, 1)}
+        finally:
+            for proc in [*procs, helper]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for child in psutil.Process(proc.pid).children(recursive=True):
+                        child.kill()
+                proc.kill()
+                proc.wait(timeout=30)
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    codes = [zero.returncode, again.returncode]
+    assert codes == [0, 0], "\n".join(f"--- {name}\n{text[-4000:]}" for name, text in
+                                      zip(("host 1", "host 0", "host 1 again"), texts, strict=True))  # fmt: skip
+    return {
+        "records": read_records(out),
+        "outputs": dict(zip(("host 1", "host 0", "host 1 again"), texts, strict=True)),
+        "listening": listening,
+        "addresses": hosts.addresses,
+        "left": {**left, "helper": helper.returncode, "namespaces": [n for n in hosts.names if n in namespaces]},
+        "model": torch.load(out / "model.pt", weights_only=True),
+        "wall_s": wall_s,
+    }
+
+
+def _history(records: list[dict]) -> list[int]:
+    return [r["world_size"] for r in records if "event" not in r]
+
+
+def test_a_host_lost_and_started_again_equals_a_replay_bitwise(run):
+    """model.pt (the group's rank 0, on host 0) equals the replay of the run's schedule: host 0's
+    steps alone, and the joiner's pieces after it joined, were each computed on the right weights."""
+    history = _history(run["records"])
+    assert len(history) == STEPS, history
+    want = replay_continue_run(history, replicas=2)
+    assert run["model"].keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(run["model"][name], value), f"{name}: {(run['model'][name] - value).abs().max()}"
+
+
+def test_the_survivor_went_on_alone_and_the_host_rejoined(run):
+    """World size 2, then 1 from the step the kill cost (no restart: the same process, no snapshot
+    read, each step recorded once), then 2 again once host 1's replica joined."""
+    records = run["records"]
+    history = _history(records)
+    assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
+    alone = [i for i, size in enumerate(history) if size == 1]
+    assert history[:BOTH_BEFORE_KILL] == [2] * BOTH_BEFORE_KILL and history[-1] == 2, history
+    assert alone and alone == list(range(alone[0], alone[-1] + 1)) and len(alone) >= ALONE_BEFORE_HOLD, history
+    changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
+    assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1])], changes
+    assert not any(r.get("event") in ("resumed_from_snapshot", "state_from_snapshot", "rolled_back") for r in records)
+    said = [line for line in run["outputs"]["host 0"].splitlines() if line.startswith("nanoddp train: replica")]
+    assert said == [], said  # host 0's launcher saw no replica of its own fail, and started none
+
+
+def test_the_host_started_again_joins_without_resuming_or_waiting(run):
+    """Its launcher found the run under way; its replica neither resumed from the snapshots OUT held
+    nor waited for the run's first full group (a first process logs that group, a joiner never)."""
+    again = run["outputs"]["host 1 again"]
+    assert "nanoddp train: the run is under way at http://" in again and "replicas 1..1 join it" in again, again
+    assert "resum" not in again.lower() and "group of 2 replicas formed" not in again, again
+    assert "group of 2 replicas formed" in run["outputs"]["host 0"]
+
+
+def test_every_listener_binds_its_hosts_address(run):
+    """Read while both hosts trained: the quorum service, each replica's Manager, group store and
+    gloo sockets; nothing on every interface, nothing on another host's address."""
+    for host, found in run["listening"].items():
+        own = run["addresses"][host]
+        assert own in found and found <= {own, "127.0.0.1"}, (host, found)
+
+
+def test_nothing_outlives_the_run(run):
+    """No process in either host once both launchers ended (the helper ended by its input), and
+    the namespaces removed."""
+    assert run["left"] == {0: [], 1: [], "helper": 0, "namespaces": []}, run["left"]
