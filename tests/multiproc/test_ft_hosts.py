@@ -31,14 +31,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
+from helpers import FT_TINY_GPT, OutputReader, replay_continue_run, replica_pid, wait_for
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
@@ -78,23 +77,6 @@ while not done.wait(0.1):
 """
 
 
-class _Output:
-    """A process's output, read on a thread so that it never blocks on a full pipe."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.text = proc, ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        self.text = self.proc.stdout.read()
-
-    def done(self) -> str:
-        self._reader.join(timeout=30)
-        return self.text
-
-
 def _listen_count(hosts: NetnsHosts, host: int) -> int:
     """TCP sockets listening in host `host`'s namespace (its kernel table, read through a process in it)."""
     for pid in hosts.pids(host)[:1]:
@@ -126,7 +108,7 @@ def run(tmp_path_factory):
             return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         procs: list[subprocess.Popen] = []
-        outputs: list[_Output] = []
+        outputs: list[OutputReader] = []
         helper = hosts.popen(0, [sys.executable, "-c", HEARTBEATS, f"http://{endpoint}"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, RUST_LOG="error"))  # fmt: skip
         try:
@@ -134,7 +116,7 @@ def run(tmp_path_factory):
             deadline = started + RUN_TIMEOUT_S
             for host in (1, 0):  # host 1 first: it reads the quorum service before host 0's replica forms a group
                 procs.append(launch(host))
-                outputs.append(_Output(procs[-1]))
+                outputs.append(OutputReader(procs[-1]))
             first, zero = procs
             assert helper.stdout.readline().strip() == "READY"
 
@@ -163,7 +145,7 @@ def run(tmp_path_factory):
             try:
                 again = launch(1)  # the same command, on the same host
                 procs.append(again)
-                outputs.append(_Output(again))
+                outputs.append(OutputReader(again))
                 wait_for(lambda: _listen_count(hosts, 1) >= 2, deadline, step_s=0.01)  # its group store, its Manager
             finally:
                 os.kill(survivor, signal.SIGCONT)
