@@ -12,12 +12,13 @@ a tiny GPT, lives through, in order:
 
 [Note: holding the survivor] A relaunched host spends seconds starting (imports, data, model),
 while the survivor's tiny steps take milliseconds: it would finish the run first. So host 0's
-replica is held (SIGSTOP) from its second step alone until host 1's replica has its Manager up,
-as a survivor in a long step. A held process cannot send the heartbeats a busy survivor sends,
-so a helper in host 0's namespace sends them for it (torchft's LighthouseClient, the replica's
-own id): the quorum service then sees what it sees of a busy survivor, and a joiner that asks
-before the survivor does waits for it (torchft forms no group of less than half the healthy
-replicas) instead of forming a group alone.
+replica is held (SIGSTOP) from its second step alone until host 1's replica has asked the quorum
+service for a group, as a survivor in a long step (released any earlier, its steps of a few
+milliseconds could finish the run while the joiner is still making its Manager). A held process
+cannot send the heartbeats a busy survivor sends, so a helper in host 0's namespace sends them
+for it (torchft's LighthouseClient, the replica's own id): the quorum service then sees what it
+sees of a busy survivor, and the joiner, which asks first, waits for it (torchft forms no group
+of half the healthy replicas or fewer) instead of forming a group alone.
 
 Every test reads that one run; the reference for the weights is the single-process replay of
 its world-size schedule (`helpers.replay_continue_run`, the one-node continue tests' own).
@@ -51,11 +52,14 @@ RUN_TIMEOUT_S = 150
 
 # Sends replica 0's heartbeats while the test holds it (see the module's note): once it reaches the
 # quorum service, waits for a line on stdin; then beats every 0.1 s for the replica_0 the Lighthouse
-# lists, until EOF.
+# lists, says ASKED once the Lighthouse holds a quorum request (the joiner's: the held survivor asks
+# none), and goes on beating until EOF (or says GAVE UP at its deadline).
 HEARTBEATS = r"""
 import datetime, re, sys, threading, time, urllib.request
 from torchft.coordination import LighthouseClient
 url, deadline = sys.argv[1], time.monotonic() + 120
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+status = lambda: opener.open(url + "/status", timeout=10).read().decode()
 while True:  # the quorum service starts with node 0's launcher, maybe after this helper
     try:
         client = LighthouseClient(url, datetime.timedelta(seconds=10))
@@ -66,24 +70,21 @@ while True:  # the quorum service starts with node 0's launcher, maybe after thi
         time.sleep(0.2)
 print("READY", flush=True)
 sys.stdin.readline()
-page = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/status", timeout=10).read().decode()
-replica_id = re.findall(r"(replica_0:[0-9a-f-]+): seen", page)[-1]
+replica_id = re.findall(r"(replica_0:[0-9a-f-]+): seen", status())[-1]
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 client.heartbeat(replica_id)
 print("BEATING " + replica_id, flush=True)
+asked = False
 while not done.wait(0.1):
     client.heartbeat(replica_id)
+    if not asked and re.search(r"only have [1-9][0-9]* participants", status()):
+        asked = True
+        print("ASKED", flush=True)
+    elif not asked and time.monotonic() > deadline:
+        asked = True
+        print("GAVE UP", flush=True)
 """
-
-
-def _listen_count(hosts: NetnsHosts, host: int) -> int:
-    """TCP sockets listening in host `host`'s namespace (its kernel table, read through a process in it)."""
-    for pid in hosts.pids(host)[:1]:
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            rows = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
-            return sum(1 for row in rows if row.split()[3] == "0A")
-    return 0
 
 
 def _step_records(out: Path) -> list[dict]:
@@ -138,15 +139,15 @@ def run(tmp_path_factory):
             # host 0 alone, then held (the module's note); its heartbeats sent for it meanwhile
             procs.remove(first)
             records_where(1, ALONE_BEFORE_HOLD)
-            helper.stdin.write("beat\n")
-            helper.stdin.flush()
-            assert helper.stdout.readline().startswith("BEATING replica_0:")
-            os.kill(survivor, signal.SIGSTOP)
-            try:
+            os.kill(survivor, signal.SIGSTOP)  # its last heartbeat was at most 0.1 s ago: the helper's come well
+            try:  # within the quorum service's heartbeat timeout (2 s)
+                helper.stdin.write("beat\n")
+                helper.stdin.flush()
+                assert helper.stdout.readline().startswith("BEATING replica_0:")
                 again = launch(1)  # the same command, on the same host
                 procs.append(again)
                 outputs.append(OutputReader(again))
-                wait_for(lambda: _listen_count(hosts, 1) >= 2, deadline, step_s=0.01)  # its group store, its Manager
+                assert helper.stdout.readline().strip() == "ASKED"  # host 1's replica waits for a quorum
             finally:
                 os.kill(survivor, signal.SIGCONT)
             helper.stdin.close()
