@@ -43,6 +43,7 @@ LONGEST_FILES_FIRST = (
     "multiproc/test_trainer_sharded.py",
     "multiproc/test_notebook_interrupt.py",
     "examples/test_examples_hf.py",
+    "multiproc/test_ft_hosts.py",
 )
 
 
