@@ -20,8 +20,10 @@ for it (torchft's LighthouseClient, the replica's own id): the quorum service th
 sees of a busy survivor, and the joiner, which asks first, waits for it (torchft forms no group
 of half the healthy replicas or fewer) instead of forming a group alone.
 
-Every test reads that one run; the reference for the weights is the single-process replay of
-its world-size schedule (`helpers.replay_continue_run`, the one-node continue tests' own).
+Every test but the last reads that one run; the reference for the weights is the single-process
+replay of its world-size schedule (`helpers.replay_continue_run`, the one-node continue tests'
+own). The last launches `nanoddp run --on-failure continue` across the two hosts: a user's loop
+placed alike (replica ids, addresses), both replicas ending with the same weights.
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -231,3 +233,58 @@ def test_nothing_outlives_the_run(run):
     """No process in either host once both launchers ended (the helper ended by its input), and
     the namespaces removed."""
     assert run["left"] == {0: [], 1: [], "helper": 0, "namespaces": []}, run["left"]
+
+
+# ---- `nanoddp run --on-failure continue` across hosts -----------------------------------------
+
+LOOP = """
+import torch
+torch.set_num_threads(1)
+from nanoddp.ft import FaultTolerant, ReplicaEnv
+
+env = ReplicaEnv.from_environ()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g)
+ft = FaultTolerant(model, opt, dataset_len=24, batch_size=8, seed=0, env=env)
+for step in ft.steps(4):
+    idx = ft.batch_for(step)
+    loss = torch.nn.functional.mse_loss(model(X[idx]), Y[idx])
+    loss.backward()
+    ft.average_gradients(loss)
+    ft.commit()
+params = [p.detach().flatten().tolist() for p in model.parameters()]
+print("FINAL", env.replica, env.address, ft.history, params, flush=True)
+ft.close()
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
+    """`nanoddp run` takes the same flags: each host's replica has its id of the run's two and its
+    host's address, both step at world size 2, and end with the same weights."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    with NetnsHosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:{PORT + 1}"
+        procs = [
+            hosts.popen(host, [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nnodes", "2",
+                               "--node-rank", str(host), "--nproc", "1", "--rdzv-endpoint", endpoint,
+                               "--collective-timeout", "5", str(script)],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for host in (1, 0)
+        ]  # fmt: skip
+        try:
+            outputs = [proc.communicate(timeout=RUN_TIMEOUT_S - 30)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    finals = sorted(line.split("FINAL ", 1)[1] for out in outputs for line in out.splitlines() if "FINAL " in line)
+    assert len(finals) == 2, outputs
+    (zero, address0, *rest0), (one, address1, *rest1) = (final.split(" ", 2) for final in finals)
+    assert (zero, one, address0, address1) == ("0", "1", *hosts.addresses), finals
+    assert rest0 == rest1 and rest0[0].startswith("[2, 2, 2, 2] "), finals  # the same history and weights
