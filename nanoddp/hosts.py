@@ -49,8 +49,8 @@ def is_address(host: str) -> bool:
     return True
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """(host, port) of HOST[:PORT] or [IPV6][:PORT]; one-line ValueError for anything else."""
+def split_endpoint(endpoint: str, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """(host, port) of HOST[:PORT] or [IPV6][:PORT]; one-line ValueError naming `flag` for anything else."""
     text = endpoint.strip()
     host, port = text, str(DEFAULT_RDZV_PORT)
     if text.startswith("["):
@@ -59,12 +59,17 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     elif text.count(":") == 1:
         host, port = text.split(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {endpoint!r}")
+        raise ValueError(f"{flag} must be HOST:PORT with a port in 1..65535, got {endpoint!r}")
     return host, int(port)
 
 
-def resolve(host: str) -> str:
-    """HOST's IP address (IPv4 first); one-line ValueError when it does not resolve here."""
+def url_host(address: str) -> str:
+    """`address` as the host part of HOST:PORT (an IPv6 address in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
+def resolve(host: str, flag: str = "--rdzv-endpoint") -> str:
+    """HOST's IP address (IPv4 first); one-line ValueError (naming `flag`) when it does not resolve here."""
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
@@ -73,8 +78,8 @@ def resolve(host: str) -> str:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as exc:
         raise ValueError(
-            f"rendezvous host {host!r} does not resolve on this host ({exc.strerror}); "
-            "give --rdzv-endpoint as an IP address, or a name every node resolves"
+            f"{_what(flag)} host {host!r} does not resolve on this host ({exc.strerror}); "
+            f"give {flag} as an IP address, or a name every node resolves"
         ) from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     return str(infos[0][4][0])
@@ -102,15 +107,16 @@ def source_address(address: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
-def route_to(endpoint: str) -> EndpointRoute:
-    """How this host reaches `endpoint`; one-line ValueError when it cannot (bad form, no name, no route)."""
-    host, port = split_endpoint(endpoint)
-    address = resolve(host)
+def route_to(endpoint: str, flag: str = "--rdzv-endpoint") -> EndpointRoute:
+    """How this host reaches `endpoint` (given as `flag`); one-line ValueError when it cannot (bad
+    form, no name, no route)."""
+    host, port = split_endpoint(endpoint, flag)
+    address = resolve(host, flag)
     try:
         local = source_address(address, port)
     except OSError as exc:
         raise ValueError(
-            f"no route from this host to the rendezvous endpoint {endpoint} ({address}: {exc.strerror}); "
+            f"no route from this host to the {_what(flag)} endpoint {endpoint} ({address}: {exc.strerror}); "
             "check this host's network, or give the address node 0 is reachable at"
         ) from None
     interface = interface_of(local)
@@ -118,6 +124,12 @@ def route_to(endpoint: str) -> EndpointRoute:
         raise ValueError(f"no interface of this host holds {local}, its address towards {endpoint}")
     is_local = ipaddress.ip_address(address).is_loopback or interface_of(address) is not None
     return EndpointRoute(endpoint, address, port, local, interface, is_local)
+
+
+def _what(flag: str) -> str:
+    """What an endpoint flag names, for its lines: `--rdzv-endpoint` the rendezvous, another
+    (`--lighthouse`) the quorum service."""
+    return "rendezvous" if flag == "--rdzv-endpoint" else f"quorum service ({flag})"
 
 
 def wait_reachable(address: str, port: int, timeout_s: float) -> bool:

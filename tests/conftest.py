@@ -41,6 +41,7 @@ LONGEST_FILES_FIRST = (
     "multiproc/test_launch.py",
     "multiproc/test_notebook_launch.py",
     "multiproc/test_comm_algorithms.py",
+    "multiproc/test_ft_hosts.py",
     "multiproc/test_trainer_sharded.py",
     "multiproc/test_notebook.py",
     "multiproc/test_user_trainer.py",

@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -424,6 +426,24 @@ def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | Non
         except psutil.Error:
             continue
     return None
+
+
+class OutputReader:
+    """A child's output (its stdout pipe), read on a thread so that it never blocks on a full pipe."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.text = proc, ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        self.text = self.proc.stdout.read()
+
+    def done(self) -> str:
+        """All it wrote (the child has ended, or its pipe closed)."""
+        self._reader.join(timeout=30)
+        return self.text
 
 
 def wait_for(what: Callable, deadline: float, step_s: float = 0.005):

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from nanoddp.base.records import RecordWriter
 from nanoddp.comm.transport.transport import sent_bytes
-from nanoddp.env import loopback_store
+from nanoddp.env import bound_store
 from nanoddp.ft.events import describe, membership_events
 from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.gradients import WeightedPieceSum
@@ -110,8 +110,9 @@ class FaultTolerant:
         self.history: list[int] = []  # world size of each committed step: the run's schedule
         self.world = RebuiltWorld(self.env.timeout_s)
         self.metrics = RecordWriter(self.env.out)
-        # torchft keeps a replica group's own address book in a store; ours is a group of one.
-        self._store = loopback_store(0, rank=0, world_size=1)
+        # torchft keeps a replica group's own address book in a store; ours is a group of one, on
+        # the address the run gave this replica (the quorum hands it to the others: `ReplicaEnv.address`).
+        self._store = bound_store(self.env.address, 0, rank=0, world_size=1)
         self.shards = shards
         shard_state = None if shards is None else (shards.live_take, shards.live_put)
         model_state = None

@@ -2,8 +2,9 @@
 the torchft-DDP loop `nanoddp bench restarts` compares it with (`nanoddp.bench.torchft_ddp`).
 
 One replica group is one process, so each Manager is rank 0 of a group of one, with a store of
-its own on loopback; what differs between the two loops (the process group, the state, whether
-a replica heals before the step) is passed in.
+its own on the replica's address (`ReplicaEnv.address`: loopback on one node, the host's own
+address across hosts); what differs between the two loops (the process group, the state,
+whether a replica heals before the step) is passed in.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.hosts import url_host
 
 STARTUP_WAIT_S = 120.0  # the first step waits this long for every replica of the run to start
 
@@ -39,20 +41,21 @@ def torchft_modules() -> Any:
 
 
 @contextlib.contextmanager
-def _manager_server_on_loopback(torchft: Any) -> Iterator[None]:
-    """While the Manager is made, its server binds 127.0.0.1 instead of every interface.
+def _manager_server_bound_to(torchft: Any, address: str) -> Iterator[None]:
+    """While the Manager is made, its server binds `address` instead of every interface.
 
-    [Note: private to this machine] torchft's Manager starts its server on `[::]` with no way
-    to ask otherwise; a single-node run must accept no connection from the network (as
-    `nanoddp run` and `nanoddp train` do not), so the constructor it calls gets the loopback
-    address instead, only while this replica's Manager is built."""
+    [Note: only the address the run was given] torchft's Manager starts its server on `[::]`
+    with no way to ask otherwise; a run must accept connections only where it was told to listen
+    (loopback on one node, as `nanoddp run` and `nanoddp train` do; the host's own address across
+    hosts), so the constructor it calls gets that address instead, only while this replica's
+    Manager is built."""
     original = torchft.manager.ManagerServer
 
-    def on_loopback(**kwargs: Any) -> Any:
+    def bound(**kwargs: Any) -> Any:
         port = kwargs["bind"].rsplit(":", 1)[1]
-        return original(**{**kwargs, "bind": f"127.0.0.1:{port}"})
+        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})
 
-    torchft.manager.ManagerServer = on_loopback
+    torchft.manager.ManagerServer = bound
     try:
         yield
     finally:
@@ -80,20 +83,23 @@ def make_manager(
     replica before the step (and rebuilds the group while no collective runs)."""
     timeout = timedelta(seconds=env.timeout_s)
     transport = torchft.checkpointing.pg_transport.PGTransport(pg, timeout, torch.device("cpu"))
-    with _manager_server_on_loopback(torchft):
+    with _manager_server_bound_to(torchft, env.address):
         return torchft.Manager(
             pg=pg,
             load_state_dict=state[1],
             state_dict=state[0],
-            min_replica_size=1,
+            # the quorum service forms no group below env.min_replicas; the Manager refuses a commit
+            # below it too, except under an asynchronous quorum, whose healing replicas sit out
+            # their first step (the torchft-DDP loop's: its floor stays the quorum service's)
+            min_replica_size=1 if use_async_quorum else env.min_replicas,
             use_async_quorum=use_async_quorum,
             timeout=timeout,
             quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
             connect_timeout=timeout,
             rank=0,
             world_size=1,
-            store_addr="127.0.0.1",
-            hostname="127.0.0.1",  # the address its server gives the others: loopback, as it listens
+            store_addr=env.address,  # the group store listens there (`FaultTolerant`)
+            hostname=url_host(env.address),  # the address its server gives the others: where it listens
             store_port=store_port,
             lighthouse_addr=env.lighthouse,
             replica_id=f"replica_{env.replica}",  # torchft numbers members by the trailing digits

@@ -1,8 +1,10 @@
 """Where this replica sits in a fault-tolerant run: `ReplicaEnv`, the one reader of its variables.
 
 `nanoddp run --on-failure continue` starts one process per replica and tells each, through the
-environment, where the quorum service listens, which replica it is and how many replicas the run
-starts with. A replica is not a torchrun worker: it has no fixed rank (its rank in the group is
+environment, where the quorum service listens, which replica it is, how many replicas the run
+starts with (on every host together), the address its own servers bind (loopback on one node,
+the host's address towards the quorum service across hosts: `nanoddp.ft.placement`) and whether
+it joins a run already under way. A replica is not a torchrun worker: it has no fixed rank (its rank in the group is
 whatever the quorum of the moment gives it), so `nanoddp.env.DistEnv` does not describe it.
 """
 
@@ -20,6 +22,10 @@ TIMEOUT_VAR = "NANODDP_FT_TIMEOUT"  # seconds a collective may wait: past it, a 
 OUT_VAR = "NANODDP_FT_OUT"  # directory of metrics.jsonl (not set: no metrics file)
 LAUNCHER_VAR = "NANODDP_FT_LAUNCHER"  # the launcher's pid: a replica dies with it
 BEATS_VAR = "NANODDP_FT_BEATS"  # directory where each replica marks every step boundary it reaches
+ADDRESS_VAR = "NANODDP_FT_ADDRESS"  # the address this replica's servers bind and advertise
+MIN_REPLICAS_VAR = "NANODDP_FT_MIN_REPLICAS"  # the fewest replicas a step may commit with
+JOIN_VAR = "NANODDP_FT_JOIN"  # "1": the run was under way when this host's launcher started
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,14 @@ class ReplicaEnv:
     """The launcher's pid (a replica asks Linux to end it when the launcher dies)."""
     beats: str | None = None
     """The launcher's directory of step marks (`beat_path`): how it tells a hung replica."""
+    address: str = LOOPBACK
+    """Where this replica's servers listen (its Manager's, its group store, gloo's) and what its
+    Manager tells the others: loopback on one node, the host's own address across hosts."""
+    min_replicas: int = 1
+    """The fewest replicas a step may commit with (the quorum service forms no smaller group)."""
+    join: bool = False
+    """Its host's launcher started while the run was under way (a host lost and started again):
+    a joiner from its first process on."""
 
     def beat_path(self) -> str | None:
         """The file this replica touches at every step boundary, or None."""
@@ -52,11 +66,14 @@ class ReplicaEnv:
             raise ValueError(f"replica id must be in [0, {self.replicas}), got {self.replica}")
         if not self.timeout_s > 0:
             raise ValueError(f"the collective timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(f"min_replicas must be in [1, {self.replicas}], got {self.min_replicas}")
 
     @property
     def joiner(self) -> bool:
-        """A replacement: it takes its state from a peer, never from its own start."""
-        return self.attempt > 0
+        """A replacement, or a process of a host that joins a running run: it takes its state from
+        a peer, never from its own start (no resume, no wait for the run's first full group)."""
+        return self.attempt > 0 or self.join
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaEnv:
@@ -76,6 +93,9 @@ class ReplicaEnv:
             out=environ.get(OUT_VAR) or None,
             launcher_pid=int(environ[LAUNCHER_VAR]) if environ.get(LAUNCHER_VAR) else None,
             beats=environ.get(BEATS_VAR) or None,
+            address=environ.get(ADDRESS_VAR) or LOOPBACK,
+            min_replicas=int(environ.get(MIN_REPLICAS_VAR, "1")),
+            join=environ.get(JOIN_VAR) == "1",
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -86,6 +106,9 @@ class ReplicaEnv:
             REPLICAS_VAR: str(self.replicas),
             ATTEMPT_VAR: str(self.attempt),
             TIMEOUT_VAR: repr(self.timeout_s),
+            ADDRESS_VAR: self.address,
+            MIN_REPLICAS_VAR: str(self.min_replicas),
+            JOIN_VAR: "1" if self.join else "0",
         }
         if self.out is not None:
             env[OUT_VAR] = self.out

@@ -24,18 +24,25 @@ collective timeout: then it stopped alone and is a failed replica (`_stopped_alo
 [Note: the launcher never ends the last holder] What a kill can take is the committed state of a
 replica that holds it while no other live one does. The hung-replica kill needs another replica
 to have marked a step within the timeout: a quorum formed without the silent one, and a quorum
-needs a majority (`majority`), so at 2 replicas it never happens, and at more the group that
-went on holds the state (a commit needs every member), or found nobody holding it and resumed
-from a snapshot itself (`FaultTolerant`) before the kill: at 3 replicas or more, a holder that
-stopped heartbeating (hung) while two replacements formed such a group is given up at the
-quorum's heartbeat timeout, not the collective timeout. The end-of-run kills follow a replica
-that finished (the state is written) or a stop. A stop is one group's verdict, reached by all its
-members at once; the one verdict a member reaches alone, the same error thrice, came from a
-replica whose peers went on: that is the stop the launcher no longer takes for the run's.
+needs a majority (`placement.majority`), so at 2 replicas it never happens, and at more (or
+with a smaller `--min-replicas`) the group that went on holds the state (a commit needs every
+member), or found nobody holding it and resumed from a snapshot itself (`FaultTolerant`)
+before the kill: at 3 replicas or more, a holder that stopped heartbeating (hung) while two
+replacements formed such a group is given up at the quorum's heartbeat timeout, not the
+collective timeout. The end-of-run kills follow a replica that finished (the state is written)
+or a stop. A stop is one group's verdict, reached by all its members at once; the one verdict a
+member reaches alone, the same error thrice, came from a replica whose peers went on: that is
+the stop the launcher no longer takes for the run's.
 Nothing outlives the run: SIGTERM/SIGINT stop every replica (SIGTERM, then SIGKILL), each
 replica dies with the launcher even if the launcher is SIGKILLed (it asks Linux for that with
 the launcher's pid, `ReplicaEnv.launcher_pid`), and each replica's own children go with it.
 Every line a replica prints is prefixed `[replica k] `.
+
+Across hosts each host runs its own launcher (`nanoddp.ft.placement`): it supervises only its
+host's replicas (ids K*P .. K*P+P-1), node 0's also runs the quorum service, and one that finds
+the run under way (its host was lost and is started again) starts its replicas as joiners
+(`nanoddp.ft.quorum_service`). A host lost whole is no launcher's to replace: the others' quorum
+leaves its replicas out and goes on.
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
 from nanoddp.base import processes
 from nanoddp.base.limits import STOP_GRACE_S
+from nanoddp.ft.placement import Placement
+from nanoddp.ft.quorum_service import QuorumServiceUnavailable, open_quorum_service
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.stopped import STOPPED_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
@@ -63,9 +72,7 @@ POLL_S = 0.05
 BEATS_PREFIX = "nanoddp-ft-beats-"  # the launcher's private dir of step marks, named by its pid
 STARTUP_GRACE_S = 120.0  # a replica's first step mark may take this long (imports, data, joining)
 SILENT_MARGIN_S = 2.0  # past the collective timeout: the others' quorum (join timeout) comes first
-# The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
-# (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
-JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 2000, 10
+GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass
@@ -113,28 +120,47 @@ class Launch:
     warm_spare: bool = True
     """Start a spare with the run (`nanoddp.ft.spare`) to be the first replacement, when there
     may be one (`max_restarts` > 0) and the replicas run `python -m MODULE`."""
+    placement: Placement | None = None
+    """Where the replicas sit and listen across hosts; None: one node of `nproc` replicas."""
+    wait_s: float = 600.0
+    """Across hosts: how long a launcher waits for another's quorum service (`--rdzv-timeout`)."""
+    on_found: Callable[[], None] | None = None
+    """Called once the quorum service is found, before any replica starts (a check that needs
+    node 0 up: `nanoddp train`'s shared OUT); its ValueError ends the launch."""
+
+    @property
+    def where(self) -> Placement:
+        return self.placement or Placement.one_node(self.nproc)
 
 
 class Supervisor:
     """Starts, watches and replaces the replicas of one fault-tolerant run."""
 
-    def __init__(self, launch: Launch, lighthouse: str, beats: str) -> None:
-        self.launch, self.lighthouse, self.beats = launch, lighthouse, beats
-        self.replicas = [Replica(i) for i in range(launch.nproc)]
+    def __init__(self, launch: Launch, lighthouse: str, beats: str, join: bool = False) -> None:
+        self.launch, self.lighthouse, self.beats, self.join = launch, lighthouse, beats, join
+        self.where = launch.where
+        self.replicas = [Replica(self.where.first + i) for i in range(self.where.nproc)]
         self.spare: Replica | None = None  # the warm spare while it waits (its `replica` is unused)
 
     def _environ(self, replica: Replica) -> dict[str, str]:
-        """The variables that make a process `replica` (`ReplicaEnv`)."""
-        return ReplicaEnv(
+        """The variables that make a process `replica` (`ReplicaEnv`), and across hosts gloo's
+        interface (the host's towards the quorum service) unless the user chose one."""
+        environ = ReplicaEnv(
             lighthouse=self.lighthouse,
             replica=replica.replica,
-            replicas=self.launch.nproc,
+            replicas=self.where.replicas,
             attempt=replica.attempt,
             timeout_s=self.launch.timeout_s,
             out=self.launch.out,
             launcher_pid=os.getpid(),
             beats=self.beats,
+            address=self.where.address,
+            min_replicas=self.where.min_replicas,
+            join=self.join,
         ).to_environ()
+        if self.where.interface is not None and GLOO_INTERFACE_VAR not in os.environ:
+            environ[GLOO_INTERFACE_VAR] = self.where.interface
+        return environ
 
     def _popen(self, holder: Replica, command: Sequence[str], environ: dict[str, str], spare: bool) -> None:
         """Start `command` as `holder`'s process, its output copied with `holder`'s prefix."""
@@ -353,42 +379,22 @@ def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
     processes.signal_group(proc, sig)  # the replica leads its session's group (start_new_session)
 
 
-def majority(nproc: int) -> int:
-    """The fewest replicas that may form a quorum: more than half of the run's.
-
-    [Note: no two groups] The Lighthouse forms a quorum of the replicas that asked, once the
-    healthy ones that did not ask have had the join timeout to do so. A survivor slow to ask (a
-    loaded machine) could otherwise be left out and form a group of its own at its next request:
-    two groups training apart from the same step. Two majorities always share a replica, so at
-    most one group goes on; a group that is not a majority waits for its replacements."""
-    return nproc // 2 + 1
-
-
-def check_single_node(nnodes: str, rdzv_endpoint: str) -> None:
-    """The one refusal every fault-tolerant launch shares: replicas and quorum service are local."""
-    if str(nnodes) != "1" or rdzv_endpoint:
-        raise ValueError(
-            "--on-failure continue runs on one node (its replicas and quorum service are local); "
-            f"got --nnodes {nnodes} {rdzv_endpoint or ''}".rstrip()
-        )
-
-
 def supervise(launch: Launch) -> int:
-    """Start the Lighthouse and the replicas, supervise them, and take every process down on the
-    way out (a signal included); return the run's exit code."""
+    """Start (or find) the quorum service and start the replicas, supervise them, and take every
+    process down on the way out (a signal included); return the run's exit code."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's services log every quorum at info
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0",  # private to this machine, like the replicas' own servers
-        min_replicas=majority(launch.nproc),
-        join_timeout_ms=JOIN_MS,
-        quorum_tick_ms=TICK_MS,
-        heartbeat_timeout_ms=HEARTBEAT_MS,
-    )
+    try:
+        service = open_quorum_service(launch.where, launch.wait_s)
+    except QuorumServiceUnavailable as exc:
+        print(f"{launch.name}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if launch.on_found is not None:
+        launch.on_found()  # another launcher's service: nothing of ours to shut down
+    if service.under_way:
+        print(f"{launch.name}: the run is under way at {service.url}: replicas {launch.where.first}.."
+              f"{launch.where.first + launch.where.nproc - 1} join it", file=sys.stderr, flush=True)  # fmt: skip
     beats = make_private_dir(BEATS_PREFIX)
-    port = lighthouse.address().rsplit(":", 1)[1]  # it names the host by its hostname: use loopback
-    supervisor = Supervisor(launch, f"http://127.0.0.1:{port}", beats)
+    supervisor = Supervisor(launch, service.url, beats, join=service.under_way)
     stopped: list[signal.Signals] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -405,7 +411,7 @@ def supervise(launch: Launch) -> int:
         return 128 + sig
     finally:
         supervisor.stop(signal.SIGKILL)
-        lighthouse.shutdown()
+        service.shutdown()
         shutil.rmtree(beats, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 
+from nanoddp.ft.placement import refuse_continue_flags
 from nanoddp.run.finished import DEFAULT_FINISHED_GRACE_S, watched_agent
 from nanoddp.train.launcher import preflight
 from nanoddp.train.launcher.agent import AgentJob, failure_reason, run_torchrun_agent
@@ -112,6 +113,8 @@ def check_args(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     check_launch_args(args)
+    if args.on_failure != "continue":
+        refuse_continue_flags(args)
     if not args.collective_timeout > 0:
         raise ValueError(f"--collective-timeout must be > 0 seconds, got {args.collective_timeout}")
     if not args.finished_grace >= 0:

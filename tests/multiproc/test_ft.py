@@ -241,13 +241,16 @@ def test_nothing_outlives_the_run(run):
     assert run["done"].stderr.count("replica 2 marked no step for") == 1  # the launcher ended the hung one, said once
 
 
-def test_continue_refuses_a_multi_node_launch():
+def test_continue_refuses_what_it_cannot_place_and_the_agents_options():
+    """Across hosts is accepted (tests/multiproc/test_ft_hosts.py); a launch that names no quorum
+    service for its hosts, and torchrun-agent options, are one line before anything starts."""
     from nanoddp.run.ft_launch import run_fault_tolerant
 
-    args = argparse.Namespace(nnodes="2", rdzv_endpoint="")
-    with pytest.raises(ValueError, match="--on-failure continue runs on one node"):
+    launch = {"nnodes": "1", "node_rank": 0, "rdzv_endpoint": "", "lighthouse": "", "min_replicas": None}
+    args = argparse.Namespace(**{**launch, "nnodes": "2"})
+    with pytest.raises(ValueError, match="--on-failure continue across hosts .* needs --rdzv-endpoint HOST:PORT"):
         run_fault_tolerant(args, 2)
-    args = argparse.Namespace(nnodes="1", rdzv_endpoint="", log_dir="logs", fail_on_early_exit=False)
+    args = argparse.Namespace(**launch, log_dir="logs", fail_on_early_exit=False)
     with pytest.raises(ValueError, match="--log-dir applies to --on-failure restart"):
         run_fault_tolerant(args, 2)
 

@@ -23,7 +23,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import OutputReader
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
@@ -69,27 +69,10 @@ def _node(hosts: NetnsHosts, host: int, nnodes: int, out: Path, *extra: str) -> 
                   "--rdzv-endpoint", endpoint, "--rdzv-id", "netns", "--out", str(out), *extra)  # fmt: skip
 
 
-class _Output:
-    """A launcher's output, read on a thread so that it never blocks on a full pipe."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.text = proc, ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        self.text = self.proc.stdout.read()
-
-    def done(self) -> str:
-        self._reader.join(timeout=30)
-        return self.text
-
-
 def _finish_all(hosts: NetnsHosts | None, procs: list[subprocess.Popen]) -> list[str]:
     """Wait for launchers that make one job; on a failure or timeout kill every host's processes
     (and every launcher) and fail with all outputs."""
-    outputs = [_Output(proc) for proc in procs]
+    outputs = [OutputReader(proc) for proc in procs]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):

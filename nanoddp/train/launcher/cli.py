@@ -34,6 +34,7 @@ from typing import NoReturn, cast
 from nanoddp import env as nd
 from nanoddp import torchrun
 from nanoddp.base import files
+from nanoddp.base.files import try_lock
 from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
 from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.comm.transport import watchdog
@@ -79,6 +80,22 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-restarts", type=int, default=0, help="restart the workers this often on failure")
     group.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
+    quorum = parser.add_argument_group("quorum (--on-failure continue)")
+    quorum.add_argument(
+        "--lighthouse",
+        default="",
+        metavar="HOST:PORT",
+        help="a quorum service (torchft's Lighthouse) already running; default: node 0's launcher runs one on "
+        "--rdzv-endpoint (one node: on loopback)",
+    )
+    quorum.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="the fewest replicas that may go on training (default: a majority of --nnodes x --nproc; "
+        "1 lets the last host of two go on alone)",
+    )
 
 
 class _OwnUsageParser(argparse.ArgumentParser):
@@ -185,12 +202,15 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
         config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )
     check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
+    from nanoddp.ft.placement import placement_for, refuse_continue_flags
+
     if config.on_failure == "continue":  # refused here, before any process starts
-        from nanoddp.ft.supervisor import check_single_node
         from nanoddp.train.ft_trainer import check_continue
 
         check_continue(config)
-        check_single_node(args.nnodes, args.rdzv_endpoint)
+        placement_for(args, nproc, config.group_size)
+    else:
+        refuse_continue_flags(args)
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
     return config, nproc, spec
@@ -223,8 +243,9 @@ def run_train(args: argparse.Namespace) -> int:
     out = filled(config.out)  # prepare_launch fixed it
     created = not Path(out).exists()
     preflight.check_out_dir(out)
-    # Node 0's agent owns OUT (rank 0, which writes it, runs there on a single node; other
-    # nodes' agents share the job, not the directory).
+    # Node 0's launcher owns OUT (rank 0, which writes it, runs there on a single node; other
+    # nodes' launchers share the job; under --on-failure continue they check that they share OUT
+    # too, see `_check_shared_out`).
     owner = args.node_rank == 0
     lock_fd = rundir.lock_run_dir(out) if owner else None
     started = False
@@ -243,14 +264,39 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
-    """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_trainer`)."""
+    """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_trainer`),
+    this host's replicas of the run's (`nanoddp.ft.placement`)."""
+    from nanoddp.ft.placement import placement_for
     from nanoddp.ft.supervisor import Launch, supervise
     from nanoddp.train.ft_trainer import WORKER_MODULE as FT_WORKER
 
+    placement = placement_for(args, nproc, config.group_size)
+    out = filled(config.out)
+    shared_out = (lambda: _check_shared_out(out)) if args.node_rank > 0 and not args.lighthouse else None
     command = [sys.executable, "-m", FT_WORKER, *config_to_argv(config)]
     launch = Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train",
-                    warm_spare=config.warm_spare)  # fmt: skip
+                    warm_spare=config.warm_spare, placement=placement, wait_s=args.rdzv_timeout,
+                    on_found=shared_out)  # fmt: skip
     return supervise(launch)
+
+
+def _check_shared_out(out: str) -> None:
+    """[Note: one OUT across hosts] Under `--on-failure continue` the group's rank 0 writes
+    `metrics.jsonl`, the snapshots and `model.pt`, and rank 0 is wherever the quorum puts it: on
+    node 0's host while replica 0 lives, on another host after that. So every host must pass the
+    same `--out`, on a filesystem they all share, which node 0's launcher holds locked for the
+    run (`rundir.lock_run_dir`). Another node checks that the lock is held once node 0 is up (its
+    quorum service answers): a free lock means this OUT is not the directory node 0 writes. (With
+    `--lighthouse`, node 0 may be gone while the run goes on: no check.)"""
+    fd, _ = try_lock(Path(out) / rundir.LOCK_NAME)
+    if fd is None:
+        return  # held: by node 0's launcher, on the filesystem this host shares with it
+    os.close(fd)
+    raise ValueError(
+        f"--out {out} is not held by node 0's launcher: under --on-failure continue every host passes the same "
+        "--out on a filesystem all hosts share (the group's rank 0, on whichever host, writes metrics.jsonl and "
+        "the snapshots there); mount node 0's run directory here, or pass its path"
+    )
 
 
 # --- worker -------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""The quorum service of a fault-tolerant run (torchft's Lighthouse): started here, bound to the
+one address the run was given, or found running elsewhere; and whether a run is under way there.
+
+Every replica's Manager asks the Lighthouse, at each step, which replicas form the group. On one
+node the launcher runs it on loopback; across hosts node 0's launcher runs it on the rendezvous
+endpoint (`Placement.lighthouse`), or `--lighthouse` names one already running, which the
+launcher waits for as a rendezvous client waits for its store.
+
+[Note: a host started again joins] A launcher that finds a quorum already formed at the service
+(`run_under_way`) belongs to a host that was lost and is started again with the same command:
+its replicas are joiners from their first process on (`ReplicaEnv.join`), so they take their
+state from a peer at a step boundary, never resume from a snapshot of their own, and do not wait
+for the run's first full group. torchft's Lighthouse answers no such question through its
+client (asking for a quorum would make the asker a member), so it is read from the page the
+Lighthouse serves on the same port, `/status`: "Current quorum_id: N", 0 until a first quorum.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from nanoddp import hosts
+from nanoddp.ft.placement import Placement
+from nanoddp.ft.replica_env import LOOPBACK
+
+# The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
+# (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
+JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 2000, 10
+STATUS_TIMEOUT_S = 10.0  # one read of the Lighthouse's status page
+QUORUM_ID = re.compile(r"Current quorum_id: (\d+)")
+
+
+class QuorumServiceUnavailable(RuntimeError):
+    """The quorum service could not be started or reached; its text is the line shown."""
+
+
+@dataclass
+class QuorumService:
+    """The run's quorum service as this launcher sees it."""
+
+    url: str
+    """`http://host:port`: what the replicas' Managers dial."""
+    server: Any = None
+    """The LighthouseServer this launcher runs (None: another launcher's, or `--lighthouse`'s)."""
+    under_way: bool = False
+    """A quorum had formed before this launcher came (see the module's note)."""
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+
+
+def open_quorum_service(where: Placement, wait_s: float) -> QuorumService:
+    """Start the quorum service if this launcher serves it (`Placement.serves_lighthouse`), else
+    wait up to `wait_s` for it to accept connections and ask whether a run is under way there.
+    Raises QuorumServiceUnavailable with one line when neither works."""
+    if where.serves_lighthouse:
+        return _start(where)
+    assert where.lighthouse is not None  # placement_for: across hosts, another launcher's service
+    address, port = where.lighthouse
+    endpoint = f"{hosts.url_host(address)}:{port}"
+    if not hosts.wait_reachable(address, port, wait_s):
+        raise QuorumServiceUnavailable(
+            f"cannot reach the quorum service at {endpoint} within {wait_s:g} s; start node 0 (the host that owns "
+            "that address) with the same --rdzv-endpoint, or check --lighthouse, the address and the port"
+        )
+    url = f"http://{endpoint}"
+    return QuorumService(url, None, run_under_way(url))
+
+
+def _start(where: Placement) -> QuorumService:
+    from torchft.coordination import LighthouseServer
+
+    address, port = where.lighthouse or (LOOPBACK, 0)  # one node: private to this machine, any free port
+    bind = f"{hosts.url_host(address)}:{port}"
+    try:
+        server = LighthouseServer(
+            bind=bind,
+            min_replicas=where.min_replicas,
+            join_timeout_ms=JOIN_MS,
+            quorum_tick_ms=TICK_MS,
+            heartbeat_timeout_ms=HEARTBEAT_MS,
+        )
+    except Exception as exc:  # torchft raises its Rust error as a plain exception
+        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QuorumServiceUnavailable(
+            f"cannot start the quorum service on {bind} ({first}); is another run using that port? "
+            "choose another --rdzv-endpoint port"
+        ) from None
+    bound_port = server.address().rsplit(":", 1)[1]  # it names the host by its hostname: use the address
+    return QuorumService(f"http://{hosts.url_host(address)}:{bound_port}", server)
+
+
+def run_under_way(url: str) -> bool:
+    """Whether the Lighthouse at `url` has formed a quorum yet (the module's note)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
+    try:
+        with direct.open(f"{url}/status", timeout=STATUS_TIMEOUT_S) as answer:
+            page = answer.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as exc:
+        raise QuorumServiceUnavailable(f"the quorum service at {url} did not answer its status page ({exc})") from None
+    found = QUORUM_ID.search(page)
+    if found is None:
+        raise QuorumServiceUnavailable(
+            f"{url}/status has no 'Current quorum_id: N': is it torchft's Lighthouse (torchft==0.2.0)?"
+        )
+    return int(found.group(1)) > 0

@@ -1,0 +1,167 @@
+"""Where a fault-tolerant launcher's replicas sit and listen (`nanoddp.ft.placement`), and the
+quorum service it starts or finds (`nanoddp.ft.quorum_service`), without a network of its own:
+every launch flag's refusal is one line before anything starts; replica ids, the bind address
+and who serves the quorum service follow from the flags; a Lighthouse on loopback says whether a
+run is under way (a real one, torchft's, the assumption pinned); `ReplicaEnv` carries the address,
+the minimum and the join through the environment. Across real hosts: tests/multiproc/test_ft_hosts.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.server
+import socket
+import threading
+
+import pytest
+
+from nanoddp import hosts
+from nanoddp.ft.placement import Placement, majority, placement_for, refuse_continue_flags
+from nanoddp.ft.replica_env import ReplicaEnv
+
+
+def _args(**given) -> argparse.Namespace:
+    flags = {"nnodes": "1", "node_rank": 0, "rdzv_endpoint": "", "lighthouse": "", "min_replicas": None}
+    return argparse.Namespace(**{**flags, **given})
+
+
+@pytest.mark.parametrize(
+    ("given", "nproc", "group_size", "line"),
+    [
+        ({"nnodes": "1:3"}, 2, None, "--on-failure continue takes --nnodes N, a fixed number of hosts"),
+        ({"nnodes": "0"}, 2, None, "--on-failure continue takes --nnodes N"),
+        ({"nnodes": "2", "node_rank": 2, "rdzv_endpoint": "127.0.0.1:1"}, 2, None, "--node-rank must be in 0..1"),
+        ({"nnodes": "2", "min_replicas": 5, "rdzv_endpoint": "127.0.0.1:1"}, 2, None,
+         r"--min-replicas must be in 1\.\.4 \(the run's replicas: --nnodes 2 x --nproc 2\), got 5"),
+        ({"min_replicas": 0}, 3, None, r"--min-replicas must be in 1\.\.3"),
+        ({"nnodes": "2"}, 1, None, "needs --rdzv-endpoint HOST:PORT .* or --lighthouse HOST:PORT"),
+        ({}, 2, 2, "runs one-rank replicas .*got --group-size 2; replica groups of several ranks .* come later"),
+        ({"nnodes": "2", "rdzv_endpoint": "node0:"}, 1, None, "^--rdzv-endpoint must be HOST:PORT"),
+        ({"nnodes": "2", "lighthouse": "lh:http"}, 1, None, "^--lighthouse must be HOST:PORT"),
+        ({"nnodes": "2", "lighthouse": "no-such-host.invalid:1"}, 1, None,
+         "^quorum service \\(--lighthouse\\) host 'no-such-host.invalid' does not resolve"),
+    ],
+)  # fmt: skip
+def test_a_launch_that_does_not_fit_is_one_line(given, nproc, group_size, line):
+    with pytest.raises(ValueError, match=line) as refused:
+        placement_for(_args(**given), nproc, group_size)
+    assert "\n" not in str(refused.value)
+
+
+def test_one_node_is_todays_run_on_loopback():
+    where = placement_for(_args(), 3)
+    assert where == Placement.one_node(3) == Placement(3, majority(3))
+    assert (where.first, where.replicas, where.min_replicas, where.address) == (0, 3, 2, "127.0.0.1")
+    assert where.serves_lighthouse and where.lighthouse is None and not where.across_hosts
+
+
+def test_across_hosts_each_node_plays_its_replicas_and_node_0_serves_the_endpoint():
+    endpoint = "127.0.0.1:29511"  # this machine's own: every node here, as on one machine with N launchers
+    nodes = [placement_for(_args(nnodes="3", node_rank=k, rdzv_endpoint=endpoint, min_replicas=1), 2)
+             for k in range(3)]  # fmt: skip
+    assert [(n.first, n.replicas, n.min_replicas) for n in nodes] == [(0, 6, 1), (2, 6, 1), (4, 6, 1)]
+    assert [n.serves_lighthouse for n in nodes] == [True, False, False]
+    route = hosts.route_to(endpoint)
+    for node in nodes:
+        assert node.lighthouse == ("127.0.0.1", 29511) and node.across_hosts
+        assert (node.address, node.interface) == (route.local_address, route.interface)
+    assert placement_for(_args(nnodes="2", rdzv_endpoint=endpoint), 2).min_replicas == 3  # a majority of 4
+    given = placement_for(_args(nnodes="2", rdzv_endpoint=endpoint, lighthouse="127.0.0.1:29512"), 1)
+    assert not given.serves_lighthouse and given.lighthouse == ("127.0.0.1", 29512)  # no launcher starts one
+
+
+def test_node_0_must_own_the_endpoint_it_serves(monkeypatch):
+    """The quorum service binds the endpoint's address: node 0 elsewhere is refused in one line."""
+    elsewhere = hosts.EndpointRoute("192.0.2.7:29500", "192.0.2.7", 29500, "192.0.2.1", "eth9", is_local=False)
+    monkeypatch.setattr(hosts, "route_to", lambda endpoint, flag="--rdzv-endpoint": elsewhere)
+    with pytest.raises(ValueError, match=r"^--rdzv-endpoint 192\.0\.2\.7:29500: 192\.0\.2\.7 is not an address of"):
+        placement_for(_args(nnodes="2", rdzv_endpoint="192.0.2.7:29500"), 1)
+    assert not placement_for(_args(nnodes="2", node_rank=1, rdzv_endpoint="192.0.2.7:29500"), 1).serves_lighthouse
+
+
+def test_restart_refuses_the_quorum_flags():
+    refuse_continue_flags(_args())
+    with pytest.raises(ValueError, match=r"^--lighthouse, --min-replicas applies to --on-failure continue"):
+        refuse_continue_flags(_args(lighthouse="h:1", min_replicas=0))
+
+
+def test_the_cli_refuses_before_anything_starts(tmp_path):
+    """`nanoddp train` and `nanoddp run` reach the same checks from their flags."""
+    from nanoddp.run.command import check_args
+    from nanoddp.train.launcher.cli import check_train_argv
+
+    tiny = ["--text-max-bytes", "1900", "--seq-len", "16", "--batch-size", "12", "--out", str(tmp_path / "o")]
+    with pytest.raises(ValueError, match="--node-rank must be in 0..1 for --nnodes 2, got 3"):
+        check_train_argv([*tiny, "--on-failure", "continue", "--nnodes", "2", "--node-rank", "3",
+                          "--rdzv-endpoint", "127.0.0.1:29513"])  # fmt: skip
+    with pytest.raises(ValueError, match="^--min-replicas applies to --on-failure continue"):
+        check_train_argv([*tiny, "--min-replicas", "1"])
+    from nanoddp.run.command import add_run_args
+
+    parser = argparse.ArgumentParser()
+    add_run_args(parser)
+    with pytest.raises(ValueError, match="^--lighthouse applies to --on-failure continue"):
+        check_args(parser.parse_args(["--nproc", "1", "--lighthouse", "127.0.0.1:1", "-m", "json.tool"]))
+
+
+def test_replica_env_carries_address_minimum_and_join():
+    env = ReplicaEnv("http://10.0.0.1:29500", replica=3, replicas=4, address="10.0.0.2", min_replicas=1, join=True)
+    back = ReplicaEnv.from_environ(env.to_environ())
+    assert back == env and back.joiner and back.attempt == 0  # a host started again: a joiner from its first process
+    fresh = ReplicaEnv.from_environ(ReplicaEnv("http://h:1", replica=0, replicas=2).to_environ())
+    assert (fresh.address, fresh.min_replicas, fresh.join, fresh.joiner) == ("127.0.0.1", 1, False, False)
+    with pytest.raises(ValueError, match=r"min_replicas must be in \[1, 2\], got 3"):
+        ReplicaEnv("http://h:1", replica=0, replicas=2, min_replicas=3)
+
+
+# ---- the quorum service ---------------------------------------------------------------------------
+
+
+def test_a_lighthouse_says_whether_a_run_is_under_way():
+    """torchft's own Lighthouse on loopback: no quorum yet is a fresh run, one quorum formed is a
+    run under way (what a host started again reads, `quorum_service.run_under_way`)."""
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseClient
+
+    from nanoddp.ft.quorum_service import open_quorum_service, run_under_way
+
+    service = open_quorum_service(Placement.one_node(1), wait_s=1)
+    try:
+        assert service.url.startswith("http://127.0.0.1:") and not service.under_way
+        assert not run_under_way(service.url)
+        client = LighthouseClient(service.url, datetime.timedelta(seconds=10))
+        client.quorum("replica_0:x", datetime.timedelta(seconds=10), address="a", store_address="s", step=0,
+                      world_size=1)  # fmt: skip
+        assert run_under_way(service.url)
+    finally:
+        service.shutdown()
+
+
+def test_a_quorum_service_that_is_not_there_or_not_a_lighthouse_is_one_line():
+    from nanoddp.ft.quorum_service import QuorumServiceUnavailable, open_quorum_service, run_under_way
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # closed again: nothing listens there
+    where = placement_for(_args(nnodes="2", node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}"), 1)
+    with pytest.raises(QuorumServiceUnavailable, match=f"^cannot reach the quorum service at 127.0.0.1:{port} within"):
+        open_quorum_service(where, wait_s=1)
+
+    class NotALighthouse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotALighthouse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(QuorumServiceUnavailable, match="has no 'Current quorum_id: N': is it torchft's Lighthouse"):
+            run_under_way(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
