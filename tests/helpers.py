@@ -395,7 +395,7 @@ def replay_continue_run(
 
 
 def replay_engine_run(
-    env: DistEnv, history: list[int], engine: str, *, amp: str = "off", grad_accum: int = 1, replicas: int
+    env: DistEnv, history: list[int], engine: str, replicas: int, amp: str = "off", grad_accum: int = 1
 ) -> dict[str, torch.Tensor]:
     """Run on one gloo rank (`run_on_ranks(replay_engine_run, 1, ...)`): the built-in job of
     `FT_TINY_GPT` trained with `engine` as one process of the restart path builds it (the registry's
