@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 
 from nanoddp.base.records import RecordWriter
-from nanoddp.comm.api.collectives import all_reduce
 from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.ft.events import describe, membership_events
 from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
@@ -238,7 +237,12 @@ class FaultTolerant:
         state (a first process built or resumed it; a joiner received it, with its source's
         answer), so one MAX over the group tells them all alike."""
         held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32)
-        all_reduce(held, op=dist.ReduceOp.MAX, group=self.group)
+        # The group's own all-reduce (torch's gloo), not nanoddp's collectives: a setting that breaks
+        # those for one replica alone (a loop's own simulated link) must fail its steps, where the
+        # same-failure rule stops it alone, not this boundary for the holders (`BOUNDARY_TRIES`).
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self.group.allreduce([held], options).wait()
         if held.item():
             self._live.holds_state = True  # a member at step 0 without healing holds the step-0 state
             self._holders_checked = self.world.generation
