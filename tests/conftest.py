@@ -37,6 +37,7 @@ LONGEST_FILES_FIRST = (
     "multiproc/test_notebook_launch.py",
     "multiproc/test_user_trainer.py",
     "multiproc/test_ft_sharded.py",
+    "multiproc/test_ft_engines.py",
     "examples/test_example_smollm2.py",
     "multiproc/test_multinode_hosts.py",
     "multiproc/test_bench_wan.py",

@@ -241,7 +241,7 @@ class FaultTolerant:
         # those for one replica alone (a loop's own simulated link) must fail its steps, where the
         # same-failure rule stops it alone, not this boundary for the holders (`BOUNDARY_TRIES`).
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.group.allreduce([held], options).wait()
         if held.item():
             self._live.holds_state = True  # a member at step 0 without healing holds the step-0 state
