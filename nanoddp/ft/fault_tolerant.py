@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from nanoddp.base.records import RecordWriter
 from nanoddp.comm.transport.transport import sent_bytes
+from nanoddp.env import loopback_store
 from nanoddp.ft.events import describe, membership_events
 from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
 from nanoddp.ft.gradients import WeightedPieceSum, grad_buffers
@@ -107,10 +108,10 @@ class FaultTolerant:
         self._sum_pieces = WeightedPieceSum()
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
-        # torchft keeps a replica group's own address book in a store; ours is a group of one, and
-        # so is this process's default group (`own_world`), over the same store.
-        self._store = own_world(timedelta(seconds=self.env.timeout_s))
+        own_world(timedelta(seconds=self.env.timeout_s))  # the replica's default group, if none yet
         self.world = ReplicaGroup(self.env.timeout_s)
+        # torchft keeps a replica group's own address book in a store; ours is a group of one.
+        self._store = loopback_store(0, rank=0, world_size=1)
         self.metrics = RecordWriter(self.env.out)
         state = LiveState(model, optimizer, self.history, extra_state)
         state.holds_state = not self.env.joiner  # a first process built or resumed it; a joiner has nothing yet

@@ -2,7 +2,7 @@
 
 Why two groups: a replica's engine (DDP, ZeRO, HSDP) is built once over its default group and must
 never be rebuilt, while the replicas present change from step to step. So the default group stays
-the replica's own (a one-rank gloo world over a store on loopback, `own_world`: at one process per
+the replica's own (a one-rank gloo world over an in-memory store, `own_world`: at one process per
 replica the engines shard nothing), and what torchft's Manager reconfigures on each quorum is a
 second group across the replicas, `ReplicaGroup`: torchft's own `ProcessGroupGloo` wrapper, whose
 `configure` aborts the old c10d group and makes a new one over the quorum's store. torch's registry
@@ -27,27 +27,19 @@ import torch.distributed as dist
 
 from nanoddp.comm.transport.runner import forget_group
 from nanoddp.comm.transport.transport import Waitable, send_on
-from nanoddp.env import loopback_store, pin_gloo_to_loopback
+from nanoddp.env import pin_gloo_to_loopback
 from nanoddp.ft.manager import torchft_modules
 
 logger = logging.getLogger(__name__)
 
-_OWN_STORE: list[dist.TCPStore] = []  # the store `own_world` made, once per process
 
-
-def own_world(timeout: timedelta) -> dist.TCPStore:
+def own_world(timeout: timedelta) -> None:
     """This replica's default group, made once per process and never rebuilt: a one-rank gloo
-    world over a store of its own that listens on loopback (unless the process made a default
-    group itself, which is kept). Returns that store, which is also the replica's store for
-    torchft's Manager (its own address book; the group's keys are under a prefix of their own)."""
-    if not _OWN_STORE:
-        store = loopback_store(0, rank=0, world_size=1, timeout=timeout)
-        if not dist.is_initialized():
-            pin_gloo_to_loopback()  # the replicas are all here: gloo listens on loopback (unless set)
-            world = dist.PrefixStore("nanoddp/own_world", store)
-            dist.init_process_group("gloo", store=world, rank=0, world_size=1, timeout=timeout)
-        _OWN_STORE.append(store)
-    return _OWN_STORE[0]
+    world over an in-memory store (one rank has nobody to meet: nothing listens for it). A
+    default group the process made itself is kept."""
+    if not dist.is_initialized():
+        pin_gloo_to_loopback()  # the replicas are all here: gloo stays on loopback (unless set)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 class ReplicaGroup:

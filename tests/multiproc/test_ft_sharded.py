@@ -151,9 +151,10 @@ def _losing_run(engine: str, steps: int, out: Path) -> list[str]:
 
 def _lose_and_regain(out: Path, command: list[str]) -> str:
     """Run `command`; SIGKILL replica 1 once a snapshot exists; once the two others have
-    committed a step without it, hold them (SIGSTOP) until its replacement listens (its Manager is
-    up), so that it joins while the run has steps left whatever the machine's load; return the
-    output of the run, which must end well."""
+    committed a step without it, hold them (SIGSTOP) until its replacement connects to the quorum
+    service the launcher runs (its Manager is up; a socket it merely listens on says less: its own
+    default group opens one first), so that it joins while the run has steps left whatever the
+    machine's load; return the output of the run, which must end well."""
     import os
     import signal
     import time
@@ -173,16 +174,18 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
 
-        def replacement_listens() -> bool:
-            """replica 1's replacement to listen"""
+        quorum_ports = {c.laddr.port for c in launcher.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+        def replacement_reaches_the_quorum_service() -> bool:
+            """replica 1's replacement to connect to the quorum service (its Manager is up)"""
             pid = replica_pid(launcher, 1, attempt=1)
             try:
                 conns = psutil.Process(pid).net_connections(kind="inet") if pid else []
             except psutil.Error:
                 return False
-            return any(c.status == psutil.CONN_LISTEN for c in conns)
+            return any(c.raddr and c.raddr.port in quorum_ports for c in conns)
 
-        wait_for(replacement_listens, deadline, 0.05)
+        wait_for(replacement_reaches_the_quorum_service, deadline, 0.05)
         for pid in held:
             os.kill(pid, signal.SIGCONT)
         held = []
