@@ -344,7 +344,6 @@ FT_TINY_GPT = [
 
 def replay_continue_run(
     history: list[int],
-    refills: dict[int, tuple[int, list[str]]] | None = None,
     *,
     replicas: int = 3,
     lr: float | None = None,
@@ -353,13 +352,9 @@ def replay_continue_run(
     """The built-in job of `FT_TINY_GPT` in this process, as `--on-failure continue` runs it: each
     step's global batch split over the world size the step really had (`history`), the weighted
     pieces summed in rank order, clipped, AdamW, the schedule; a step whose loss is not finite on
-    some piece changes no weight (`--on-nan skip`). `refills`: {step index: (snapshot step,
-    parameter names)}: before that step, those parameters' AdamW state is put back to what it was
-    after the snapshot's step. `replicas`: the run's, which set its thread count. `losses`, if
+    some piece changes no weight (`--on-nan skip`). `replicas`: the run's, which set its thread count. `losses`, if
     given, receives each step's loss as its record holds it: the weighted piece losses summed
     in rank order, as the replicas sum them with the gradients (`WeightedPieceSum`)."""
-    import copy
-
     from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
     from nanoddp.train.config import threads_per_rank
     from nanoddp.train.recipe import build_job
@@ -372,17 +367,9 @@ def replay_continue_run(
     torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
     job = build_job(config)
     model, opt, params = job.module, job.optimizer, [p for p in job.module.parameters() if p.requires_grad]
-    named = dict(model.named_parameters())
-    batches, saved, refills = GlobalBatches(len(job.train_set), 12, 0), {}, refills or {}
-    wanted = {snap for snap, _ in refills.values()}
+    batches = GlobalBatches(len(job.train_set), 12, 0)
     try:
         for step, world_size in enumerate(history):
-            if step in wanted:
-                saved[step] = {name: copy.deepcopy(opt.state[p]) for name, p in named.items() if p in opt.state}
-            if step in refills:
-                snap, names = refills[step]
-                for name in names:
-                    opt.state[named[name]] = copy.deepcopy(saved[snap][name])
             total, loss_sum, finite = None, None, True
             for rank in range(world_size):
                 piece = batches.indices(step)[share(12, rank, world_size)]
@@ -407,6 +394,62 @@ def replay_continue_run(
     finally:
         torch.set_num_threads(threads)
     return model.state_dict()
+
+
+def replay_engine_run(
+    env: DistEnv, history: list[int], engine: str, replicas: int, amp: str = "off", grad_accum: int = 1
+) -> dict[str, torch.Tensor]:
+    """Run on one gloo rank (`run_on_ranks(replay_engine_run, 1, ...)`): the built-in job of
+    `FT_TINY_GPT` trained with `engine` as one process of the restart path builds it (the registry's
+    class over a one-rank world), each step as `--on-failure continue --engine ENGINE` runs it over
+    the world sizes of `history`: every replica's piece in turn (`--grad-accum` contiguous
+    micro-batches of it, each micro-loss weighted by its size over the mean micro-batch's, `--amp`
+    autocast), the engine's `cross_replica_grads()` weighted by the piece's share and added in rank
+    order, written back, `finish_cross_replica()`, the engine's clip, AdamW (through fp16's
+    GradScaler), the schedule. Returns the whole model's state."""
+    from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
+    from nanoddp.train.config import threads_per_rank
+    from nanoddp.train.engines import AMP_DTYPES, build_engine, prepare_model
+    from nanoddp.train.recipe import build_job
+
+    config = TrainConfig(
+        engine=engine, amp=amp, grad_accum=grad_accum, text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2,
+        n_heads=2, d_ff=64, batch_size=12, warmup_steps=2, seed=0, steps=len(history),
+    )  # fmt: skip
+    torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
+    job = build_job(config)
+    prepare_model(config, job.module, job.optimizer, env)
+    built = build_engine(engine, job.module, env)
+    optimizer = built.wrap_optimizer(job.optimizer, config)
+    built.use_cross_replica()
+    scaler = torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+    batches = GlobalBatches(len(job.train_set), 12, 0)
+    for step, world_size in enumerate(history):
+        total = None
+        for rank in range(world_size):
+            piece = batches.indices(step)[share(12, rank, world_size)]
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(grad_accum):
+                indices = piece[share(len(piece), micro, grad_accum)]
+                weight = len(indices) * grad_accum / len(piece)
+                batch = torch.utils.data.default_collate([job.train_set[i] for i in indices.tolist()])
+                with built.micro_step(micro == grad_accum - 1):
+                    with torch.autocast("cpu", dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off"):
+                        loss = built.model(*batch)[-1]  # GPT returns (logits, loss)
+                    scaler.scale((loss if weight == 1.0 else loss * weight) / grad_accum).backward()
+            flat = torch.cat(built.cross_replica_grads()) * piece_weight(12, rank, world_size)
+            total = flat if total is None else total + flat
+        at = 0
+        for buffer in built.cross_replica_grads():
+            buffer.copy_(total[at : at + buffer.numel()])
+            at += buffer.numel()
+        built.finish_cross_replica()
+        scaler.unscale_(optimizer)
+        built.clip_grad_norm_(1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        job.scheduler.step()
+    return built.state_dict()
 
 
 def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:

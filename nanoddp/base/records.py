@@ -53,8 +53,6 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "eval": ("step", "val_loss", "world_size", "eval_time_s"),
     "nonfinite_loss": ("step", "ranks", "action", "world_size"),
     "resumed_from_snapshot": ("step", "snapshot_step", "world_size"),
-    "state_from_snapshot": ("step", "snapshot_step", "params", "world_size"),
-    "rolled_back": ("step", "snapshot_step", "params", "world_size"),
 }
 
 

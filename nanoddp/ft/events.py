@@ -24,7 +24,7 @@ def replica_of(process: str) -> int:
 
 def membership_events(before: Sequence[str], after: Sequence[str], step: int) -> list[dict[str, Any]]:
     """The records that turn group `before` into group `after` (the processes in each, as
-    `RebuiltWorld.processes` names them) at `step`: losses first, then joins, each with the
+    `ReplicaGroup.processes` names them) at `step`: losses first, then joins, each with the
     world size it leaves behind. A replica whose process was replaced between two groups is
     both lost and joined, even when the group's size did not change."""
     lost = [replica_of(p) for p in before if p not in after]

@@ -3,16 +3,20 @@
 The life of one step, in the order a loop calls it:
 
 1. `steps(n)` asks the quorum service who is present (torchft's Lighthouse, through its
-   Manager). If that changed, the group was rebuilt among the present replicas (`RebuiltWorld`),
+   Manager). If that changed, the group across the replicas was rebuilt among the present ones
+   (`ReplicaGroup`; each replica's default group is its own and never changes),
    one log line and one metrics record say so, and a joiner has received its state from a peer
    (`LiveState`). It then yields the step number; a redone step is yielded again.
 2. `batch_for(step)` gives this rank's piece of the step's global batch: the same samples for a
    given step whatever the world size (`GlobalBatches`), split over the ranks present.
 3. The loop runs forward and backward on that piece (mean loss over the piece).
 4. `average_gradients(loss)` weights each rank's gradient by its share and sums them in rank
-   order on every rank (`WeightedPieceSum`). A peer lost meanwhile (dead: its socket closes;
-   hung: the collective times out) makes it return None and marks the step failed.
-5. `commit()` steps the optimizer only if the Manager says the step may commit; otherwise the
+   order on every rank, over the group across the replicas (`WeightedPieceSum` on `ft.group`;
+   `buffers=` sums an engine's own gradient buffers instead of the parameters' gradients). A
+   peer lost meanwhile (dead: its socket closes; hung: the collective times out) makes it
+   return None and marks the step failed.
+5. `commit()` steps the optimizer (or runs `apply`, the caller's update: a GradScaler's step,
+   say) only if the Manager says the step may commit; otherwise the
    gradients are dropped and `steps` redoes the step in the next quorum. No update is ever
    half-applied: a replica either applies the whole step or, if its peers moved on without it,
    receives their state at the next quorum.
@@ -21,13 +25,9 @@ The life of one step, in the order a loop calls it:
 snapshot, an evaluation): it runs on every member right after each quorum, with `step` the
 number of steps committed so far, and once more after the last step. The group is then the
 one that will run the next step, every member at the same step (a joiner has received its
-state), so a collective over it is safe; a failure inside is handled like a failed step (the
-group is rebuilt and the boundary runs again), so it must be work that may be redone.
-
-`shards` (an `OptimizerShards`) shards the optimizer as ZeRO-1/2 do: each rank steps the
-parameters it owns and shares them before the step may commit; when the group changes, the state
-is re-partitioned among its members at the boundary, and what was lost with a rank is read from
-the newest snapshot, with a WARNING line and a `state_from_snapshot` record.
+state), so a collective over it (`group=ft.group`) is safe; a failure inside is handled like a
+failed step (the group is rebuilt and the boundary runs again), so it must be work that may be
+redone.
 
 The run never starts over. A group whose members all started empty (every replica that held the
 committed state was lost: both of two at once, or the source while its joiner healed) resumes
@@ -53,6 +53,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -63,16 +64,16 @@ from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.env import bound_store
 from nanoddp.ft.events import describe, membership_events
 from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
-from nanoddp.ft.gradients import WeightedPieceSum
+from nanoddp.ft.gradients import WeightedPieceSum, grad_buffers
 from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
-from nanoddp.ft.optimizer_shards import OptimizerShards, Refill, Restore
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.replica_group import ReplicaGroup, own_world
 from nanoddp.ft.stopped import RunStopped
-from nanoddp.ft.world import RebuiltWorld
 
 logger = logging.getLogger(__name__)
 
+Restore = Callable[[], tuple[int, list[int]] | None]  # the newest snapshot loaded: its (step, history)
 BOUNDARY_TRIES = 3  # boundary work that fails this many times in a row is an error, not a lost peer
 SAME_FAILURE_TRIES = 3  # a step that fails this many times in a row the same way, in the same group
 
@@ -98,30 +99,25 @@ class FaultTolerant:
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
         tokens_per_sample: int | None = None,
         boundary: Callable[[int], None] | None = None,
-        shards: OptimizerShards | None = None,
         restore: Restore | None = None,
     ) -> None:
         self.tokens_per_sample = tokens_per_sample  # for `tokens_per_s` in the step records
         self.env = env or ReplicaEnv.from_environ()
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._sum_pieces = WeightedPieceSum(self.params)
+        self._sum_pieces = WeightedPieceSum()
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
-        self.world = RebuiltWorld(self.env.timeout_s)
-        self.metrics = RecordWriter(self.env.out)
+        own_world(timedelta(seconds=self.env.timeout_s))  # the replica's default group, if none yet
+        self.world = ReplicaGroup(self.env.timeout_s)
         # torchft keeps a replica group's own address book in a store; ours is a group of one, on
         # the address the run gave this replica (the quorum hands it to the others: `ReplicaEnv.address`).
         self._store = bound_store(self.env.address, 0, rank=0, world_size=1)
-        self.shards = shards
-        shard_state = None if shards is None else (shards.live_take, shards.live_put)
-        model_state = None
-        if shards is not None and shards.stage == 3:
-            model_state = (lambda: shards.live_model_take(model), lambda state: shards.live_model_put(model, state))
-        state = LiveState(model, optimizer, self.history, extra_state, shard_state, model_state)
+        self.metrics = RecordWriter(self.env.out)
+        state = LiveState(model, optimizer, self.history, extra_state)
         state.holds_state = not self.env.joiner  # a first process built or resumed it; a joiner has nothing yet
         self._live, self._restore = state, restore
-        # A joiner's state travels over the rebuilt group itself (`RebuiltWorld.send/recv`); at
+        # A joiner's state travels over the group across the replicas (`ReplicaGroup.send/recv`); at
         # step 0 every replica takes replica rank 0's weights (init_sync).
         self.manager = make_manager(torchft_modules(), self.env, self.world, (state.take, state.put), self._store.port,
                                     init_sync=True, use_async_quorum=False)  # fmt: skip
@@ -136,9 +132,7 @@ class FaultTolerant:
         self._beat_path = self.env.beat_path()
         self._boundary = boundary
         self._boundary_failures = 0  # in a row
-        self._partitioned = 0  # the group generation the shards were last partitioned for
         self._holders_checked = -1  # the group generation whose members were asked who holds the state
-        self._averaged = False  # this step's average succeeded
         self._same_failure: tuple[tuple[Any, ...], int] = ((), 0)  # the last failure, and how often in a row
 
     # -- 1. the quorum ------------------------------------------------------------------------
@@ -155,6 +149,12 @@ class FaultTolerant:
         return self.manager.num_participants()
 
     @property
+    def group(self) -> dist.ProcessGroup:
+        """The current group across the replicas, for a collective of the loop's own over them
+        (`group=ft.group`; torch's registry does not know it: use `nanoddp.comm`'s collectives)."""
+        return self.world.group()
+
+    @property
     def is_master(self) -> bool:
         """Rank 0 of the current group: the one that writes step records."""
         return self.rank == 0
@@ -166,8 +166,6 @@ class FaultTolerant:
             raise ValueError(f"history must hold the world size of each of the {step} steps, got {len(history)}")
         self.manager.load_state_dict({"step": step, "batches_committed": sum(history)})
         self.history[:] = history
-        if self.shards is not None:
-            self.shards.current_at = step  # the whole state was loaded: every replica holds it
 
     def steps(self, total_steps: int) -> Iterator[int]:
         """Yield step numbers until `total_steps` are committed; a failed step comes again."""
@@ -176,10 +174,11 @@ class FaultTolerant:
             step = self.manager.current_step()
             if not self._run_boundary(step):
                 continue  # handled like a failed step: the next quorum rebuilds, the boundary runs again
+            step = self.manager.current_step()  # a resume from a snapshot at the boundary moved it
             if step >= total_steps:  # the last boundary is done, or a joiner healed to the end
                 return
-            step = self.manager.current_step()  # a roll-back at the boundary moved it back
-            self._committed, self._averaged = None, False
+            self._committed = None
+            self._bytes_at_start = sent_bytes()  # the step's own collectives, not the boundary's
             yield step
             if self._committed is None:
                 raise RuntimeError("call ft.commit() once in every iteration of ft.steps(), after average_gradients")
@@ -198,23 +197,17 @@ class FaultTolerant:
         elif self.world.generation != generation:
             self._note_membership()
         self._members = self.world.processes
-        self._bytes_at_start = sent_bytes()
         self._beat()
 
     def _run_boundary(self, step: int) -> bool:
         """The boundary work at `step` on every member (see the module docstring); False if it
         failed and must run again after the next quorum."""
-        if self._boundary is None and self.shards is None and self._holders_checked == self.world.generation:
+        if self._boundary is None and self._holders_checked == self.world.generation:
             return True
         try:
             if self._holders_checked != self.world.generation:
                 self._check_holders(step)
                 step = self.manager.current_step()
-            if self.shards is not None and self._partitioned != self.world.generation:
-                self._repartition(step)
-                step = self.manager.current_step()
-            if self.shards is not None:
-                self.shards.gather_params()
             if self._boundary is not None:
                 self._boundary(step)
         except RunStopped as stop:  # the same on every member (e.g. StateLost): nothing to go on from
@@ -246,7 +239,12 @@ class FaultTolerant:
         state (a first process built or resumed it; a joiner received it, with its source's
         answer), so one MAX over the group tells them all alike."""
         held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32)
-        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        # The group's own all-reduce (torch's gloo), not nanoddp's collectives: a setting that breaks
+        # those for one replica alone (a loop's own simulated link) must fail its steps, where the
+        # same-failure rule stops it alone, not this boundary for the holders (`BOUNDARY_TRIES`).
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self.group.allreduce([held], options).wait()
         if held.item():
             self._live.holds_state = True  # a member at step 0 without healing holds the step-0 state
             self._holders_checked = self.world.generation
@@ -273,46 +271,9 @@ class FaultTolerant:
             self.metrics.write({"event": "resumed_from_snapshot", "step": snapshot_step + 1,
                                 "snapshot_step": snapshot_step, "world_size": self.world_size})  # fmt: skip
 
-    def _repartition(self, step: int) -> None:
-        """The optimizer's shards over the new group (`OptimizerShards.repartition`); what came
-        from a snapshot is one WARNING line and one record, written by rank 0."""
-        assert self.shards is not None
-        refill = self.shards.repartition(self.rank, self.world_size, step)
-        self._partitioned = self.world.generation
-        if refill is not None and refill.rolled_back:
-            self._rolled_back(step, refill)
-            return
-        if refill is None or not self.is_master:
-            return
-        source = "no snapshot yet: it restarts from zero" if refill.snapshot_step is None else (
-            f"read from the snapshot of step {refill.snapshot_step}")  # fmt: skip
-        logger.warning(
-            "nanoddp.ft: the optimizer state of %d parameters was lost with its owner before step %d: %s "
-            "(the rest is live); %s",
-            len(refill.names), step + 1, source, ", ".join(refill.names),
-        )  # fmt: skip
-        self.metrics.write({"event": "state_from_snapshot", "step": step + 1, "snapshot_step": refill.snapshot_step,
-                            "params": refill.names, "world_size": self.world_size})  # fmt: skip
-
-    def _rolled_back(self, step: int, refill: Refill) -> None:
-        """Stage 3 lost weights: every member went back to the snapshot; so do the step and history."""
-        assert refill.snapshot_step is not None and refill.history is not None
-        history = list(refill.history)
-        self.manager.load_state_dict({"step": refill.snapshot_step, "batches_committed": sum(history)})
-        self.history[:] = history
-        if not self.is_master:
-            return
-        logger.warning(
-            "nanoddp.ft: the weights of %d parameters were lost with their owner before step %d: every replica "
-            "rolls back to the snapshot of step %d and goes on at world size %d; %s",
-            len(refill.names), step + 1, refill.snapshot_step, self.world_size, ", ".join(refill.names),
-        )  # fmt: skip
-        self.metrics.write({"event": "rolled_back", "step": step + 1, "snapshot_step": refill.snapshot_step,
-                            "params": refill.names, "world_size": self.world_size})  # fmt: skip
-
     def _fail(self, exc: Exception, what: str) -> None:
         """A collective of this step failed: tell the Manager (the step will not commit) and
-        close the group (see `RebuiltWorld.close`); the next quorum rebuilds it."""
+        close the group (see `ReplicaGroup.close`); the next quorum rebuilds it."""
         logger.info("%s failed: %s", what, _first_line(exc))
         self._count_failure(what, _first_line(exc))
         self.manager.report_error(exc)
@@ -365,10 +326,11 @@ class FaultTolerant:
         return self.batches.indices(step)[share(self.batches.batch_size, self.rank, self.world_size)]
 
     # -- 4. the average -----------------------------------------------------------------------
-    def average_gradients(self, loss: torch.Tensor) -> float | None:
+    def average_gradients(self, loss: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> float | None:
         """Make every rank's gradients the global batch's (see the module docstring); return the
         global batch's mean loss, or None when a peer was lost and the step will be redone.
-        `loss` is the mean loss over this rank's piece."""
+        `loss` is the mean loss over this rank's piece; `buffers`, 1-D gradient buffers to sum in
+        place (an engine's `cross_replica_grads()`; default: the model's parameters' gradients)."""
         error = self.manager.errored()
         if error is not None:  # the quorum or the heal failed: the step will not commit
             self._count_failure(f"step {self.manager.current_step() + 1}", _first_line(error.original_exception))
@@ -376,9 +338,9 @@ class FaultTolerant:
         weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
         try:
             started = time.monotonic()
-            self._loss = self._sum_pieces(weight, loss, self.world_size)
+            grads = grad_buffers(self.params) if buffers is None else buffers
+            self._loss = self._sum_pieces(grads, weight, loss, self.group)
             self._comm_s = time.monotonic() - started
-            self._averaged = True
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
             self._fail(exc, f"step {self.manager.current_step() + 1}")
             return None
@@ -390,24 +352,17 @@ class FaultTolerant:
         return self._sum_pieces.nonfinite_ranks
 
     # -- 5. the commit ------------------------------------------------------------------------
-    def commit(self, update: bool = True) -> bool:
+    def commit(self, update: bool = True, apply: Callable[[], None] | None = None) -> bool:
         """Step the optimizer if every replica's step may commit; drop the gradients either way.
         Returns whether the step was committed (False: `steps` will yield it again).
         `update=False` commits the step without changing a weight (`--on-nan skip`); every member
-        must pass the same."""
+        must pass the same. `apply`: the update to run instead of `optimizer.step()` (clipping and
+        a GradScaler's step, say); it runs only once the step may commit, so a step that does not
+        leaves no trace in the optimizer."""
         step, world_size = self.manager.current_step(), self.world_size
-        if self.shards is not None and self._averaged and update:
-            try:  # the owners' update travels before the step may commit: a lost peer fails it here
-                self.shards.step_owned()
-            except Exception as exc:
-                self._fail(exc, f"step {step}'s parameter exchange")
         committed = self.manager.should_commit()
-        if committed and self.shards is not None:
-            self.shards.keep(step + 1)
-        elif committed and update:
-            self.optimizer.step()
-        elif self.shards is not None:
-            self.shards.roll_back()
+        if committed and update:
+            (apply or self.optimizer.step)()
         if committed:
             self._same_failure = ((), 0)
             self.history.append(world_size)

@@ -4,10 +4,15 @@ A joiner (a replacement, or a replica that fell behind) gets everything that mak
 equal on every replica: the weights, the optimizer's state, the step (which is also the data
 position: `GlobalBatches` is a function of the step), the world size each committed step had,
 and every RNG the step may draw from. torchft's Manager asks a replica that is up to date for
-this dictionary and sends it to the joiner over the rebuilt group itself (its `PGTransport` on
-`RebuiltWorld`): no file is written or read. The source packs its tensors into one flat tensor
+this dictionary and sends it to the joiner over the group across the replicas (its `PGTransport`
+on `ReplicaGroup`): no file is written or read. The source packs its tensors into one flat tensor
 per dtype at the step boundary (`packed_state`), so the transfer is a few sends, not one per
 tensor; the Manager holds the optimizer back (`should_commit`) until the transfer is over.
+
+What moves is each object's state on this rank, as it holds it: a sharded engine's DTensors as
+their local shards, ZeRO-1's optimizer as its own shard. Source and joiner run the same engine
+over the same layout, so each piece is put back where it was taken from, in place: nothing is
+gathered or re-cut.
 """
 
 from __future__ import annotations
@@ -19,6 +24,64 @@ import torch
 
 from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.ft.packed_state import pack, unpack
+from nanoddp.parallel.tensors import is_dtensor
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if is_dtensor(value) else value
+
+
+def take_model(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state on this rank: a DTensor's local shard in its place."""
+    return {name: _local(value) for name, value in model.state_dict().items()}
+
+
+@torch.no_grad()
+def put_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """`take_model`'s state copied in place into this rank's tensors (same engine, same layout)."""
+    own = model.state_dict()
+    if own.keys() != state.keys():
+        raise ValueError(f"the received model state names other tensors: {sorted(own.keys() ^ state.keys())[:5]}")
+    for name, value in state.items():
+        _local(own[name]).copy_(value)
+
+
+def take_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state on this rank: ZeRO-1's own shard; a plain optimizer's state with
+    each DTensor (the state of a sharded parameter) as its local shard."""
+    sharded = getattr(optimizer, "sharded_state_dict", None)
+    if sharded is not None:
+        return sharded()
+    state = optimizer.state_dict()
+    per_param = {i: {k: _local(v) for k, v in entry.items()} for i, entry in state["state"].items()}
+    return {**state, "state": per_param}
+
+
+def put_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load `take_optimizer`'s state: a sharded parameter's state tensors become DTensors laid
+    out as the parameter is, as the optimizer made them on the source."""
+    load_sharded = getattr(optimizer, "load_sharded_state_dict", None)
+    if load_sharded is not None:
+        load_sharded(state)
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param = {}
+    for i, entry in state["state"].items():
+        p = params[int(i)]
+        per_param[i] = {k: _like(p, v) for k, v in entry.items()}
+    optimizer.load_state_dict({**state, "state": per_param})
+
+
+def _like(param: torch.Tensor, value: Any) -> Any:
+    """`value` as a DTensor laid out as `param` when it is a local shard of one (AdamW's moments);
+    anything else (a step count) as it is."""
+    if not is_dtensor(param) or not torch.is_tensor(value) or value.shape != param.to_local().shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 class LiveState:
@@ -30,16 +93,9 @@ class LiveState:
         optimizer: torch.optim.Optimizer,
         history: list[int],
         extra: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
-        optimizer_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
-        model_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        # how the optimizer's state is taken and put: whole by default; a sharded optimizer's
-        # (`OptimizerShards`) sends no state, its share comes in the re-partition
-        self.optimizer_state = optimizer_state or (optimizer.state_dict, optimizer.load_state_dict)
-        # and the model's: whole by default; parameters sharded too (stage 3) send the buffers only
-        self.model_state = model_state or (model.state_dict, model.load_state_dict)
         self.history = history  # world size of each committed step, shared with the step loop
         self.extra = extra
         # whether this replica holds the run's committed state (False: a joiner before it healed);
@@ -49,8 +105,8 @@ class LiveState:
     def take(self) -> dict[str, Any]:
         """This replica's state at the step boundary, its tensors packed (`packed_state.pack`)."""
         state: dict[str, Any] = {
-            "model": self.model_state[0](),
-            "optimizer": self.optimizer_state[0](),
+            "model": take_model(self.model),
+            "optimizer": take_optimizer(self.optimizer),
             "history": list(self.history),
             "holds_state": self.holds_state,
             "rng": capture_rng_state(),  # the same generators a snapshot holds, numpy included
@@ -62,8 +118,8 @@ class LiveState:
     def put(self, packed: dict[str, Any]) -> None:
         """Become the source replica: load what `take` gave there."""
         state = unpack(packed)
-        self.model_state[1](state["model"])
-        self.optimizer_state[1](state["optimizer"])
+        put_model(self.model, state["model"])
+        put_optimizer(self.optimizer, state["optimizer"])
         self.history[:] = state["history"]
         self.holds_state = bool(state["holds_state"])
         restore_rng_state(state["rng"])

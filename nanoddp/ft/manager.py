@@ -31,6 +31,7 @@ def torchft_modules() -> Any:
         import torchft
         import torchft.checkpointing.pg_transport
         import torchft.manager
+        import torchft.process_group
     except ImportError as exc:
         raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
     logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)

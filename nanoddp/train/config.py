@@ -135,7 +135,7 @@ class TrainConfig:
     on_failure: Literal["restart", "continue"] = "restart"
     """A lost rank: torchrun restarts every worker from the newest snapshot (restart), or the
     others redo the step in flight without it and a replacement joins live (continue: engines
-    nanoddp, zero1, zero2, fsdp; see docs/ft.md)."""
+    nanoddp, zero1, zero2, hsdp; see docs/ft.md)."""
     warm_spare: bool = True
     """With --on-failure continue and --max-restarts > 0: start one spare process with the run,
     its imports done, to be the first replacement (a failure then costs the survivors no cold

@@ -4,7 +4,8 @@ Ranks may hold unequal shards (the set's length need not divide by the world siz
 sums loss x count over its own samples and the sums are all-reduced: the result is the mean over
 all samples, equal to one process evaluating the whole set. A sharded engine's forward is a
 collective (it all-gathers its units), so every rank runs as many forwards as the rank with the
-most batches, filling the rest with a throwaway batch.
+most batches, filling the rest with a throwaway batch. `group` splits the set over another group
+than the default one (a fault-tolerant run's replicas, each of which is a default group of its own).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -34,10 +36,13 @@ def mean_loss(
     collate_fn: Callable[[list[Any]], Any],
     autocast: Callable[[], Any],
     sharded: bool,
+    group: dist.ProcessGroup | None = None,
 ) -> float:
-    """The mean of `batch_loss` over `dataset` (a collective; call it on every rank alike)."""
+    """The mean of `batch_loss` over `dataset` (a collective; call it on every rank alike, of
+    `group` when given)."""
     length = len(dataset)  # type: ignore[arg-type]
-    shard = Subset(dataset, range(env.rank, length, env.world_size))
+    rank, world_size = (env.rank, env.world_size) if group is None else (group.rank(), group.size())
+    shard = Subset(dataset, range(rank, length, world_size))
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # (loss sum, count)
     module.eval()
     forwards = 0
@@ -48,10 +53,15 @@ def mean_loss(
         totals += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=totals.device)
         forwards += 1
     if sharded:  # every forward all-gathers: each rank must run as many as the most
-        most = math.ceil(math.ceil(length / env.world_size) / batch_size)
+        most = math.ceil(math.ceil(length / world_size) / batch_size)
         filler = move_to(collate_fn([dataset[0]]), env.device)
         for _ in range(most - forwards):
             batch_loss(module, filler)  # result unused
     module.train()
-    all_reduce_sum(totals)
+    if group is None:
+        all_reduce_sum(totals)
+    else:
+        from nanoddp.comm.api.collectives import all_reduce
+
+        all_reduce(totals, group=group)
     return (totals[0] / totals[1].clamp(min=1)).item()

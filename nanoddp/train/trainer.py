@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
@@ -87,17 +88,9 @@ class Trainer:
         env = env or joined_env(config)
         configure_logging(env)
         config, self._lock_fd = claim_run_dir(config, env)
+        datasets, batch_loss = (train_dataset, eval_dataset), batch_loss_for(loss_fn)
         try:
-            self._setup(
-                config,
-                env,
-                model.to(env.device),
-                optimizer,
-                lr_scheduler,
-                (train_dataset, eval_dataset),
-                batch_loss_for(loss_fn),
-                collate_fn,
-            )
+            self._setup(config, env, model.to(env.device), optimizer, lr_scheduler, datasets, batch_loss, collate_fn)
         except BaseException:  # give the run directory back: a corrected retry must not be refused
             release_run_dir(self._lock_fd, failed=True)
             raise
@@ -144,13 +137,7 @@ class Trainer:
         self.step, self._signum = 0, 0  # the stop signal the ranks agreed on at the last step
         self._last_step_finite, self._newest_finite_snapshot = True, cast(int | None, None)  # prune keeps that one
         seed_everything(config.seed, env.rank)  # per-rank streams (dropout, augmentation)
-        self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
-        self.optimizer = self.engine.wrap_optimizer(optimizer, config)  # localsgd/diloco: their periodic sync
-        # Gradients that differ per rank (sharded, or never averaged) would let an fp16 overflow
-        # skip the step on some ranks only: ShardedGradScaler agrees on the verdict.
-        per_rank_grads = self.engine.sharded or self.engine.local_gradients
-        scaler = ShardedGradScaler if per_rank_grads else torch.amp.GradScaler
-        self.scaler = scaler(env.device.type, enabled=config.amp == "fp16")
+        self._build_engine(optimizer)
         self._step_comm_bytes = 0  # what the last step's collectives sent from this rank
         self.resumed_from = self._maybe_resume()  # after the engine: a sharded one loads its own pieces
         self.model = torch.compile(self.engine.model) if config.compile else self.engine.model
@@ -158,6 +145,32 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.truncate_after(self.step)
             files.atomic_write_bytes(self.run_dir / "config.json", rundir.config_json(to_dict(config), self.run_id))
+
+    def _build_engine(self, optimizer: torch.optim.Optimizer) -> None:
+        """`config.engine` over the prepared `self.module`, the optimizer the trainer steps and the
+        GradScaler: what either `--on-failure` mode trains with."""
+        config, env = self.config, self.env
+        self.engine = (build_traced_engine if config.trace else build_engine)(config.engine, self.module, env)
+        self.optimizer = self.engine.wrap_optimizer(optimizer, config)  # localsgd/diloco: their periodic sync
+        # Gradients that differ per rank (sharded, or never averaged) would let an fp16 overflow
+        # skip the step on some ranks only: ShardedGradScaler agrees on the verdict.
+        per_rank_grads = self.engine.sharded or self.engine.local_gradients
+        scaler = ShardedGradScaler if per_rank_grads else torch.amp.GradScaler
+        self.scaler = scaler(env.device.type, enabled=config.amp == "fp16")
+
+    @property
+    def is_master(self) -> bool:
+        """Whether this process writes the run's files (`model.pt`, the snapshots' pruning): rank 0."""
+        return self.env.is_master
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks train each step (what a step's records say)."""
+        return self.env.world_size
+
+    def _group_across(self) -> dist.ProcessGroup | None:
+        """The group the evaluation splits its set over, if not the default one (continue's replicas)."""
+        return None
 
     def _maybe_resume(self) -> Path | None:
         """Apply `--resume` (see `rundir.resolve_resume`); rank 0 decides and every rank follows,
@@ -210,7 +223,7 @@ class Trainer:
         user_state.save_objects(path, {**self._parts(), snapshot.TRAIN: train})
         if self._last_step_finite:
             self._newest_finite_snapshot = self.step
-        if self.env.is_master:
+        if self.is_master:
             snapshot.prune(directory, self.config.keep_snapshots, protect=self._newest_finite_snapshot)
             logger.debug("snapshot %s", path)
 
@@ -259,14 +272,16 @@ class Trainer:
         dtype = torch.float16 if self.config.amp == "fp16" else torch.bfloat16
         return torch.autocast(self.env.device.type, dtype=dtype, enabled=self.config.amp != "off")
 
-    def _run_batch(self, batch: Any, sync: bool) -> torch.Tensor:
+    def _run_batch(self, batch: Any, sync: bool, weight: float = 1.0) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients averaged over ranks iff `sync`.
-        fp16: the loss is scaled so that small gradients survive the half-precision backward."""
+        fp16: the loss is scaled so that small gradients survive the half-precision backward.
+        `weight`: the micro-batch's size over the mean micro-batch's (1: of one size)."""
         with self.engine.micro_step(sync):
             with region("forward"), self._autocast():
                 loss = self.batch_loss(self.model, batch)
             with region("backward"):
-                self.scaler.scale(loss / self.config.grad_accum).backward()
+                weighted = loss if weight == 1.0 else loss * weight
+                self.scaler.scale(weighted / self.config.grad_accum).backward()
         self.sampler.advance(self.micro_batch)
         return loss.detach().float()
 
@@ -284,18 +299,22 @@ class Trainer:
         if verdict.nonfinite_ranks:
             self._skip_nonfinite(verdict.nonfinite_ranks)
         else:
-            if self.config.grad_clip > 0:  # on the averaged gradients (local_gradients: this rank's)
-                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
-                self.engine.clip_grad_norm_(self.config.grad_clip)
-            with region("optimizer step"):
-                self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
-                self.scaler.update()
+            self._apply_update()
         if self.scheduler is not None:
             self.scheduler.step()
         self.engine.end_step()
         self._step_comm_bytes = self.engine.step_comm_bytes(transport.sent_bytes() - sent_before)
         self.step += 1
         return None if verdict.nonfinite_ranks else total / self.config.grad_accum
+
+    def _apply_update(self) -> None:
+        """Clip the averaged gradients and step the optimizer (through the GradScaler)."""
+        if self.config.grad_clip > 0:  # on the averaged gradients (local_gradients: this rank's)
+            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients (else a no-op)
+            self.engine.clip_grad_norm_(self.config.grad_clip)
+        with region("optimizer step"):
+            self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
+            self.scaler.update()
 
     def _skip_nonfinite(self, ranks: tuple[int, ...]) -> None:
         """A NaN/inf loss on `ranks`: stop on every rank (`--on-nan stop`), or log and skip the update."""
@@ -304,7 +323,7 @@ class Trainer:
         if self.metrics is not None:
             logger.warning("%s", step_check.skip_line(self.step + 1, ranks))
             event = {"event": "nonfinite_loss", "step": self.step + 1, "ranks": list(ranks), "action": "skipped"}
-            self.metrics.write({**event, "world_size": self.env.world_size})
+            self.metrics.write({**event, "world_size": self.world_size})
 
     def fit(self) -> dict[str, Any]:
         """Train to `steps`, resuming first if the run directory holds a snapshot; returns the
@@ -380,19 +399,16 @@ class Trainer:
         """Global mean loss and throughput over the steps since the last log (a collective)."""
         stats = torch.stack([window.loss_sum, torch.tensor(float(window.loss_steps), device=self.env.device)])
         all_reduce_sum(stats)
-        steps = max(window.steps, 1)
-        train_s = window.elapsed_s()
+        steps, tokens = max(window.steps, 1), self._tokens_per_sample
         comm_s, exposed_s = self.engine.comm.pop() if self.engine.comm is not None else (None, None)
-        step_time = train_s / steps
+        step_time = window.elapsed_s() / steps
         record = {
             "step": self.step,
             "loss": (stats[0] / stats[1]).item() if stats[1] > 0 else None,  # None: every step skipped
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_time_s": step_time,
             "samples_per_s": self.config.batch_size / step_time,
-            "tokens_per_s": None
-            if self._tokens_per_sample is None
-            else self.config.batch_size * self._tokens_per_sample / step_time,
+            "tokens_per_s": None if tokens is None else self.config.batch_size * tokens / step_time,
             "comm_time_s": None if comm_s is None else comm_s / steps,
             "comm_exposed_s": None if exposed_s is None else exposed_s / steps,  # backward waited on it
             "comm_bytes": window.comm_bytes,  # sent by this rank's step collectives since the last record
@@ -416,7 +432,7 @@ class Trainer:
             dataset = Subset(dataset, range(min(limit, len(dataset))))
         return evaluation.mean_loss(
             self.module, dataset, self.env, batch_size=max(self.micro_batch, 16), batch_loss=self.batch_loss,
-            collate_fn=self.collate_fn, autocast=self._autocast, sharded=self.engine.sharded,
+            collate_fn=self.collate_fn, autocast=self._autocast, sharded=self.engine.sharded, group=self._group_across()
         )  # fmt: skip
 
     def _export_final_model(self) -> None:
@@ -424,7 +440,7 @@ class Trainer:
         (every rank takes part in gathering it for sharded engines)."""
         model_state = self.engine.state_dict()
         step_check.refuse_nonfinite_export(model_state, self.step, self.env)  # same error on every rank
-        if not self.env.is_master:
+        if not self.is_master:
             return
         files.atomic_torch_save(self.run_dir / "model.pt", model_state)
         logger.info("saved %s", self.run_dir / "model.pt")

@@ -393,10 +393,16 @@ def test_train_continue_refuses_what_it_does_not_cover():
     from nanoddp.train.config import TrainConfig
     from nanoddp.train.ft_trainer import check_continue
 
-    with pytest.raises(ValueError, match="supports --engine nanoddp, zero1, zero2, fsdp, got 'localsgd'"):
+    with pytest.raises(ValueError, match="supports --engine nanoddp, zero1, zero2, hsdp, got 'localsgd'"):
         check_continue(TrainConfig(engine="localsgd", on_failure="continue"))
-    with pytest.raises(ValueError, match="does not support --grad-accum, --amp yet"):
-        check_continue(TrainConfig(grad_accum=2, amp="bf16", on_failure="continue"))
+    with pytest.raises(ValueError, match="does not support --compile yet"):
+        check_continue(TrainConfig(compile=True, on_failure="continue"))
+    # fsdp shards over every replica: a lost one takes weights that exist nowhere else
+    with pytest.raises(ValueError, match="weights that exist nowhere else .*--engine hsdp .*--on-failure restart"):
+        check_continue(TrainConfig(engine="fsdp", on_failure="continue"))
+    with pytest.raises(ValueError, match="--group-size 2: under --on-failure continue each replica is one process"):
+        check_continue(TrainConfig(engine="hsdp", group_size=2, on_failure="continue"))
+    check_continue(TrainConfig(engine="hsdp", grad_accum=2, amp="bf16", on_failure="continue"))  # accepted
 
 
 # ---- the data rule, against torch's own split -------------------------------------------------

@@ -6,7 +6,7 @@ loop, or none (the two `--on-nan` runs are launched together, as are the four ba
   from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
   uninterrupted run, with no step recorded twice;
 - the only holder lost while its joiner waited to heal, no snapshot: one line, exit 3, no step
-  run again; fsdp losing weights without a snapshot: the same, and no replacement trains;
+  run again;
 - `--on-nan stop`: exit 3 before the update, the newest snapshot equal to the replay of the
   steps before the NaN; `--on-nan skip`: the NaN steps commit with no update, the newest finite
   snapshot is kept by pruning, and `model.pt` equals the replay that skips the same steps;
@@ -168,25 +168,6 @@ def test_the_holder_lost_while_its_joiner_waits_stops_in_one_line(tmp_path):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200, steps  # none run twice
     assert output.count("no snapshot to resume from: stopped rather than start over") == 1, output[-5000:]
     assert "Traceback" not in output, output[-5000:]
-
-
-def test_fsdp_losing_weights_without_a_snapshot_stops_in_one_line(tmp_path):
-    """fsdp without snapshots, replica 1 SIGKILLed: its weights are gone and there is nothing to
-    roll back to. One line, exit 3, and no replacement of the survivor (before: both exited with
-    a traceback, were replaced, and the replacements trained the run again from step 1)."""
-    out = tmp_path / "run"
-    command = _command(out, 200, "--engine", "fsdp", "--snapshot-every", "0", "--max-restarts", "2", "--no-warm-spare")
-
-    def act(launcher, stopped):
-        pids = wait_for(lambda: len(_steps(out)) >= 3 and _both(launcher), time.monotonic() + 90)
-        os.kill(pids[1], signal.SIGKILL)
-
-    code, output = _killing(out, command, act)
-    assert code == STOPPED, output[-5000:]
-    steps = _steps(out)
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200, steps
-    assert output.count("there is no snapshot to roll back to") == 1, output[-5000:]
-    assert "replica 0 failed" not in output and "Traceback" not in output, output[-5000:]
 
 
 # lr 1e30: step 1 is finite, its update makes every later loss NaN (the replay shows the same)

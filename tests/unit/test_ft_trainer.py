@@ -15,12 +15,13 @@ from nanoddp.train.trainer import Trainer
 
 # The Trainer's methods a continue run calls as they are.
 SHARED = ("_maybe_resume", "_load_snapshot", "_save_snapshot", "evaluate", "_log", "_skip_nonfinite",
-          "_export_final_model", "_run_batch", "_autocast", "fit")  # fmt: skip
+          "_export_final_model", "_run_batch", "_autocast", "fit", "_build_engine", "_apply_update")  # fmt: skip
 
-# Start-up (with its seams: the run's id, a snapshot's history and RNG, the whole optimizer of a
-# sharded one) and the step (with its loop, which `FaultTolerant.steps` drives).
-OVERRIDDEN = {"for_replica", "_setup", "_fresh_run_id", "_loop_facts", "_load_loop_state", "_parts",
-              "train", "_run_step"}  # fmt: skip
+# Start-up (with its seams: the run's id, a snapshot's history and RNG), who writes the run's
+# files, how many train and what the evaluation splits over (the group across the replicas), and
+# the step (with its loop, which `FaultTolerant.steps` drives).
+OVERRIDDEN = {"for_replica", "_setup", "_fresh_run_id", "_loop_facts", "_load_loop_state", "is_master",
+              "world_size", "_group_across", "train", "_run_step"}  # fmt: skip
 
 
 def test_the_continue_trainer_is_the_trainer_with_startup_and_step_overridden():

@@ -242,6 +242,15 @@ def pending_work() -> int:
         return sum(runner._pending for runner in _RUNNERS.values())
 
 
+def forget_group(group: dist.ProcessGroup) -> None:
+    """Drop `group`'s runner only (a group replaced by another, as a fault-tolerant quorum's is);
+    its thread ends, and the group is freed once nothing else holds it."""
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.pop(group, None)
+    if runner is not None:
+        runner.close()
+
+
 def forget_groups() -> list[tuple[GroupRunner, threading.Thread]]:
     """Drop every group's runner, after the groups were destroyed (notebook recovery, exit);
     returns the runners whose threads were told to end, with those threads.

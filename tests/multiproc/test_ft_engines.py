@@ -1,0 +1,132 @@
+"""`nanoddp train --on-failure continue` trains with the engines of the restart path.
+
+Every engine that continue covers (nanoddp, zero1, zero2, hsdp), plain and with `--amp bf16
+--grad-accum 2` (both in one launch: a launch costs seconds, a step milliseconds): one launch of
+2 replicas of a tiny GPT per case, 3 steps, no failure, two launches at a time. References:
+- the engine object a replica trains with is the class the engine registry names, as under
+  restart (the replica's start-up line names the object's class);
+- each run's `model.pt` equals, bitwise, a single-process replay (`helpers.replay_engine_run`):
+  the same engine built at one rank as the restart path builds it, each replica's piece of each
+  step's global batch run in turn (in micro-batches, under autocast) and the engine's gradient
+  buffers weighted and added in rank order;
+- that replay is itself anchored to the plain-model replay (`helpers.replay_continue_run`: no
+  engine, torch's clip and AdamW), bitwise for nanoddp, zero1 and hsdp; zero2's clip adds the
+  squares over its flat pieces (another order of float additions), so to float32 rounding.
+Failures and healing are tests/multiproc/test_ft.py's, test_ft_sharded.py's and test_ft_guards.py's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FT_TINY_GPT, replay_continue_run, replay_engine_run, run_on_ranks
+
+from nanoddp.base.records import read_records
+from nanoddp.train.engines import ENGINE_REGISTRY
+
+pytest.importorskip("torchft")
+
+REPLICAS, STEPS = 2, 3
+ENGINES = ("nanoddp", "zero1", "zero2", "hsdp")
+VARIANTS = {"plain": {}, "bf16-accum2": {"amp": "bf16", "grad_accum": 2}}
+AT_ONCE = 2  # launches running together: each waits on its quorum and start-up as much as it computes
+LAUNCH_TIMEOUT_S = 150  # one launch, on a loaded machine
+CASES = {f"{engine}-{variant}": (engine, options) for engine in ENGINES for variant, options in VARIANTS.items()}
+
+
+def _flags(options: dict) -> list[str]:
+    return [part for key, value in options.items() for part in ("--" + key.replace("_", "-"), str(value))]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """Every case's finished run, `AT_ONCE` at a time: {case: (run directory, exit code, output)};
+    a launch past `LAUNCH_TIMEOUT_S` is killed (its exit code then says so)."""
+    root = tmp_path_factory.mktemp("engines")
+    waiting, running, done = list(CASES), {}, {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < AT_ONCE:
+                case = waiting.pop(0)
+                running[case] = (_start(case, root / case), time.monotonic() + LAUNCH_TIMEOUT_S)
+            for case, (proc, deadline) in list(running.items()):
+                if proc.poll() is None and time.monotonic() > deadline:
+                    proc.kill()  # the launcher's replicas die with it
+                    proc.wait()
+                if proc.poll() is not None:
+                    del running[case]
+                    done[case] = (root / case / "run", proc.returncode, (root / case / "output.txt").read_text())
+            time.sleep(0.1)
+    finally:
+        for proc, _ in running.values():
+            proc.kill()
+            proc.wait()
+    return done
+
+
+def _start(case: str, directory: Path) -> subprocess.Popen:
+    """Launch `case` with its output in a file (an unread pipe would stall it)."""
+    engine, options = CASES[case]
+    directory.mkdir()
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
+               "--engine", engine, "--steps", str(STEPS), "--snapshot-every", "0", "--eval-every", "0",
+               "--no-warm-spare", "--out", str(directory / "run"), *FT_TINY_GPT, *_flags(options)]  # fmt: skip
+    with open(directory / "output.txt", "w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _finished(launched, case: str) -> tuple[Path, str]:
+    out, code, output = launched[case]
+    assert code == 0, f"{case}: exit {code}\n{output[-5000:]}"
+    return out, output
+
+
+@pytest.fixture(scope="module")
+def replays() -> dict[str, dict[str, torch.Tensor]]:
+    """Every case's replay, computed in one process."""
+    return run_on_ranks(_replay_all, 1, timeout=240)[0]
+
+
+def _replay_all(env) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        case: replay_engine_run(env, [REPLICAS] * STEPS, engine, replicas=REPLICAS, **options)
+        for case, (engine, options) in CASES.items()
+    }
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_without_failure_equals_its_replay_bitwise(case, launched, replays):
+    out, _ = _finished(launched, case)
+    history = [r["world_size"] for r in read_records(out) if "event" not in r]
+    assert history == [REPLICAS] * STEPS, history
+    got, want = torch.load(out / "model.pt"), replays[case]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{case} {name}: {(got[name] - want[name]).abs().max()}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_replay_equals_the_plain_model_replay(engine, replays):
+    plain = replay_continue_run([REPLICAS] * STEPS, replicas=REPLICAS)
+    got = replays[f"{engine}-plain"]
+    if engine == "zero2":
+        torch.testing.assert_close(got, plain)
+        return
+    for name in plain:
+        assert torch.equal(got[name], plain[name]), f"{engine} {name}: {(got[name] - plain[name]).abs().max()}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_is_the_same_class(engine, launched):
+    """The object a replica trains with is an instance of the registry's class (what restart
+    builds), and zero1/zero2 say once what one process per replica means for them."""
+    _, output = _finished(launched, f"{engine}-plain")
+    kind = ENGINE_REGISTRY[engine]
+    assert output.count(f"engine {engine} ({kind.__module__}.{kind.__qualname__})") == 1, output[-3000:]
+    said = f"{engine} shards nothing across replicas: each replica holds the whole optimizer state"
+    assert (said in output) == (engine in ("zero1", "zero2")), output[-3000:]
