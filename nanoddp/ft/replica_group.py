@@ -38,7 +38,7 @@ def own_world(timeout: timedelta) -> None:
     world over an in-memory store (one rank has nobody to meet: nothing listens for it). A
     default group the process made itself is kept."""
     if not dist.is_initialized():
-        pin_gloo_to_loopback()  # the replicas are all here: gloo stays on loopback (unless set)
+        pin_gloo_to_loopback()  # loopback on one node; across hosts the launcher set the host's interface
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
@@ -77,7 +77,7 @@ class ReplicaGroup:
 
         start = time.monotonic()
         self._forget()
-        pin_gloo_to_loopback()
+        pin_gloo_to_loopback()  # unless set: across hosts the launcher names the host's interface
         self._wrapper.configure(
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
         )

@@ -207,7 +207,7 @@ def test_the_survivor_went_on_alone_and_the_host_rejoined(run):
     assert alone and alone == list(range(alone[0], alone[-1] + 1)) and len(alone) >= ALONE_BEFORE_HOLD, history
     changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
     assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1])], changes
-    assert not any(r.get("event") in ("resumed_from_snapshot", "state_from_snapshot", "rolled_back") for r in records)
+    assert not any(r.get("event") == "resumed_from_snapshot" for r in records)
     said = [line for line in run["outputs"]["host 0"].splitlines() if line.startswith("nanoddp train: replica")]
     assert said == [], said  # host 0's launcher saw no replica of its own fail, and started none
 
