@@ -319,8 +319,10 @@ class FaultTolerantTrainer(Trainer):
 
 
 def first_run_id(env: ReplicaEnv, out: str | None) -> str:
-    """The run id every first process of a fresh run derives alike (no file, no message)."""
-    return hashlib.sha256(f"{env.launcher_pid}:{out}".encode()).hexdigest()[:12]
+    """The run id every first process of a fresh run derives alike, on every host (no file, no
+    message): from the run's quorum service, whose address all replicas share (on one node a port
+    of the OS's choice, new each launch; across hosts the endpoint), and `--out`."""
+    return hashlib.sha256(f"{env.lighthouse}:{out}".encode()).hexdigest()[:12]
 
 
 def engine_line(name: str, engine: Any) -> str:

@@ -33,3 +33,16 @@ def test_the_continue_trainer_is_the_trainer_with_startup_and_step_overridden():
     assert overrides == OVERRIDDEN
     # the supervisor launches `python -m WORKER_MODULE`, whose `main` runs this class
     assert FaultTolerantTrainer.__module__ == ft_trainer.WORKER_MODULE
+
+
+def test_the_first_run_id_is_the_same_on_every_host_and_new_per_quorum_service():
+    from nanoddp.ft import ReplicaEnv
+
+    def replica(lighthouse: str, replica: int, launcher_pid: int) -> ReplicaEnv:
+        return ReplicaEnv(lighthouse=lighthouse, replica=replica, replicas=2, launcher_pid=launcher_pid)
+
+    host0, host1 = replica("http://10.0.0.1:29500", 0, 111), replica("http://10.0.0.1:29500", 1, 222)
+    assert ft_trainer.first_run_id(host0, "/shared/run") == ft_trainer.first_run_id(host1, "/shared/run")
+    other = replica("http://127.0.0.1:40001", 0, 111)  # another launch: its own quorum service
+    assert ft_trainer.first_run_id(other, "/shared/run") != ft_trainer.first_run_id(host0, "/shared/run")
+    assert ft_trainer.first_run_id(host0, "/other") != ft_trainer.first_run_id(host0, "/shared/run")
