@@ -231,16 +231,14 @@ def _raise_root_cause(procs, results, values, errors) -> None:
         for rank, p in enumerate(procs)
         if p.exitcode not in (None, 0) and rank not in errors and rank not in values
     ]
-    # else: a rank whose function returned, then failed leaving the group (the closing barrier)
-    failed_after = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
     if silent_deaths:
         rank, exitcode = silent_deaths[0]
         error = LaunchError(rank, _describe_exit(exitcode), exitcode)
     elif errors:
         rank = next(iter(errors))
         error = LaunchError(rank, errors[rank], procs[rank].exitcode)
-    else:
-        rank, exitcode = failed_after[0]
+    else:  # every rank reported; one returned, then failed leaving the group (the closing barrier)
+        rank, exitcode = next((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0))
         error = LaunchError(rank, f"returned its result, then exited with code {exitcode} while leaving the group "
                                   "(its traceback is on stderr)", exitcode)  # fmt: skip
     error.other_failures = {r: e for r, e in errors.items() if r != rank}
