@@ -263,13 +263,18 @@ class Supervisor:
 
     def _stopped_alone(self) -> None:
         """[Note: a stop is the group's] Every member of a group raises `RunStopped` at the same
-        point, so after a real stop no replica marks a step again. One that does went on
-        without the stopper (the same error try after try was the stopper's own: a
+        point, so after a real stop no replica marks a step again, and none finishes. One that
+        does went on without the stopper (the same error try after try was the stopper's own: a
         replacement's bad setting, say): the stopper was not the run, and the replicas that
-        hold the state must not be ended for it. It is then a failed replica, replaced as one."""
+        hold the state must not be ended for it. It is then a failed replica, replaced as one.
+        A finish counts whenever it came: holders that ran fast to the end may have exited
+        before the stopper's own exit was seen, their last marks older than its stop."""
+        finished = any(r.exitcode == 0 for r in self.replicas)
         for replica in self.replicas:
             at = replica.stopped_at
-            if at is None or not any(self._last_mark(r) > at for r in self.replicas if r.exitcode is None):
+            if at is None:
+                continue
+            if not finished and not any(self._last_mark(r) > at for r in self.replicas if r.exitcode is None):
                 continue
             replica.stopped_at = None
             self._replace(replica, f"replica {replica.replica} stopped the run while the others went on without it")
@@ -311,6 +316,9 @@ class Supervisor:
         """Start `replica`'s next attempt (the warm spare if there is one), if it has one left."""
         if replica.attempt >= self.launch.max_restarts:
             self._say(f"{failed}; no restarts left")
+            return
+        if any(r.exitcode == 0 for r in self.replicas):  # a replacement would have nobody to join
+            self._say(f"{failed}; the others had finished")
             return
         replica.attempt += 1
         if self._take_spare(replica):
