@@ -7,6 +7,7 @@ Loopback only, every launch bounded and killed on timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -97,22 +98,29 @@ def reference_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(600)
-def test_sigkilled_worker_is_restarted_and_resume_is_bit_identical(reference_run, tmp_path):
-    proc = _nanoddp_train("--nproc", "2", "--max-restarts", "3", "--out", str(tmp_path))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (tmp_path / "snapshots" / "step-00000010.pt").exists():  # past the second snapshot
-        assert proc.poll() is None and time.monotonic() < deadline, "run ended before the kill"
-        time.sleep(0.05)
-    victims = _workers(proc)
-    assert len(victims) == 2, victims
-    victims[-1].send_signal(signal.SIGKILL)
-    output = _finish(proc)
-    assert proc.returncode == 0, output[-3000:]
-    assert "restart 1: resumed from" in output, output[-3000:]
-    expected, got = _params(reference_run), _params(tmp_path)
-    assert expected.keys() == got.keys()
-    for name, value in expected.items():
-        assert torch.equal(value, got[name]), f"{name} differs after the restart"
+def test_sigkilled_worker_is_restarted_bitwise_and_leaves_no_temp_dir(tmp_path):
+    """`nanoddp bench restarts`, one kill trial, on this file's job (`restarts.TRAIN_ARGS` is
+    `TRAIN_ARGS` at 2 ranks): a reference run, then the same command under `--max-restarts 3` with
+    one worker SIGKILLed after the first snapshot; torchrun's agent restarts the group, the
+    trainer resumes from the newest snapshot ("restart 1: resumed from" in its output) and every
+    parameter equals the reference's bitwise (the trial's `restarted` and `bit_identical`). With
+    a private TMPDIR: every temp dir the bench, the agents (torchelastic's log dirs) and the
+    workers made is gone afterwards."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "nanoddp", "bench", "restarts", "--trials", "1", "--cost-trials", "0",
+               "--max-delay", "0.5", "--json", str(report)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=2 * RUN_TIMEOUT_S,
+                          env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads(report.read_text())
+    assert (result["train_args"], result["passed"]) == (["--nproc", "2", *TRAIN_ARGS], 1), result
+    trial = result["results"][0]
+    assert (trial["returncode"], trial["restarted"], trial["bit_identical"]) == (0, True, True), trial
+    # torchinductor_<user> is torch's per-user kernel cache, shared by all runs and meant to stay
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
 
 
 def _wait_for_snapshot(proc: subprocess.Popen, path: Path) -> None:
