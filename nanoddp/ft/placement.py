@@ -180,8 +180,9 @@ def _node_rank_line(node_rank: int, nnodes: int, nproc: int, max_replicas: int) 
         return f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}"
     first = node_rank * nproc
     return (
-        f"--node-rank must be in 0..{max_replicas // nproc - 1} (a host's replica ids K*{nproc}..K*{nproc}+{nproc - 1} "
-        f"must be below --max-replicas {max_replicas}), got {node_rank} (ids {first}..{first + nproc - 1}); "
+        f"--node-rank must be in 0..{max_replicas // nproc - 1} (node rank K plays replica ids K*P..K*P+P-1, "
+        f"P = --nproc {nproc}: all below --max-replicas {max_replicas}), got {node_rank} (ids {first}.."
+        f"{first + nproc - 1}); "
         "raise --max-replicas for more hosts"
     )
 

@@ -81,6 +81,20 @@ class ReplicaEnv:
         return self.max_replicas or self.replicas
 
     @property
+    def grower(self) -> bool:
+        """Past the replicas the run starts with: its host grows the run (`--max-replicas`)."""
+        return self.replica >= self.replicas
+
+    @property
+    def who(self) -> str:
+        """This process in a line: `replacement 2 of replica 1`, `replica 3 (its host grows the run)`."""
+        if self.attempt > 0:
+            return f"replacement {self.attempt} of replica {self.replica}"
+        if self.grower:
+            return f"replica {self.replica} (its host grows the run)"
+        return f"replica {self.replica}" + (" (its host started again)" if self.join else "")
+
+    @property
     def joiner(self) -> bool:
         """A replacement, or a process of a host that joins a running run: it takes its state from
         a peer, never from its own start (no resume, no wait for the run's first full group)."""

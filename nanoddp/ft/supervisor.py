@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from nanoddp import hosts
 from nanoddp.base import processes
 from nanoddp.base.limits import STOP_GRACE_S
 from nanoddp.ft.placement import Placement
@@ -386,13 +387,19 @@ def _spare_command(replica_command: list[str]) -> list[str] | None:
     return [replica_command[0], "-m", "nanoddp.ft.spare", *replica_command[2:]]
 
 
-def _grower_line(where: Placement, why: str) -> str:
-    """A grower that found no run under way (the module docstring): why, and what to do."""
+def _grower_line(where: Placement, url: str | None) -> str:
+    """A grower that found no run under way (the module docstring): why, and what to do. `url`:
+    the quorum service's, which answered but has formed no group yet; None: it did not answer."""
     last = where.first + where.nproc - 1
+    if url is None:
+        address, port = where.lighthouse or ("?", 0)
+        why = f"its quorum service at {hosts.url_host(address)}:{port} does not answer within {GROWER_WAIT_S:g} s"
+    else:
+        why = f"the run at {url} has not formed its first group"
     return (
         f"--node-rank {where.node_rank} grows a run under way (replicas {where.first}..{last}, past the "
-        f"{where.replicas} it starts with), but there is none: {why}; start a growing host while the run trains "
-        "(after its first step, before its last)"
+        f"{where.replicas} it starts with) but found none: {why}; start a growing host while the run trains "
+        "(after its first step, before its last), with the run's --rdzv-endpoint or --lighthouse"
     )
 
 
@@ -410,11 +417,10 @@ def supervise(launch: Launch) -> int:
     try:
         service = open_quorum_service(where, min(launch.wait_s, GROWER_WAIT_S) if where.grows else launch.wait_s)
     except QuorumServiceUnavailable as exc:
-        print(f"{launch.name}: {_grower_line(where, str(exc)) if where.grows else exc}", file=sys.stderr, flush=True)
+        print(f"{launch.name}: {_grower_line(where, None) if where.grows else exc}", file=sys.stderr, flush=True)
         return 1
     if where.grows and not service.under_way:
-        print(f"{launch.name}: {_grower_line(where, f'the run at {service.url} has not formed its first group')}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"{launch.name}: {_grower_line(where, service.url)}", file=sys.stderr, flush=True)
         return 1
     if launch.on_found is not None:
         launch.on_found()  # another launcher's service: nothing of ours to shut down

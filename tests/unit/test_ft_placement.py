@@ -94,6 +94,7 @@ def test_a_run_that_grows_places_its_growers_past_the_starting_count():
     assert [(n.first, n.replicas, n.most_replicas, n.min_replicas, n.grows) for n in nodes] == [
         (0, 2, 3, 2, False), (1, 2, 3, 2, False), (2, 2, 3, 2, True)]  # fmt: skip
     assert placement_for(_args(nnodes="2", rdzv_endpoint=endpoint, max_replicas=2), 1).max_replicas == 0  # no growth
+    assert placement_for(_args(nnodes="2:5", rdzv_endpoint=endpoint), 1).min_replicas == 2  # of 2, not of 5
     env = ReplicaEnv("http://h:1", replica=2, replicas=2, max_replicas=3)
     assert ReplicaEnv.from_environ(env.to_environ()) == env and env.most_replicas == 3
     with pytest.raises(ValueError, match=r"replica id must be in \[0, 3\), got 3"):
@@ -203,3 +204,32 @@ def test_a_quorum_service_that_is_not_there_or_not_a_lighthouse_is_one_line():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_grower_that_finds_no_run_under_way_is_one_line_and_exit_1(monkeypatch, capsys):
+    """A grower comes to a run under way or not at all: a quorum service with no group yet (a real
+    Lighthouse on loopback), or none answering (the run is over), is one line and exit 1, and no
+    replica starts (the command would fail the test: it is not a program)."""
+    pytest.importorskip("torchft")
+    from nanoddp.ft import supervisor
+    from nanoddp.ft.quorum_service import open_quorum_service
+
+    service = open_quorum_service(Placement.one_node(1), wait_s=1)
+    port = int(service.url.rsplit(":", 1)[1])
+    grower = placement_for(_args(node_rank=1, max_replicas=2, rdzv_endpoint=f"127.0.0.1:{port}"), 1)
+    assert grower.grows and grower.first == 1 and not grower.serves_lighthouse
+    launch = supervisor.Launch(["/no/such/replica"], 1, 0, 5.0, placement=grower)
+    try:
+        assert supervisor.supervise(launch) == 1
+    finally:
+        service.shutdown()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"nanoddp run: --node-rank 1 grows a run under way (replicas 1..1, past the 1 it starts with) but found "
+        f"none: the run at {service.url} has not formed its first group; start a growing host while the run "
+        "trains (after its first step, before its last), with the run's --rdzv-endpoint or --lighthouse"
+    ]
+    monkeypatch.setattr(supervisor, "GROWER_WAIT_S", 0.2)  # nothing listens there now
+    assert supervisor.supervise(launch) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"found none: its quorum service at 127.0.0.1:{port} does not answer within 0.2 s;" in line, line
