@@ -189,9 +189,9 @@ class FaultTolerant:
         self.manager.start_quorum()
         if not self._started:
             self._wait_for_everyone()
-        elif not self._members and self.world_size == 1 and self.env.replicas > 1:
+        elif not self._members and self.world_size == 1 and (self.env.replicas > 1 or self.env.grower):
             raise RuntimeError(
-                f"replacement {self.env.attempt} of replica {self.env.replica} found no running replica "
+                f"{self.env.who} found no running replica "
                 "to join (the others have finished or are gone): nothing to take its state from"
             )
         elif self.world.generation != generation:

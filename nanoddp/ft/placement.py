@@ -12,6 +12,15 @@ service, and gloo listens on the interface that holds it; both come from the ker
 (`nanoddp.hosts.route_to`), not from the hostname, which in containers often resolves to
 127.0.0.1. Nothing binds every interface.
 
+[Note: growth] `--max-replicas M` (or torchrun's spelling, `--nnodes N:MAX`: M = MAX*P) lets the
+run grow past the N*P replicas it starts with: a host launched later with a node rank K >= N whose
+ids K*P .. K*P+P-1 are all below M is a grower. It joins the running group at a step boundary and
+heals from a peer, as a host started again does, and the global batch of every step after it is
+split over one more replica (`global_batches.share`). A grower comes to a run under way: one
+that finds none is refused in one line (`supervisor.supervise`). The starting count still
+decides the rest: the first step waits for N*P replicas, and the default `--min-replicas` is a
+majority of them.
+
 Every launch flag of a fault-tolerant run is checked here, before any process starts: one line
 each, naming the flag, the rule and what to do.
 """
@@ -57,6 +66,8 @@ class Placement:
     """(address, port) of the quorum service; None on one node: loopback, a port of the OS's choice."""
     serves_lighthouse: bool = True
     """This launcher starts the quorum service (node 0 without `--lighthouse`, or one node)."""
+    max_replicas: int = 0
+    """The most replicas the run may grow to (the module's note); 0: `replicas`, no growth."""
 
     @classmethod
     def one_node(cls, nproc: int) -> Placement:
@@ -74,29 +85,46 @@ class Placement:
         return self.nnodes * self.nproc
 
     @property
+    def most_replicas(self) -> int:
+        """The replica ids of the run are below this: `max_replicas`, or `replicas` without growth."""
+        return max(self.max_replicas, self.replicas)
+
+    @property
+    def grows(self) -> bool:
+        """This launcher's replicas are past the starting count: it joins a run under way."""
+        return self.node_rank >= self.nnodes
+
+    @property
     def across_hosts(self) -> bool:
         return self.interface is not None
 
 
+def _hosts(nnodes_text: str) -> tuple[int, int | None]:
+    """`--nnodes N` or torchrun's `MIN:MAX` under continue: (hosts at start, most hosts or None)."""
+    start, sep, most = nnodes_text.partition(":")
+    if start.isdigit() and int(start) >= 1 and (not sep or (most.isdigit() and int(most) >= int(start))):
+        return int(start), int(most) if sep else None
+    raise ValueError(
+        f"--on-failure continue takes --nnodes N (hosts at start) or N:MAX (start with N, grow to MAX hosts' "
+        f"replicas, as --max-replicas MAX x --nproc), got --nnodes {nnodes_text}"
+    )
+
+
 def placement_for(args: argparse.Namespace, nproc: int, group_size: int | None = None) -> Placement:
     """This launcher's `Placement` from the launch flags (`--nnodes`, `--node-rank`,
-    `--rdzv-endpoint`, `--lighthouse`, `--min-replicas`; `group_size`: `nanoddp train`'s
-    `--group-size`); a one-line ValueError for the first flag that does not fit."""
-    nnodes_text = str(args.nnodes)
-    if not nnodes_text.isdigit() or int(nnodes_text) < 1:
-        raise ValueError(
-            f"--on-failure continue takes --nnodes N, a fixed number of hosts (a host lost and started again "
-            f"rejoins the run; an elastic MIN:MAX is the restart path's), got --nnodes {nnodes_text}"
-        )
-    nnodes, node_rank = int(nnodes_text), args.node_rank
+    `--rdzv-endpoint`, `--lighthouse`, `--min-replicas`, `--max-replicas`; `group_size`:
+    `nanoddp train`'s `--group-size`); a one-line ValueError for the first flag that does not fit."""
+    nnodes, most_hosts = _hosts(str(args.nnodes))
+    node_rank = args.node_rank
     if group_size not in (None, 1):
         raise ValueError(
             f"--on-failure continue runs one-rank replicas (--group-size 1), got --group-size {group_size}; "
             "replica groups of several ranks (HSDP inside a host) come later: drop --group-size"
         )
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}")
     replicas = nnodes * nproc
+    max_replicas = _max_replicas(getattr(args, "max_replicas", None), most_hosts, nnodes, nproc)
+    if not 0 <= node_rank < max_replicas // nproc:
+        raise ValueError(_node_rank_line(node_rank, nnodes, nproc, max_replicas))
     given = getattr(args, "min_replicas", None)
     min_replicas = majority(replicas) if given is None else given
     if not 1 <= min_replicas <= replicas:
@@ -105,12 +133,14 @@ def placement_for(args: argparse.Namespace, nproc: int, group_size: int | None =
             f"got {min_replicas}"
         )
     lighthouse, endpoint = getattr(args, "lighthouse", "") or "", args.rdzv_endpoint or ""
-    if nnodes == 1 and not (lighthouse or endpoint):
+    if max_replicas == replicas == nproc and not (lighthouse or endpoint):
         return Placement(nproc, min_replicas)
     if not (lighthouse or endpoint):
         raise ValueError(
-            f"--on-failure continue across hosts (--nnodes {nnodes}) needs --rdzv-endpoint HOST:PORT (node 0's "
-            "address: its launcher runs the quorum service there) or --lighthouse HOST:PORT (one already running)"
+            f"--on-failure continue across hosts (--nnodes {args.nnodes}"
+            + (f", --max-replicas {max_replicas}" if max_replicas > replicas else "")
+            + ") needs --rdzv-endpoint HOST:PORT (node 0's address: its launcher runs the quorum service there) "
+            "or --lighthouse HOST:PORT (one already running)"
         )
     flag = "--lighthouse" if lighthouse else "--rdzv-endpoint"
     route = hosts.route_to(lighthouse or endpoint, flag)
@@ -122,13 +152,46 @@ def placement_for(args: argparse.Namespace, nproc: int, group_size: int | None =
             "already running with --lighthouse HOST:PORT"
         )
     return Placement(nproc, min_replicas, nnodes, node_rank, route.local_address, route.interface,
-                     (route.address, route.port), serves)  # fmt: skip
+                     (route.address, route.port), serves, max_replicas if max_replicas > replicas else 0)  # fmt: skip
+
+
+def _max_replicas(given: int | None, most_hosts: int | None, nnodes: int, nproc: int) -> int:
+    """The most replicas the run may grow to, from `--max-replicas` or `--nnodes N:MAX` (one line
+    when they disagree or fall below the starting count)."""
+    replicas = nnodes * nproc
+    from_hosts = None if most_hosts is None else most_hosts * nproc
+    if given is not None and from_hosts is not None and given != from_hosts:
+        raise ValueError(
+            f"--max-replicas {given} and --nnodes {nnodes}:{most_hosts} (up to {from_hosts} replicas at --nproc "
+            f"{nproc}) disagree: they say the same thing, give one of them"
+        )
+    most = given if given is not None else from_hosts if from_hosts is not None else replicas
+    if most < replicas:
+        raise ValueError(
+            f"--max-replicas must be at least the replicas the run starts with (--nnodes {nnodes} x --nproc "
+            f"{nproc} = {replicas}), got {most}; drop it for a run that does not grow"
+        )
+    return most
+
+
+def _node_rank_line(node_rank: int, nnodes: int, nproc: int, max_replicas: int) -> str:
+    """Why `--node-rank` does not fit: its replica ids reach past the run's most replicas."""
+    if max_replicas == nnodes * nproc:
+        return f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}"
+    first = node_rank * nproc
+    return (
+        f"--node-rank must be in 0..{max_replicas // nproc - 1} (node rank K plays replica ids K*P..K*P+P-1, "
+        f"P = --nproc {nproc}: all below --max-replicas {max_replicas}), got {node_rank} (ids {first}.."
+        f"{first + nproc - 1}); "
+        "raise --max-replicas for more hosts"
+    )
 
 
 def refuse_continue_flags(args: argparse.Namespace) -> None:
     """Under `--on-failure restart`: the quorum service's flags are an error, not ignored."""
     given = ["--lighthouse"] if getattr(args, "lighthouse", "") else []
     given += ["--min-replicas"] if getattr(args, "min_replicas", None) is not None else []
+    given += ["--max-replicas"] if getattr(args, "max_replicas", None) is not None else []
     if given:
         raise ValueError(
             f"{', '.join(given)} applies to --on-failure continue (its quorum service); drop it, or add "

@@ -2,7 +2,7 @@
 
 `nanoddp run --on-failure continue` starts one process per replica and tells each, through the
 environment, where the quorum service listens, which replica it is, how many replicas the run
-starts with (on every host together), the address its own servers bind (loopback on one node,
+starts with (on every host together) and may grow to, the address its own servers bind (loopback on one node,
 the host's address towards the quorum service across hosts: `nanoddp.ft.placement`) and whether
 it joins a run already under way. A replica is not a torchrun worker: it has no fixed rank (its rank in the group is
 whatever the quorum of the moment gives it), so `nanoddp.env.DistEnv` does not describe it.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 LIGHTHOUSE_VAR = "NANODDP_FT_LIGHTHOUSE"  # host:port of the quorum service (torchft's Lighthouse)
 REPLICA_VAR = "NANODDP_FT_REPLICA"  # this replica's id, 0 .. replicas-1, kept by its replacements
 REPLICAS_VAR = "NANODDP_FT_REPLICAS"  # replicas the run starts with: the first step waits for them
+MAX_REPLICAS_VAR = "NANODDP_FT_MAX_REPLICAS"  # the most the run may grow to: every replica id is below it
 ATTEMPT_VAR = "NANODDP_FT_ATTEMPT"  # 0 for the first process of a replica, k for its k-th replacement
 TIMEOUT_VAR = "NANODDP_FT_TIMEOUT"  # seconds a collective may wait: past it, a silent peer is lost
 OUT_VAR = "NANODDP_FT_OUT"  # directory of metrics.jsonl (not set: no metrics file)
@@ -38,6 +39,9 @@ class ReplicaEnv:
     """This replica's id; a replacement keeps the id of the process it replaces."""
     replicas: int
     """How many replicas the run starts with."""
+    max_replicas: int = 0
+    """The most replicas the run may grow to (`--max-replicas`); 0: `replicas`, no growth.
+    Ids from `replicas` up are growers: hosts launched later (`nanoddp.ft.placement`)."""
     attempt: int = 0
     """0 for a replica's first process, k for its k-th replacement (a joiner)."""
     timeout_s: float = 30.0
@@ -62,12 +66,33 @@ class ReplicaEnv:
         return None if self.beats is None else os.path.join(self.beats, f"replica-{self.replica}")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.replica < self.replicas:
-            raise ValueError(f"replica id must be in [0, {self.replicas}), got {self.replica}")
+        if self.max_replicas and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas must be 0 or >= replicas ({self.replicas}), got {self.max_replicas}")
+        if not 0 <= self.replica < self.most_replicas:
+            raise ValueError(f"replica id must be in [0, {self.most_replicas}), got {self.replica}")
         if not self.timeout_s > 0:
             raise ValueError(f"the collective timeout must be > 0 seconds, got {self.timeout_s}")
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(f"min_replicas must be in [1, {self.replicas}], got {self.min_replicas}")
+
+    @property
+    def most_replicas(self) -> int:
+        """Every replica id of the run is below this."""
+        return self.max_replicas or self.replicas
+
+    @property
+    def grower(self) -> bool:
+        """Past the replicas the run starts with: its host grows the run (`--max-replicas`)."""
+        return self.replica >= self.replicas
+
+    @property
+    def who(self) -> str:
+        """This process in a line: `replacement 2 of replica 1`, `replica 3 (its host grows the run)`."""
+        if self.attempt > 0:
+            return f"replacement {self.attempt} of replica {self.replica}"
+        if self.grower:
+            return f"replica {self.replica} (its host grows the run)"
+        return f"replica {self.replica}" + (" (its host started again)" if self.join else "")
 
     @property
     def joiner(self) -> bool:
@@ -88,6 +113,7 @@ class ReplicaEnv:
             lighthouse=environ[LIGHTHOUSE_VAR],
             replica=int(environ[REPLICA_VAR]),
             replicas=int(environ[REPLICAS_VAR]),
+            max_replicas=int(environ.get(MAX_REPLICAS_VAR, "0")),
             attempt=int(environ.get(ATTEMPT_VAR, "0")),
             timeout_s=float(environ.get(TIMEOUT_VAR, "30")),
             out=environ.get(OUT_VAR) or None,
@@ -104,6 +130,7 @@ class ReplicaEnv:
             LIGHTHOUSE_VAR: self.lighthouse,
             REPLICA_VAR: str(self.replica),
             REPLICAS_VAR: str(self.replicas),
+            MAX_REPLICAS_VAR: str(self.max_replicas),
             ATTEMPT_VAR: str(self.attempt),
             TIMEOUT_VAR: repr(self.timeout_s),
             ADDRESS_VAR: self.address,

@@ -42,7 +42,10 @@ Across hosts each host runs its own launcher (`nanoddp.ft.placement`): it superv
 host's replicas (ids K*P .. K*P+P-1), node 0's also runs the quorum service, and one that finds
 the run under way (its host was lost and is started again) starts its replicas as joiners
 (`nanoddp.ft.quorum_service`). A host lost whole is no launcher's to replace: the others' quorum
-leaves its replicas out and goes on.
+leaves its replicas out and goes on. A grower (a host past the starting count, `--max-replicas`)
+joins alike; it comes to a run under way or not at all: a run that has not started, has ended,
+or whose quorum service does not answer within GROWER_WAIT_S is one line and exit 1, never a
+wait for a run that will not come (nor a run of its own: it is never node 0).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from nanoddp import hosts
 from nanoddp.base import processes
 from nanoddp.base.limits import STOP_GRACE_S
 from nanoddp.ft.placement import Placement
@@ -71,6 +75,7 @@ from nanoddp.tempdirs import make_private_dir
 POLL_S = 0.05
 BEATS_PREFIX = "nanoddp-ft-beats-"  # the launcher's private dir of step marks, named by its pid
 STARTUP_GRACE_S = 120.0  # a replica's first step mark may take this long (imports, data, joining)
+GROWER_WAIT_S = 10.0  # a grower's wait for the quorum service: the run it grows is under way, or none is
 SILENT_MARGIN_S = 2.0  # past the collective timeout: the others' quorum (join timeout) comes first
 GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
 
@@ -149,6 +154,7 @@ class Supervisor:
             lighthouse=self.lighthouse,
             replica=replica.replica,
             replicas=self.where.replicas,
+            max_replicas=self.where.max_replicas,
             attempt=replica.attempt,
             timeout_s=self.launch.timeout_s,
             out=self.launch.out,
@@ -381,6 +387,22 @@ def _spare_command(replica_command: list[str]) -> list[str] | None:
     return [replica_command[0], "-m", "nanoddp.ft.spare", *replica_command[2:]]
 
 
+def _grower_line(where: Placement, url: str | None) -> str:
+    """A grower that found no run under way (the module docstring): why, and what to do. `url`:
+    the quorum service's, which answered but has formed no group yet; None: it did not answer."""
+    last = where.first + where.nproc - 1
+    if url is None:
+        address, port = where.lighthouse or ("?", 0)
+        why = f"its quorum service at {hosts.url_host(address)}:{port} does not answer within {GROWER_WAIT_S:g} s"
+    else:
+        why = f"the run at {url} has not formed its first group"
+    return (
+        f"--node-rank {where.node_rank} grows a run under way (replicas {where.first}..{last}, past the "
+        f"{where.replicas} it starts with) but found none: {why}; start a growing host while the run trains "
+        "(after its first step, before its last), with the run's --rdzv-endpoint or --lighthouse"
+    )
+
+
 def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
     if proc is None:
         return
@@ -391,10 +413,14 @@ def supervise(launch: Launch) -> int:
     """Start (or find) the quorum service and start the replicas, supervise them, and take every
     process down on the way out (a signal included); return the run's exit code."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's services log every quorum at info
+    where = launch.where
     try:
-        service = open_quorum_service(launch.where, launch.wait_s)
+        service = open_quorum_service(where, min(launch.wait_s, GROWER_WAIT_S) if where.grows else launch.wait_s)
     except QuorumServiceUnavailable as exc:
-        print(f"{launch.name}: {exc}", file=sys.stderr, flush=True)
+        print(f"{launch.name}: {_grower_line(where, None) if where.grows else exc}", file=sys.stderr, flush=True)
+        return 1
+    if where.grows and not service.under_way:
+        print(f"{launch.name}: {_grower_line(where, service.url)}", file=sys.stderr, flush=True)
         return 1
     if launch.on_found is not None:
         launch.on_found()  # another launcher's service: nothing of ours to shut down

@@ -1,29 +1,34 @@
 """`--on-failure continue` across real hosts: every host a network namespace with its own address
 on one bridge (`nanoddp.bench.netns_hosts`), one-rank replicas (`--nproc 1` per host).
 
-One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes 2 --min-replicas 1`,
-a tiny GPT, lives through, in order:
+One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes 2 --max-replicas 3
+--min-replicas 1`, a tiny GPT, lives through, in order:
 - both hosts train together (world size 2); every host's listening sockets are read meanwhile;
 - host 1 is killed whole (its launcher and its replica, SIGKILL to every process of its
   namespace): host 0 goes on alone at once, no restart, no snapshot read (world size 1);
 - host 1's launcher is started again with the same command: it finds the run under way, and
   its replica joins at a step boundary, takes its state from host 0's replica, without resuming
-  from the snapshots OUT holds or waiting for the run's first full group (world size 2 again).
+  from the snapshots OUT holds or waiting for the run's first full group (world size 2 again);
+- host 2, node rank 2 of a run of two hosts, grows it: its replica joins alike, and every step
+  after is split over three (world size 3 to the end).
 
-[Note: holding the survivor] A relaunched host spends seconds starting (imports, data, model),
-while the survivor's tiny steps take milliseconds: it would finish the run first. So host 0's
-replica is held (SIGSTOP) from its second step alone until host 1's replica has asked the quorum
-service for a group, as a survivor in a long step (released any earlier, its steps of a few
-milliseconds could finish the run while the joiner is still making its Manager). A held process
-cannot send the heartbeats a busy survivor sends, so a helper in host 0's namespace sends them
-for it (torchft's LighthouseClient, the replica's own id): the quorum service then sees what it
-sees of a busy survivor, and the joiner, which asks first, waits for it (torchft forms no group
-of half the healthy replicas or fewer) instead of forming a group alone.
+[Note: holding the running replicas] A host spends seconds starting (imports, data, model), while
+the running replicas' tiny steps take milliseconds: they would finish the run first. So they are
+held (SIGSTOP) while a host starts, until its replica has asked the quorum service for a group,
+as replicas in a long step (released any earlier, their steps of a few milliseconds could finish
+the run while the joiner is still making its Manager); the collective timeout is longer than a
+hold, so a replica held inside a collective does not time its peer out. A held process cannot
+send the heartbeats a busy replica sends, so a helper in host 0's namespace sends them for it
+(torchft's LighthouseClient, the replica's own id): the quorum service then sees what it sees of
+busy replicas, and the joiner, which asks first, waits for them (torchft forms no group of half
+the healthy replicas or fewer) instead of forming a group without them. A replica held while it
+was asking for a quorum would be grouped with the joiner without the other: such a hold is
+released and made again.
 
-Every test but the last reads that one run; the reference for the weights is the single-process
-replay of its world-size schedule (`helpers.replay_continue_run`, the one-node continue tests'
-own). The last launches `nanoddp run --on-failure continue` across the two hosts: a user's loop
-placed alike (replica ids, addresses), both replicas ending with the same weights.
+Every test but the last reads that one run; the reference for the weights and the losses is the
+single-process replay of its world-size schedule (`helpers.replay_continue_run`, the one-node
+continue tests' own). The last launches `nanoddp run --on-failure continue` across the two hosts:
+a user's loop placed alike (replica ids, addresses), both replicas ending with the same weights.
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -48,14 +53,16 @@ from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
 
-STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD = 30, 5, 3, 2
+STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH = 40, 5, 3, 2, 2
 PORT = 29510  # inside the namespaces this module made: nothing else listens there
-RUN_TIMEOUT_S = 150
+RUN_TIMEOUT_S = 180
+HELD_MAX_S = 60  # the collective timeout: a replica held mid-step (a long step) must not time out its peer
+HOLD_TRIES = 20  # holds of both replicas until one finds neither asking for a quorum (the module's note)
 
-# Sends replica 0's heartbeats while the test holds it (see the module's note): once it reaches the
-# quorum service, waits for a line on stdin; then beats every 0.1 s for the replica_0 the Lighthouse
-# lists, says ASKED once the Lighthouse holds a quorum request (the joiner's: the held survivor asks
-# none), and goes on beating until EOF (or says GAVE UP at its deadline).
+# Sends held replicas' heartbeats (the module's note), reading commands on stdin once it reaches the
+# quorum service: `beat K..` beats every 0.1 s for replica K's newest id the Lighthouse lists (the
+# held process's); `count` says how many replicas ask for a quorum now; `wait N` says ASKED once more
+# than N do (or GAVE UP at 120 s); `rest` stops beating. EOF ends it.
 HEARTBEATS = r"""
 import datetime, re, sys, threading, time, urllib.request
 from torchft.coordination import LighthouseClient
@@ -71,21 +78,41 @@ while True:  # the quorum service starts with node 0's launcher, maybe after thi
             raise
         time.sleep(0.2)
 print("READY", flush=True)
-sys.stdin.readline()
-replica_id = re.findall(r"(replica_0:[0-9a-f-]+): seen", status())[-1]
-done = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-client.heartbeat(replica_id)
-print("BEATING " + replica_id, flush=True)
-asked = False
-while not done.wait(0.1):
-    client.heartbeat(replica_id)
-    if not asked and re.search(r"only have [1-9][0-9]* participants", status()):
-        asked = True
-        print("ASKED", flush=True)
-    elif not asked and time.monotonic() > deadline:
-        asked = True
-        print("GAVE UP", flush=True)
+beating, lock = [], threading.Lock()
+def beat():
+    while True:
+        with lock:
+            for replica_id in beating:
+                client.heartbeat(replica_id)
+        time.sleep(0.1)
+threading.Thread(target=beat, daemon=True).start()
+UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "ns": 1e-9}
+def newest(page, k):
+    seen = re.findall(rf"(replica_{k}:[0-9a-f-]+): seen ([0-9.]+)(s|ms|µs|ns) ago", page)
+    return min(seen, key=lambda row: float(row[1]) * UNITS[row[2]])[0]
+def asking():
+    found = re.search(r"only have ([0-9]+) participants", status())
+    return int(found.group(1)) if found else 0
+for line in sys.stdin:
+    command, *given = line.split()
+    if command == "beat":
+        page = status()
+        with lock:
+            beating[:] = [newest(page, int(k)) for k in given]
+            for replica_id in beating:
+                client.heartbeat(replica_id)
+        print("BEATING " + " ".join(beating), flush=True)
+    elif command == "count":
+        print(f"COUNT {asking()}", flush=True)
+    elif command == "wait":
+        until = time.monotonic() + 120
+        while asking() <= int(given[0]) and time.monotonic() < until:
+            time.sleep(0.1)
+        print("ASKED" if time.monotonic() < until else "GAVE UP", flush=True)
+    elif command == "rest":
+        with lock:
+            beating.clear()
+        print("RESTING", flush=True)
 """
 
 
@@ -99,12 +126,13 @@ def _step_records(out: Path) -> list[dict]:
 def run(tmp_path_factory):
     """The one launch every test reads (the module docstring): outputs, records, listeners, model."""
     out = tmp_path_factory.mktemp("ft-hosts") / "run"
-    with NetnsHosts(2) as hosts:
+    with NetnsHosts(3) as hosts:
         endpoint = f"{hosts.addresses[0]}:{PORT}"
         train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2",
-                 "--nproc", "1", "--rdzv-endpoint", endpoint, "--min-replicas", "1", "--max-restarts", "0",
-                 "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY), "--eval-every", "0",
-                 "--out", str(out), *FT_TINY_GPT, "--collective-timeout", "5"]  # fmt: skip
+                 "--max-replicas", "3", "--nproc", "1", "--rdzv-endpoint", endpoint, "--min-replicas", "1",
+                 "--max-restarts", "0", "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY),
+                 "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
+                 "--collective-timeout", str(HELD_MAX_S)]  # fmt: skip
 
         def launch(host: int) -> subprocess.Popen:
             argv = hosts.command(host, [*train, "--node-rank", str(host)])
@@ -114,6 +142,34 @@ def run(tmp_path_factory):
         outputs: list[OutputReader] = []
         helper = hosts.popen(0, [sys.executable, "-c", HEARTBEATS, f"http://{endpoint}"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, RUST_LOG="error"))  # fmt: skip
+
+        def tell(command: str) -> str:
+            helper.stdin.write(command + "\n")
+            helper.stdin.flush()
+            return helper.stdout.readline().strip()
+
+        def hold(pids: list[int], replicas: str, host: int) -> subprocess.Popen:
+            """Launch `host` while `pids` (replicas `replicas`) are held, their heartbeats sent for
+            them, until the new host's replica asks for a quorum; hold again while one of them was
+            asking when held (the module's note)."""
+            for _ in range(HOLD_TRIES):
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)  # their last heartbeats were at most 0.1 s ago: the helper's
+                try:  # come well within the quorum service's heartbeat timeout (2 s)
+                    assert tell(f"beat {replicas}").startswith("BEATING replica_"), "no heartbeat id"
+                    if tell("count") == "COUNT 0":
+                        started = launch(host)  # the same command, on that host
+                        procs.append(started)
+                        outputs.append(OutputReader(started))
+                        assert tell("wait 0") == "ASKED"  # the new host's replica waits for a quorum
+                        return started
+                finally:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                    assert tell("rest") == "RESTING"
+                time.sleep(0.01)
+            raise AssertionError(f"replicas {replicas} were asking for a quorum at each of {HOLD_TRIES} holds")
+
         try:
             started = time.monotonic()
             deadline = started + RUN_TIMEOUT_S
@@ -123,10 +179,14 @@ def run(tmp_path_factory):
             first, zero = procs
             assert helper.stdout.readline().strip() == "READY"
 
-            def records_where(world_size: int, count: int):
+            def records_where(world_size: int, count: int, after: int = 0):
+                """Wait for `count` step records at `world_size` past the last at world size `after`."""
+
                 def enough():
                     assert all(p.poll() is None for p in procs), "a launcher ended early"
-                    return len([r for r in _step_records(out) if r["world_size"] == world_size]) >= count
+                    sizes = [r["world_size"] for r in _step_records(out)]
+                    since = max((i + 1 for i, size in enumerate(sizes) if size == after), default=0)
+                    return sizes[since:].count(world_size) >= count
 
                 return wait_for(enough, deadline, step_s=0.01)
 
@@ -138,27 +198,22 @@ def run(tmp_path_factory):
             assert first.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(1)
             killed_output = outputs[0].done()
 
-            # host 0 alone, then held (the module's note); its heartbeats sent for it meanwhile
+            # host 0 alone, then held while host 1 starts again (the module's note)
             procs.remove(first)
             records_where(1, ALONE_BEFORE_HOLD)
-            os.kill(survivor, signal.SIGSTOP)  # its last heartbeat was at most 0.1 s ago: the helper's come well
-            try:  # within the quorum service's heartbeat timeout (2 s)
-                helper.stdin.write("beat\n")
-                helper.stdin.flush()
-                assert helper.stdout.readline().startswith("BEATING replica_0:")
-                again = launch(1)  # the same command, on the same host
-                procs.append(again)
-                outputs.append(OutputReader(again))
-                assert helper.stdout.readline().strip() == "ASKED"  # host 1's replica waits for a quorum
-            finally:
-                os.kill(survivor, signal.SIGCONT)
+            again = hold([survivor], "0", 1)
+            rejoined = wait_for(lambda: replica_pid(psutil.Process(again.pid), 1), deadline)
+
+            # both together again, then both held while host 2 grows the run
+            records_where(2, BOTH_BEFORE_GROWTH, after=1)
+            grower = hold([survivor, rejoined], "0 1", 2)
             helper.stdin.close()
             for proc in [*procs, helper]:
                 with contextlib.suppress(subprocess.TimeoutExpired):  # the exit codes below say it
                     proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             wall_s = time.monotonic() - started
-            texts = [killed_output, outputs[1].done(), outputs[2].done()]
-            left = {host: hosts.pids(host) for host in (0, 1)}
+            texts = [killed_output, *(output.done() for output in outputs[1:])]
+            left = {host: hosts.pids(host) for host in (0, 1, 2)}
         finally:
             for proc in [*procs, helper]:
                 with contextlib.suppress(psutil.NoSuchProcess):
@@ -167,12 +222,13 @@ def run(tmp_path_factory):
                 proc.kill()
                 proc.wait(timeout=30)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    codes = [zero.returncode, again.returncode]
-    assert codes == [0, 0], "\n".join(f"--- {name}\n{text[-4000:]}" for name, text in
-                                      zip(("host 1", "host 0", "host 1 again"), texts, strict=True))  # fmt: skip
+    names = ("host 1", "host 0", "host 1 again", "host 2")
+    codes = [zero.returncode, again.returncode, grower.returncode]
+    assert codes == [0, 0, 0], "\n".join(f"--- {name}\n{text[-4000:]}" for name, text in
+                                         zip(names, texts, strict=True))  # fmt: skip
     return {
         "records": read_records(out),
-        "outputs": dict(zip(("host 1", "host 0", "host 1 again"), texts, strict=True)),
+        "outputs": dict(zip(names, texts, strict=True)),
         "listening": listening,
         "addresses": hosts.addresses,
         "left": {**left, "helper": helper.returncode, "namespaces": [n for n in hosts.names if n in namespaces]},
@@ -185,31 +241,67 @@ def _history(records: list[dict]) -> list[int]:
     return [r["world_size"] for r in records if "event" not in r]
 
 
-def test_a_host_lost_and_started_again_equals_a_replay_bitwise(run):
-    """model.pt (the group's rank 0, on host 0) equals the replay of the run's schedule: host 0's
-    steps alone, and the joiner's pieces after it joined, were each computed on the right weights."""
+@pytest.fixture(scope="module")
+def replayed(run):
+    """The single-process replay of the run's world-size schedule: its weights and each step's loss."""
+    losses: list[float] = []
+    return replay_continue_run(_history(run["records"]), replicas=2, losses=losses), losses
+
+
+def test_a_host_lost_started_again_and_grown_equals_a_replay_bitwise(run, replayed):
+    """model.pt (the group's rank 0) equals the replay of the run's schedule: host 0's steps alone,
+    the joiner's pieces after it joined, and the grower's after it grew the run, were each computed
+    on the right weights; and every step's recorded loss is the replay's."""
     history = _history(run["records"])
     assert len(history) == STEPS, history
-    want = replay_continue_run(history, replicas=2)
+    want, losses = replayed
     assert run["model"].keys() == want.keys()
     for name, value in want.items():
         assert torch.equal(run["model"][name], value), f"{name}: {(run['model'][name] - value).abs().max()}"
+    assert [r["loss"] for r in run["records"] if "event" not in r] == losses
 
 
-def test_the_survivor_went_on_alone_and_the_host_rejoined(run):
+def test_the_survivor_went_on_alone_the_host_rejoined_and_a_third_grew_the_run(run):
     """World size 2, then 1 from the step the kill cost (no restart: the same process, no snapshot
-    read, each step recorded once), then 2 again once host 1's replica joined."""
+    read, each step recorded once), then 2 again once host 1's replica joined, then 3 once host
+    2's did (node rank 2 of --nnodes 2, under --max-replicas 3)."""
     records = run["records"]
     history = _history(records)
     assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
     alone = [i for i, size in enumerate(history) if size == 1]
-    assert history[:BOTH_BEFORE_KILL] == [2] * BOTH_BEFORE_KILL and history[-1] == 2, history
+    grown = [i for i, size in enumerate(history) if size == 3]
+    assert history[:BOTH_BEFORE_KILL] == [2] * BOTH_BEFORE_KILL, history
     assert alone and alone == list(range(alone[0], alone[-1] + 1)) and len(alone) >= ALONE_BEFORE_HOLD, history
+    assert history[alone[-1] + 1 : alone[-1] + 1 + BOTH_BEFORE_GROWTH] == [2] * BOTH_BEFORE_GROWTH, history
+    assert grown and grown == list(range(grown[0], STEPS)), history  # from the step it joined to the end
     changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
-    assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1])], changes
+    assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1]), ("rank_joined", 3, [2])], changes
     assert not any(r.get("event") == "resumed_from_snapshot" for r in records)
     said = [line for line in run["outputs"]["host 0"].splitlines() if line.startswith("nanoddp train: replica")]
     assert said == [], said  # host 0's launcher saw no replica of its own fail, and started none
+
+
+def test_a_grown_step_splits_the_same_global_batch_over_three(run):
+    """Each step at world size 3 took the pieces `share` cuts of the step's global batch (its
+    recorded loss is the replay's over those pieces: the test above), and those three pieces
+    partition that batch: every sample once, none lost, none twice."""
+    from nanoddp.ft.global_batches import GlobalBatches, share
+
+    history = _history(run["records"])
+    batches = GlobalBatches(len(_tiny_gpt_train_set()), 12, 0)
+    for step in (i for i, size in enumerate(history) if size == 3):
+        batch = batches.indices(step)
+        pieces = [batch[share(12, rank, 3)].tolist() for rank in range(3)]
+        assert all(len(piece) == 4 for piece in pieces), pieces
+        assert sorted(sum(pieces, [])) == sorted(batch.tolist()) and len(set(batch.tolist())) == 12, (step, pieces)
+
+
+def _tiny_gpt_train_set():
+    from nanoddp.train.config import TrainConfig
+    from nanoddp.train.recipe import build_job
+
+    config = TrainConfig(text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, batch_size=12)
+    return build_job(config).train_set
 
 
 def test_the_host_started_again_joins_without_resuming_or_waiting(run):
@@ -229,10 +321,18 @@ def test_every_listener_binds_its_hosts_address(run):
         assert own in found and found <= {own, "127.0.0.1"}, (host, found)
 
 
+def test_the_grower_joins_without_resuming_or_waiting(run):
+    """Host 2's launcher found the run under way (the run's first group had formed) and its replica
+    took its state from a peer: no resume from the snapshots OUT held, no wait for a first group."""
+    grower = run["outputs"]["host 2"]
+    assert "nanoddp train: the run is under way at http://" in grower and "replicas 2..2 join it" in grower, grower
+    assert "resum" not in grower.lower() and "replicas formed" not in grower, grower
+
+
 def test_nothing_outlives_the_run(run):
-    """No process in either host once both launchers ended (the helper ended by its input), and
-    the namespaces removed."""
-    assert run["left"] == {0: [], 1: [], "helper": 0, "namespaces": []}, run["left"]
+    """No process in any host once the launchers ended (the helper ended by its input), and the
+    namespaces removed."""
+    assert run["left"] == {0: [], 1: [], 2: [], "helper": 0, "namespaces": []}, run["left"]
 
 
 # ---- `nanoddp run --on-failure continue` across hosts -----------------------------------------

@@ -22,15 +22,25 @@ from nanoddp.ft.replica_env import ReplicaEnv
 
 
 def _args(**given) -> argparse.Namespace:
-    flags = {"nnodes": "1", "node_rank": 0, "rdzv_endpoint": "", "lighthouse": "", "min_replicas": None}
+    flags = {"nnodes": "1", "node_rank": 0, "rdzv_endpoint": "", "lighthouse": "", "min_replicas": None,
+             "max_replicas": None}  # fmt: skip
     return argparse.Namespace(**{**flags, **given})
 
 
 @pytest.mark.parametrize(
     ("given", "nproc", "group_size", "line"),
     [
-        ({"nnodes": "1:3"}, 2, None, "--on-failure continue takes --nnodes N, a fixed number of hosts"),
+        ({"nnodes": "3:2"}, 2, None, r"--on-failure continue takes --nnodes N \(hosts at start\) or N:MAX"),
         ({"nnodes": "0"}, 2, None, "--on-failure continue takes --nnodes N"),
+        ({"nnodes": "2", "max_replicas": 3, "rdzv_endpoint": "127.0.0.1:1"}, 2, None,
+         r"^--max-replicas must be at least the replicas the run starts with \(--nnodes 2 x --nproc 2 = 4\), got 3"),
+        ({"nnodes": "2:3", "max_replicas": 4, "rdzv_endpoint": "127.0.0.1:1"}, 1, None,
+         r"^--max-replicas 4 and --nnodes 2:3 \(up to 3 replicas at --nproc 1\) disagree"),
+        ({"nnodes": "2", "node_rank": 2, "max_replicas": 5, "rdzv_endpoint": "127.0.0.1:1"}, 2, None,
+         r"^--node-rank must be in 0\.\.1 \(.* below --max-replicas 5\), got 2 \(ids 4\.\.5\)"),
+        ({"nnodes": "2:3", "node_rank": 3, "rdzv_endpoint": "127.0.0.1:1"}, 1, None,
+         r"^--node-rank must be in 0\.\.2 \(.* below --max-replicas 3\), got 3 \(ids 3\.\.3\)"),
+        ({"max_replicas": 3}, 2, None, r"across hosts \(--nnodes 1, --max-replicas 3\) needs --rdzv-endpoint"),
         ({"nnodes": "2", "node_rank": 2, "rdzv_endpoint": "127.0.0.1:1"}, 2, None, "--node-rank must be in 0..1"),
         ({"nnodes": "2", "min_replicas": 5, "rdzv_endpoint": "127.0.0.1:1"}, 2, None,
          r"--min-replicas must be in 1\.\.4 \(the run's replicas: --nnodes 2 x --nproc 2\), got 5"),
@@ -71,6 +81,26 @@ def test_across_hosts_each_node_plays_its_replicas_and_node_0_serves_the_endpoin
     assert not given.serves_lighthouse and given.lighthouse == ("127.0.0.1", 29512)  # no launcher starts one
 
 
+def test_a_run_that_grows_places_its_growers_past_the_starting_count():
+    """`--max-replicas M` and torchrun's `--nnodes N:MAX` are one thing: hosts N.. are growers whose
+    ids stay below M; the minimum stays a majority of the starting replicas."""
+    endpoint = "127.0.0.1:29511"
+    spelled = [
+        [placement_for(_args(nnodes="2", node_rank=k, rdzv_endpoint=endpoint, max_replicas=3), 1) for k in range(3)],
+        [placement_for(_args(nnodes="2:3", node_rank=k, rdzv_endpoint=endpoint), 1) for k in range(3)],
+    ]
+    assert spelled[0] == spelled[1]
+    nodes = spelled[0]
+    assert [(n.first, n.replicas, n.most_replicas, n.min_replicas, n.grows) for n in nodes] == [
+        (0, 2, 3, 2, False), (1, 2, 3, 2, False), (2, 2, 3, 2, True)]  # fmt: skip
+    assert placement_for(_args(nnodes="2", rdzv_endpoint=endpoint, max_replicas=2), 1).max_replicas == 0  # no growth
+    assert placement_for(_args(nnodes="2:5", rdzv_endpoint=endpoint), 1).min_replicas == 2  # of 2, not of 5
+    env = ReplicaEnv("http://h:1", replica=2, replicas=2, max_replicas=3)
+    assert ReplicaEnv.from_environ(env.to_environ()) == env and env.most_replicas == 3
+    with pytest.raises(ValueError, match=r"replica id must be in \[0, 3\), got 3"):
+        ReplicaEnv("http://h:1", replica=3, replicas=2, max_replicas=3)
+
+
 def test_node_0_must_own_the_endpoint_it_serves(monkeypatch):
     """The quorum service binds the endpoint's address: node 0 elsewhere is refused in one line."""
     elsewhere = hosts.EndpointRoute("192.0.2.7:29500", "192.0.2.7", 29500, "192.0.2.1", "eth9", is_local=False)
@@ -84,6 +114,8 @@ def test_restart_refuses_the_quorum_flags():
     refuse_continue_flags(_args())
     with pytest.raises(ValueError, match=r"^--lighthouse, --min-replicas applies to --on-failure continue"):
         refuse_continue_flags(_args(lighthouse="h:1", min_replicas=0))
+    with pytest.raises(ValueError, match=r"^--max-replicas applies to --on-failure continue"):
+        refuse_continue_flags(_args(max_replicas=3))
 
 
 def test_the_cli_refuses_before_anything_starts(tmp_path):
@@ -97,6 +129,13 @@ def test_the_cli_refuses_before_anything_starts(tmp_path):
                           "--rdzv-endpoint", "127.0.0.1:29513"])  # fmt: skip
     with pytest.raises(ValueError, match="^--min-replicas applies to --on-failure continue"):
         check_train_argv([*tiny, "--min-replicas", "1"])
+    with pytest.raises(ValueError, match="^--max-replicas applies to --on-failure continue"):
+        check_train_argv([*tiny, "--max-replicas", "3"])
+    growing = [*tiny, "--on-failure", "continue", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29513"]
+    with pytest.raises(ValueError, match=r"^batch_size=12 \(global\) cannot be split over 13 replicas x grad_accum 1"):
+        check_train_argv([*growing, "--nproc", "1", "--max-replicas", "13"])
+    with pytest.raises(ValueError, match=r"--node-rank must be in 0\.\.2 .*got 3"):
+        check_train_argv([*growing, "--nproc", "1", "--nnodes", "2:3", "--node-rank", "3"])
     from nanoddp.run.command import add_run_args
 
     parser = argparse.ArgumentParser()
@@ -165,3 +204,32 @@ def test_a_quorum_service_that_is_not_there_or_not_a_lighthouse_is_one_line():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_grower_that_finds_no_run_under_way_is_one_line_and_exit_1(monkeypatch, capsys):
+    """A grower comes to a run under way or not at all: a quorum service with no group yet (a real
+    Lighthouse on loopback), or none answering (the run is over), is one line and exit 1, and no
+    replica starts (the command would fail the test: it is not a program)."""
+    pytest.importorskip("torchft")
+    from nanoddp.ft import supervisor
+    from nanoddp.ft.quorum_service import open_quorum_service
+
+    service = open_quorum_service(Placement.one_node(1), wait_s=1)
+    port = int(service.url.rsplit(":", 1)[1])
+    grower = placement_for(_args(node_rank=1, max_replicas=2, rdzv_endpoint=f"127.0.0.1:{port}"), 1)
+    assert grower.grows and grower.first == 1 and not grower.serves_lighthouse
+    launch = supervisor.Launch(["/no/such/replica"], 1, 0, 5.0, placement=grower)
+    try:
+        assert supervisor.supervise(launch) == 1
+    finally:
+        service.shutdown()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"nanoddp run: --node-rank 1 grows a run under way (replicas 1..1, past the 1 it starts with) but found "
+        f"none: the run at {service.url} has not formed its first group; start a growing host while the run "
+        "trains (after its first step, before its last), with the run's --rdzv-endpoint or --lighthouse"
+    ]
+    monkeypatch.setattr(supervisor, "GROWER_WAIT_S", 0.2)  # nothing listens there now
+    assert supervisor.supervise(launch) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"found none: its quorum service at 127.0.0.1:{port} does not answer within 0.2 s;" in line, line

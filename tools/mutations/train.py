@@ -358,6 +358,27 @@ FAULTS = (
         ("tests/unit/test_ft_placement.py", "-k", "carries_address"),
     ),
     Mutation(
+        "ft growth: a node rank whose replica ids reach --max-replicas is accepted",
+        "nanoddp/ft/placement.py",
+        "    if not 0 <= node_rank < max_replicas // nproc:\n",
+        "    if not 0 <= node_rank <= max_replicas // nproc:\n",
+        ("tests/unit/test_ft_placement.py", "-k", "one_line"),
+    ),
+    Mutation(
+        "ft growth: the default --min-replicas a majority of the most replicas, not of the starting ones",
+        "nanoddp/ft/placement.py",
+        "    min_replicas = majority(replicas) if given is None else given\n",
+        "    min_replicas = majority(max_replicas) if given is None else given\n",
+        ("tests/unit/test_ft_placement.py", "-k", "grows"),
+    ),
+    Mutation(
+        "ft growth: a grower that finds no run under way starts its replicas anyway",
+        "nanoddp/ft/supervisor.py",
+        "    if where.grows and not service.under_way:\n",
+        "    if where.grows and service.under_way:\n",
+        ("tests/unit/test_ft_placement.py", "-k", "grower"),
+    ),
+    Mutation(
         "ft hosts: a fresh quorum service taken for a run under way",
         "nanoddp/ft/quorum_service.py",
         "    return int(found.group(1)) > 0\n",

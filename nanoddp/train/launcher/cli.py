@@ -66,7 +66,12 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--nproc", type=int, default=None, help="processes per node (default: all GPUs, else 2; 1 for --engine single)"
     )
-    group.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs (default: 1)")
+    group.add_argument(
+        "--nnodes",
+        default="1",
+        help="nodes, or MIN:MAX for elastic jobs (under --on-failure continue: start with MIN hosts, grow to MAX "
+        "hosts' replicas, as --max-replicas; default: 1)",
+    )
     group.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
     group.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
     group.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default: c10d)")
@@ -93,8 +98,17 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="the fewest replicas that may go on training (default: a majority of --nnodes x --nproc; "
-        "1 lets the last host of two go on alone)",
+        help="the fewest replicas that may go on training (default: a majority of the replicas the run starts "
+        "with, --nnodes x --nproc, whatever --max-replicas; 1 lets the last host of two go on alone)",
+    )
+    quorum.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="the most replicas the run may grow to (default: --nnodes x --nproc, no growth): a host started "
+        "later with --node-rank K >= --nnodes, its replica ids K*nproc.. below M, joins the running group and "
+        "the global batch is split over it too",
     )
 
 
@@ -195,25 +209,40 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     rendezvous.check_launch_args(args)
-    world_size = nproc * _max_nodes(args.nnodes)
+    placement = None
+    if config.on_failure == "continue":  # refused here, before any process starts
+        from nanoddp.ft.placement import placement_for
+        from nanoddp.train.ft_trainer import check_continue
+
+        check_continue(config)
+        placement = placement_for(args, nproc, config.group_size)
+        _check_growth(config, placement.most_replicas)
+    else:
+        from nanoddp.ft.placement import refuse_continue_flags
+
+        refuse_continue_flags(args)
+    # under continue the run starts with --nnodes hosts' replicas (a grower splits the same global batch finer)
+    world_size = placement.replicas if placement is not None else nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
     preflight.check_worker_environ()
     train_set, _, spec = build_datasets(
         config.data, config.seq_len, config.val_fraction, filled(config.text_max_bytes), model=config.model
     )
     check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
-    from nanoddp.ft.placement import placement_for, refuse_continue_flags
-
-    if config.on_failure == "continue":  # refused here, before any process starts
-        from nanoddp.train.ft_trainer import check_continue
-
-        check_continue(config)
-        placement_for(args, nproc, config.group_size)
-    else:
-        refuse_continue_flags(args)
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
     return config, nproc, spec
+
+
+def _check_growth(config: TrainConfig, most_replicas: int) -> None:
+    """Under continue each replica's piece of a step's global batch is split into --grad-accum
+    micro-batches: at the most replicas the run may grow to, every micro-batch must hold a sample."""
+    batch_size, per_step = filled(config.batch_size), most_replicas * config.grad_accum
+    if batch_size < per_step:
+        raise ValueError(
+            f"batch_size={batch_size} (global) cannot be split over {most_replicas} replicas x grad_accum "
+            f"{config.grad_accum} = {per_step} (the most the run may grow to); use --batch-size {per_step} or more"
+        )
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
