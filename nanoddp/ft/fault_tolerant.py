@@ -189,7 +189,7 @@ class FaultTolerant:
         self.manager.start_quorum()
         if not self._started:
             self._wait_for_everyone()
-        elif not self._members and self.world_size == 1 and (self.env.replicas > 1 or self.env.grower):
+        elif self._alone_on_arrival():
             raise RuntimeError(
                 f"{self.env.who} found no running replica "
                 "to join (the others have finished or are gone): nothing to take its state from"
@@ -198,6 +198,13 @@ class FaultTolerant:
             self._note_membership()
         self._members = self.world.processes
         self._beat()
+
+    def _alone_on_arrival(self) -> bool:
+        """This process came to take the state (a replacement, a grower), has been in no group yet,
+        and is alone: nobody to take it from. A process that holds the state is never that, even
+        with no group behind it (its first group's setup failed): it may be the last holder."""
+        came_to_take = self.env.replicas > 1 or self.env.grower
+        return not self._members and not self._live.holds_state and self.world_size == 1 and came_to_take
 
     def _run_boundary(self, step: int) -> bool:
         """The boundary work at `step` on every member (see the module docstring); False if it

@@ -3,10 +3,11 @@
 `nanoddp run --on-failure continue` and `nanoddp train --on-failure continue` both launch here.
 Why not torchrun's agent: it restarts every local worker when one fails, so the survivors would
 die with the lost rank, which is exactly what per-step fault tolerance avoids. Here the launcher
-is the supervisor. It runs torchft's Lighthouse (the quorum service) in its own process, starts
-one process per replica (each in a session of its own) and watches them: a replica that dies
-is replaced, up to `max_restarts` times per replica, by a process with the same replica id and a
-higher attempt number, which joins the running group at a step boundary and receives its state
+is the supervisor. It runs torchft's Lighthouse (the quorum service; `nanoddp.ft.quorum_service`)
+inside the launcher's process, on threads of torchft's own, starts one process per replica
+(each in a session of its own) and watches them: a replica that dies is replaced, up to
+`max_restarts` times per replica, by a process with the same replica id and a higher attempt
+number, which joins the running group at a step boundary and receives its state
 from a peer (`FaultTolerant`). The others are never touched. The first replacement is a warm
 spare (`nanoddp.ft.spare`), started with the run and waiting with its imports done, so that a
 failure does not cost the survivors' cores a cold start.
