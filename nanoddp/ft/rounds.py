@@ -62,7 +62,8 @@ class FaultTolerantRounds(FaultTolerant):
 
     def _put_extra(self, put: Callable[[Any], None]) -> Callable[[Any], None]:
         def put_and_note(state: Any) -> None:
-            self._healed_from = int(state["source"])
+            # what this process trained since the last sync was from a state it no longer holds
+            self._healed_from, self.samples = int(state["source"]), 0
             put(state["extra"])
 
         return put_and_note
@@ -71,6 +72,9 @@ class FaultTolerantRounds(FaultTolerant):
     def step(self) -> int:
         """Inner steps done (a joiner's: its source's, once healed)."""
         return len(self.history)
+
+    def _steps_done(self) -> int:
+        return self.step  # the Manager counts syncs
 
     def steps(self, total_steps: int) -> Iterator[int]:
         """The first quorum (a joiner heals there, at its peers' next sync), then inner steps
@@ -112,6 +116,7 @@ class FaultTolerantRounds(FaultTolerant):
                 break
         self._sync_s = time.monotonic() - started
 
+    @torch.no_grad()
     def _average(self) -> tuple[torch.Tensor | None, torch.Tensor] | bool:
         """The replicas' sample-weighted mean contribution (None when no one trained since the
         last sync) and every rank's facts; False when the sync failed (a member was lost)."""

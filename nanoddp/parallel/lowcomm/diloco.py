@@ -135,6 +135,7 @@ class DiLoCo(PeriodicSync):
         params = self._params()
         return torch.cat([(self.last_sync[i] - params[i]).reshape(-1).float() for i in self.fragments[fragment]])
 
+    @torch.no_grad()
     def sync_contribution(self) -> torch.Tensor:
         """The whole model's pseudo-gradient (under `held` there is one fragment: `check_continue`)."""
         return self._pseudo_grad(0)
