@@ -1,10 +1,11 @@
 """`nanoddp train --on-failure continue --engine localsgd|diloco`: replicas lost and joined at syncs.
 
-One launch per engine: 3 replicas of a tiny GPT, a sync every 3 steps. Replica 2 is SIGKILLed
-from outside after step 4 (between the syncs of steps 3 and 6): the two others step on alone and
-the next sync averages over them (replica 2's samples since the sync of step 3 are lost); they
-sync alone for a round or more; its replacement, at a later sync, heals from a peer (last-synced
-weights, outer state, inner AdamW and step count) and trains the rounds after it. References:
+One launch per engine: 3 replicas of a tiny GPT, a sync every 3 steps, 12 steps. Replica 2 is
+SIGKILLed from outside after step 4 (between the syncs of steps 3 and 6): the two others step on
+alone and the next sync averages over their samples (replica 2's since the sync of step 3 are
+lost); there its replacement heals from a peer (last-synced weights, outer state, inner AdamW and
+step count) and trains the rounds after it. A second launch (diloco) loses replica 2 during a
+sync's all-reduce: the survivors retry it among themselves and go on at world size 2. References:
 - the `sync` records (who was present, the samples each trained since the last sync, whom a
   joiner healed from) make the schedule described above, and the step records' world sizes are
   the quorum of each round's start;
@@ -28,60 +29,33 @@ from nanoddp.bench.training_run import run_training
 
 pytest.importorskip("torchft")
 
-REPLICAS, SYNC_EVERY, STEPS, KILL_AFTER = 3, 3, 48, 4
-HELD_AFTER = 9  # the survivors are held after a sync of theirs alone, at step HELD_AFTER or later
-HOLD_S = 1.0  # each hold: below the quorum service's heartbeat timeout (quorum_service.HEARTBEAT_MS)
+REPLICAS, SYNC_EVERY, STEPS, KILL_AFTER = 3, 3, 12, 4
 
 
 @pytest.fixture(scope="module", params=["localsgd", "diloco"])
 def launched(request, tmp_path_factory):
+    """The run of one engine; `--min-replicas 3` makes the survivors' next sync wait for the
+    replacement (its start takes seconds on a loaded machine), so it joins there."""
     engine, out = request.param, tmp_path_factory.mktemp(request.param) / "run"
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
                "--engine", engine, "--sync-every", str(SYNC_EVERY), "--steps", str(STEPS), "--max-restarts", "1",
-               "--no-warm-spare", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
-               "--log-every", str(STEPS)]  # fmt: skip
-    # each sync waits on a simulated 20 ms link (nanoddp's sends only: the same sums), so that the
-    # survivors' rounds after the kill last a second or more on any machine
-    slow_link = dict(os.environ, NANODDP_LINK_LATENCY="20ms")
-    run = run_training(command, out, timeout_s=180, during=lambda proc: _plant(proc, out), env=slow_link)
+               "--min-replicas", str(REPLICAS), "--no-warm-spare", "--snapshot-every", "0", "--eval-every", "0",
+               "--out", str(out), *FT_TINY_GPT, "--log-every", str(STEPS)]  # fmt: skip
+
+    def kill_replica_2(proc) -> bool:
+        """SIGKILL replica 2 once step KILL_AFTER is recorded (held first: it dies between the
+        syncs of steps 3 and 6, or in the second at the latest, which retries the same)."""
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 2), deadline)
+        if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] >= KILL_AFTER):
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        return True
+
+    run = run_training(command, out, timeout_s=180, during=kill_replica_2)
     assert run.acted and run.returncode == 0, run.output[-5000:]
     return engine, out, run
-
-
-def _plant(proc, out) -> bool:
-    """The schedule, from outside: replica 2 SIGKILLed once step KILL_AFTER is recorded (held first:
-    it dies between the syncs of steps 3 and 6 whatever the machine's speed); once the two
-    others have synced alone at step HELD_AFTER they are slowed (held by SIGSTOP most of the time)
-    until replica 2's replacement is up and asking the quorum service (connected to it), so that
-    it joins at a sync with steps left, however long its start takes on a loaded machine."""
-    launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 150
-    pids = [wait_for(lambda r=r: proc.poll() is None and replica_pid(launcher, r), deadline) for r in range(3)]
-    if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] >= KILL_AFTER):
-        return False
-    os.kill(pids[2], signal.SIGSTOP)
-    os.kill(pids[2], signal.SIGKILL)
-    # held in pulses shorter than the quorum service's heartbeat timeout (it would leave a held
-    # replica out) and than the Manager's timeouts (a commit missed by one member alone), each
-    # after an inner step of theirs alone, until the replacement is up and asking the quorum service
-    if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] >= HELD_AFTER + 1):
-        return False
-    joiner, port = None, None
-    while not _asking(joiner, port) and time.monotonic() < deadline:
-        for pid in pids[:2]:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(HOLD_S)
-        for pid in pids[:2]:
-            os.kill(pid, signal.SIGCONT)
-        time.sleep(0.1)
-        if joiner is None and (found := replica_pid(launcher, 2, attempt=1)) is not None:
-            joiner = psutil.Process(found)
-            port = int(joiner.environ()["NANODDP_FT_LIGHTHOUSE"].rsplit(":", 1)[1])
-    return True
-
-
-def _asking(joiner, port) -> bool:
-    """Whether the replacement's Manager is connected to the quorum service (it asks next)."""
-    return joiner is not None and any(c.raddr and c.raddr.port == port for c in joiner.net_connections("tcp"))
 
 
 def _wait_for_record(proc, out, deadline: float, wanted) -> bool:
@@ -106,25 +80,75 @@ def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
     engine, out, run = launched
     records = run.records
     syncs = [r for r in records if r.get("event") == "sync"]
-    assert [s["step"] for s in syncs] == list(range(SYNC_EVERY, STEPS + 1, SYNC_EVERY)), syncs
-    # the loss: the first sync after the kill averages the two survivors' samples alone
-    lost_at = next(i for i, s in enumerate(syncs) if s["replicas"] != [0, 1, 2])
-    assert syncs[lost_at]["step"] > KILL_AFTER and syncs[:lost_at][-1]["step"] <= KILL_AFTER, syncs
-    assert syncs[lost_at]["replicas"] == [0, 1] and all(n > 0 for n in syncs[lost_at]["samples"]), syncs
-    # the joiner: healed from a peer at a later sync, with no samples of its own, then trains
-    joined_at = next(i for i, s in enumerate(syncs) if i > lost_at and s["replicas"] == [0, 1, 2])
-    joined = syncs[joined_at]
-    assert joined["step"] > HELD_AFTER and joined["samples"][2] == 0 and joined["healed_from"][2] in (0, 1), syncs
-    assert joined["healed_from"][:2] == [-1, -1] and joined_at < len(syncs) - 1, syncs
-    assert all(s["replicas"] == [0, 1, 2] and 0 not in s["samples"] for s in syncs[joined_at + 1 :]), syncs
-    # every step's record has the world size of its round's quorum
-    history = [r["world_size"] for r in records if "event" not in r]
-    rounds = [REPLICAS] + [len(s["replicas"]) for s in syncs[:-1]]
-    assert history == [size for size in rounds for _ in range(SYNC_EVERY)], history
-    changes = [(r["event"], r["replicas"]) for r in records if r.get("event") in ("rank_lost", "rank_joined")]
-    assert changes == [("rank_lost", [2]), ("rank_joined", [2])], changes
+    got_schedule = [(s["step"], s["replicas"], s["samples"], s["healed_from"]) for s in syncs]
+    assert got_schedule[:2] == [
+        (3, [0, 1, 2], [12, 12, 12], [-1, -1, -1]),
+        # replica 2's round is lost: the survivors' samples alone; its replacement healed from a peer
+        (6, [0, 1, 2], [12, 12, 0], [-1, -1, syncs[1]["healed_from"][2]]),
+    ], got_schedule
+    assert syncs[1]["healed_from"][2] in (0, 1), got_schedule
+    assert got_schedule[2:] == [(step, [0, 1, 2], [12, 12, 12], [-1, -1, -1]) for step in (9, 12)], got_schedule
+    assert [r["world_size"] for r in records if "event" not in r] == [REPLICAS] * STEPS
+    changes = [
+        (r["event"], r["step"], r["replicas"]) for r in records if r.get("event") in ("rank_lost", "rank_joined")
+    ]
+    assert changes == [("rank_lost", 7, [2]), ("rank_joined", 7, [2])], changes
     got = torch.load(out / "model.pt")
     want = run_on_ranks(_replay, 1, syncs, engine, timeout=240)[0]
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{engine} {name}: {(got[name] - want[name]).abs().max()}"
+
+
+# ---- lost during a sync: after the sync's quorum, in its all-reduce ------------------------------
+DURING_STEPS, DURING_SYNC = 9, 6  # replica 2 dies in the sync of step 6
+
+
+@pytest.fixture(scope="module")
+def lost_during_a_sync(tmp_path_factory):
+    """diloco, 3 replicas, no replacement: replica 2 SIGKILLed once it has marked the quorum of the
+    sync of step DURING_SYNC (`FaultTolerant._beat`, which comes right before the sync's
+    all-reduce), while that all-reduce waits on a simulated 300 ms link."""
+    out = tmp_path_factory.mktemp("during") / "run"
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
+               "--engine", "diloco", "--sync-every", str(SYNC_EVERY), "--steps", str(DURING_STEPS),
+               "--max-restarts", "0", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
+               "--log-every", str(DURING_STEPS)]  # fmt: skip
+
+    def kill_in_the_sync(proc) -> bool:
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
+        pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 2), deadline)
+        beat = os.path.join(psutil.Process(pid).environ()["NANODDP_FT_BEATS"], "replica-2")
+        before = DURING_SYNC - SYNC_EVERY  # the sync before: its step record's time follows its quorum's mark
+        if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] == before):
+            return False
+        committed = next(r["time"] for r in _records(out) if "event" not in r and r["step"] == before)
+        wait_for(lambda: proc.poll() is not None or os.stat(beat).st_mtime > committed, deadline, 0.001)
+        os.kill(pid, signal.SIGKILL)
+        return True
+
+    slow_link = dict(os.environ, NANODDP_LINK_LATENCY="300ms")
+    run = run_training(command, out, timeout_s=180, during=kill_in_the_sync, env=slow_link)
+    assert run.acted and run.returncode == 0, run.output[-5000:]
+    return out, run
+
+
+def test_a_replica_lost_during_a_sync_the_survivors_retry_it(lost_during_a_sync):
+    """The survivors' first try of the sync failed, the retry among them averaged their whole
+    round (nothing of the failed try applied), and model.pt equals the replay bitwise."""
+    out, run = lost_during_a_sync
+    assert f"the sync at step {DURING_SYNC} failed" in run.output, run.output[-3000:]
+    syncs = [r for r in run.records if r.get("event") == "sync"]
+    assert [(s["step"], s["replicas"], s["samples"]) for s in syncs] == [
+        (3, [0, 1, 2], [12, 12, 12]),
+        (6, [0, 1], [12, 12]),  # pieces of 4 (split over 3), 3 steps each: the survivors' whole round
+        (9, [0, 1], [18, 18]),
+    ], syncs
+    got = torch.load(out / "model.pt")
+    want = run_on_ranks(_replay_during, 1, syncs, timeout=240)[0]
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def _replay_during(env, syncs):
+    return replay_rounds_run(env, syncs, "diloco", replicas=REPLICAS, steps=DURING_STEPS, sync_every=SYNC_EVERY)
