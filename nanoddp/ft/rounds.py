@@ -47,8 +47,8 @@ class FaultTolerantRounds(FaultTolerant):
     """`FaultTolerant` with a quorum per round of `wrapper.sync_every` inner steps (module doc).
 
     The loop: `for step in rounds.steps(n)`: train this replica's piece (`batch_for(step)`), the
-    inner step (`wrapper.step()`, held: no sync of its own), then `end_step(loss, samples)`,
-    which syncs when one is due."""
+    inner step (`wrapper.step()`, held: no sync of its own), then `end_step(loss, samples,
+    n)`, which syncs when one is due."""
 
     def __init__(self, model: torch.nn.Module, wrapper: PeriodicSync, **kwargs: Any) -> None:
         take, put = kwargs.pop("extra_state", None) or (lambda: None, lambda state: None)
@@ -111,7 +111,7 @@ class FaultTolerantRounds(FaultTolerant):
                 continue  # a lost member: the next quorum is among the survivors
             if isinstance(mean, tuple):
                 self._commit(*mean)
-            self.samples, self._healed_from = 0, -1
+            self.samples, self._healed_from, self._same_failure = 0, -1, ((), 0)
             if self._run_boundary(self.step):
                 break
         self._sync_s = time.monotonic() - started

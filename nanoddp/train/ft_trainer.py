@@ -28,6 +28,11 @@ guards and the `model.pt` export are the Trainer's own code. What differs, and w
   steps with the same RNG stream (rank 0's of a snapshot);
 - the step records are `FaultTolerant`'s (one per committed step, with the world size it had).
 
+`--engine localsgd|diloco` keep their low communication: the loop is `FaultTolerantRounds`
+(`nanoddp.ft.rounds`), a quorum per round of `--sync-every` steps, not per step; each replica
+steps alone between syncs (`_run_inner_step`), and the sync is a sample-weighted mean over the
+replicas present, retried among the survivors if one is lost during it.
+
 `--engine fsdp` shards the model over every replica, so a lost replica would take weights that
 exist nowhere else: it is refused under continue with the way out (`--engine hsdp`, or
 `--on-failure restart`).
