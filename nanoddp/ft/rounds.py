@@ -112,6 +112,11 @@ class FaultTolerantRounds(FaultTolerant):
             if isinstance(mean, tuple):
                 self._commit(*mean)
             self.samples, self._healed_from, self._same_failure = 0, -1, ((), 0)
+            # [Note: the Manager's step] torchft heals a member whose step is below the quorum's
+            # highest: make it the inner steps synced (+1: 0 is a fresh run, which torchft heals
+            # from replica rank 0), so a member that missed a commit its peers made is behind at
+            # their next sync and heals there, rather than joining it from an older round.
+            self.manager.load_state_dict({"step": self.step + 1, "batches_committed": self.step})
             if self._run_boundary(self.step):
                 break
         self._sync_s = time.monotonic() - started
