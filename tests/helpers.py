@@ -6,6 +6,7 @@ notebook kernels). Tests import these by name; no test file imports another test
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import subprocess
@@ -450,6 +451,97 @@ def replay_engine_run(
         scaler.update()
         job.scheduler.step()
     return built.state_dict()
+
+
+def replay_rounds_run(
+    env: DistEnv, syncs: list[dict], engine: str, *, replicas: int, steps: int, sync_every: int
+) -> dict[str, torch.Tensor]:
+    """Run on one gloo rank: `--on-failure continue --engine localsgd|diloco` (`nanoddp.ft.rounds`)
+    over the membership schedule its `sync` records give (`syncs`, in order), one model per
+    replica, written without `nanoddp.ft`: the `replicas` start together; in each round every
+    replica that the round's sync counted samples from trains its piece of each step's global
+    batch, split over the previous sync's quorum (its rank there), alone (the engine's clip, the
+    inner AdamW through the held wrapper, its own schedule); a joiner is a new replica loaded with
+    the state of the replica it healed from, as that one held it at the sync; at the sync each
+    member's contribution (LocalSGD: its weights; DiLoCo: last-sync weights minus its weights)
+    times its samples is added in rank order and divided by the samples summed, then taken
+    (LocalSGD: the weights; DiLoCo: the outer step on the last-sync weights, which the weights
+    become). Returns the final model's state (the same on every replica after the last sync)."""
+    from nanoddp.ft.global_batches import GlobalBatches, share
+    from nanoddp.train.config import threads_per_rank
+    from nanoddp.train.engines import build_engine
+    from nanoddp.train.recipe import build_job
+
+    config = TrainConfig(
+        engine=engine, sync_every=sync_every, text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2,
+        d_ff=64, batch_size=12, warmup_steps=2, seed=0, steps=steps,
+    )  # fmt: skip
+    torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
+
+    def new_replica():
+        job = build_job(config)  # identical weights, as every replica's
+        built = build_engine(engine, job.module, env)
+        wrapper = built.wrap_optimizer(job.optimizer, config)
+        built.use_cross_replica()
+        return built, wrapper, job
+
+    first = new_replica()
+    train_set = first[2].train_set
+    batches = GlobalBatches(len(train_set), 12, 0)
+    members = {0: first, **{r: new_replica() for r in range(1, replicas)}}
+    order, at_step = list(range(replicas)), 0
+    for sync in syncs:
+        counted = dict(zip(sync["replicas"], sync["samples"], strict=True))
+        for rank, replica in enumerate(order):
+            if counted.get(replica, 0) == 0:
+                continue  # lost in the round: its steps count for nothing
+            built, wrapper, job = members[replica]
+            for step in range(at_step, sync["step"]):
+                piece = batches.indices(step)[share(12, rank, len(order))]
+                wrapper.zero_grad(set_to_none=True)
+                batch = torch.utils.data.default_collate([train_set[i] for i in piece.tolist()])
+                built.model(*batch)[-1].backward()  # GPT returns (logits, loss)
+                built.clip_grad_norm_(1.0)
+                wrapper.step()
+                job.scheduler.step()
+            assert counted[replica] == (sync["step"] - at_step) * len(piece), (sync, replica)
+        for replica, source in zip(sync["replicas"], sync["healed_from"], strict=True):
+            if source >= 0:  # a joiner: the source's state as it held it at this sync
+                members[replica] = joiner = new_replica()
+                joiner[0].module.load_state_dict(members[source][0].module.state_dict())
+                # a copy, as the heal's transfer is: torch's load_state_dict would share the tensors
+                joiner[1].load_state_dict(copy.deepcopy(members[source][1].state_dict()))
+                joiner[2].scheduler.load_state_dict(members[source][2].scheduler.state_dict())
+        total, mean = float(sum(sync["samples"])), None
+        for replica, samples in zip(sync["replicas"], sync["samples"], strict=True):
+            wrapper = members[replica][1]
+            params = [p for g in wrapper.param_groups for p in g["params"]]
+            if engine == "localsgd":
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+            else:
+                flat = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(wrapper.last_sync, params, strict=True)])
+            mean = flat * float(samples) if mean is None else mean + flat * float(samples)
+        if total > 0:
+            assert mean is not None
+            mean = mean / total
+            for replica in sync["replicas"]:
+                wrapper = members[replica][1]
+                params, offset = [p for g in wrapper.param_groups for p in g["params"]], 0
+                with torch.no_grad():
+                    for i, p in enumerate(params):
+                        piece_of_mean = mean[offset : offset + p.numel()].view_as(p)
+                        offset += p.numel()
+                        if engine == "localsgd":
+                            p.copy_(piece_of_mean)
+                        else:
+                            wrapper.last_sync[i].grad = piece_of_mean.clone()
+                    if engine == "diloco":
+                        wrapper.outer.step()
+                        for p, synced in zip(params, wrapper.last_sync, strict=True):
+                            p.copy_(synced)
+                            synced.grad = None
+        order, at_step = list(sync["replicas"]), sync["step"]
+    return members[order[0]][0].module.state_dict()
 
 
 def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:

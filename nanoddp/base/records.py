@@ -53,6 +53,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "eval": ("step", "val_loss", "world_size", "eval_time_s"),
     "nonfinite_loss": ("step", "ranks", "action", "world_size"),
     "resumed_from_snapshot": ("step", "snapshot_step", "world_size"),
+    # localsgd/diloco under continue: per rank of the sync's quorum, its replica, the samples it
+    # trained since the last sync and the replica it healed from (-1: none) (`nanoddp.ft.rounds`)
+    "sync": ("step", "world_size", "replicas", "samples", "healed_from"),
 }
 
 

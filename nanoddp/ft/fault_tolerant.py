@@ -323,9 +323,13 @@ class FaultTolerant:
         if not survivors or survivors[0] != self.world.process:
             return
         # Numbered as the trainer numbers steps in metrics.jsonl: from 1 (the loop's index + 1).
-        for event in membership_events(self._members, now, self.manager.current_step() + 1):
+        for event in membership_events(self._members, now, self._steps_done() + 1):
             logger.warning("nanoddp.ft: %s", describe(event))
             self.metrics.write(event)
+
+    def _steps_done(self) -> int:
+        """Steps committed so far: the Manager's count (one commit per step here)."""
+        return self.manager.current_step()
 
     # -- 2. the data --------------------------------------------------------------------------
     def batch_for(self, step: int) -> torch.Tensor:

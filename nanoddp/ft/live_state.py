@@ -24,6 +24,7 @@ import torch
 
 from nanoddp.base.rng import capture_rng_state, restore_rng_state
 from nanoddp.ft.packed_state import pack, unpack
+from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 from nanoddp.parallel.tensors import is_dtensor
 
 
@@ -47,11 +48,14 @@ def put_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
 
 
 def take_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state on this rank: ZeRO-1's own shard; a plain optimizer's state with
-    each DTensor (the state of a sharded parameter) as its local shard."""
+    """The optimizer's state on this rank: ZeRO-1's own shard; a LocalSGD/DiLoCo wrapper's whole
+    state (this replica's inner optimizer, step count, last-sync weights, outer optimizer); a plain
+    optimizer's state with each DTensor (the state of a sharded parameter) as its local shard."""
     sharded = getattr(optimizer, "sharded_state_dict", None)
     if sharded is not None:
         return sharded()
+    if isinstance(optimizer, PeriodicSync):  # localsgd/diloco: inner state, step count, last-sync weights, outer
+        return optimizer.state_dict()
     state = optimizer.state_dict()
     per_param = {i: {k: _local(v) for k, v in entry.items()} for i, entry in state["state"].items()}
     return {**state, "state": per_param}
@@ -63,6 +67,9 @@ def put_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> No
     load_sharded = getattr(optimizer, "load_sharded_state_dict", None)
     if load_sharded is not None:
         load_sharded(state)
+        return
+    if isinstance(optimizer, PeriodicSync):
+        optimizer.load_state_dict(state)
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_param = {}

@@ -28,6 +28,11 @@ guards and the `model.pt` export are the Trainer's own code. What differs, and w
   steps with the same RNG stream (rank 0's of a snapshot);
 - the step records are `FaultTolerant`'s (one per committed step, with the world size it had).
 
+`--engine localsgd|diloco` keep their low communication: the loop is `FaultTolerantRounds`
+(`nanoddp.ft.rounds`), a quorum per round of `--sync-every` steps, not per step; each replica
+steps alone between syncs (`_run_inner_step`), and the sync is a sample-weighted mean over the
+replicas present, retried among the survivors if one is lost during it.
+
 `--engine fsdp` shards the model over every replica, so a lost replica would take weights that
 exist nowhere else: it is refused under continue with the way out (`--engine hsdp`, or
 `--on-failure restart`).
@@ -56,6 +61,7 @@ from nanoddp.env import DistEnv
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 from nanoddp.ft.global_batches import share
 from nanoddp.ft.replica_group import own_world
+from nanoddp.ft.rounds import FaultTolerantRounds
 from nanoddp.ft.stopped import RunStopped, run_replica
 from nanoddp.train import step_check
 from nanoddp.train.checkpoint import snapshot
@@ -69,7 +75,8 @@ from nanoddp.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_trainer"  # what the supervisor runs once per replica
-CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "hsdp")
+CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "hsdp", "localsgd", "diloco")
+LOWCOMM_ENGINES = ("localsgd", "diloco")  # a quorum per round of --sync-every steps (`nanoddp.ft.rounds`)
 CPU = torch.device("cpu")
 
 
@@ -91,11 +98,34 @@ def check_continue(config: TrainConfig) -> None:
             f"--group-size {config.group_size}: under --on-failure continue each replica is one process "
             "(--group-size 1); drop it, or use --on-failure restart"
         )
+    if config.engine in LOWCOMM_ENGINES:
+        check_continue_rounds(config)
     unsupported = {"compile": config.compile, "trace": config.trace is not None}
     named = [name for name, used in unsupported.items() if used]
     if named:
         flags = ", ".join("--" + name.replace("_", "-") for name in named)
         raise ValueError(f"--on-failure continue does not support {flags} yet: drop them or use --on-failure restart")
+
+
+def check_continue_rounds(config: TrainConfig) -> None:
+    """localsgd and diloco under continue: whole-model syncs in fp32 (what `nanoddp.ft.rounds`
+    averages), and the boundary work at syncs, where every replica holds the synced state."""
+    streaming = {"fragments": (config.fragments, 1), "sync-delay": (config.sync_delay, 0), "mix": (config.mix, 0.0),
+                 "pseudo-grad-dtype": (config.pseudo_grad_dtype, "fp32")}  # fmt: skip
+    named = [f"--{flag} {value}" for flag, (value, plain) in streaming.items() if value not in (None, plain)]
+    if named:
+        raise ValueError(
+            f"--on-failure continue --engine diloco syncs the whole model in fp32 (--fragments 1 --sync-delay 0 "
+            f"--mix 0 --pseudo-grad-dtype fp32), got {' '.join(named)}: drop them, or use --on-failure restart"
+        )
+    sync_every = filled(config.sync_every)
+    for flag, every in (("--snapshot-every", config.snapshot_every), ("--eval-every", config.eval_every)):
+        if every > 0 and every % sync_every:
+            raise ValueError(
+                f"{flag} {every} with --engine {config.engine} --sync-every {sync_every} under --on-failure continue: "
+                f"snapshots and evaluations happen at syncs, where the replicas agree; use a multiple of {sync_every} "
+                "(or 0)"
+            )
 
 
 class FaultTolerantTrainer(Trainer):
@@ -147,7 +177,9 @@ class FaultTolerantTrainer(Trainer):
         self.run_id = first_run_id(self.replica, config.out)
         self.resumed_from = None if self.replica.joiner else self._maybe_resume()  # a joiner heals from a peer
         self._start_step = self.step  # the step the run started or resumed at: no boundary work there again
-        self.ft = FaultTolerant(
+        self.rounds = config.engine in LOWCOMM_ENGINES  # a quorum per round, not per step (`nanoddp.ft.rounds`)
+        kind = FaultTolerantRounds if self.rounds else FaultTolerant
+        self.ft = kind(
             self.module,
             self.optimizer,
             dataset_len=len(self.train_set),
@@ -251,6 +283,8 @@ class FaultTolerantTrainer(Trainer):
         # FT: forward and backward are the Trainer's (its micro-steps, the engine's own sync); then
         # the cross phase over the replicas and the verdict on a non-finite loss (`FaultTolerant`),
         # and the Trainer's clip and update only if the step commits (one that does not comes again).
+        if self.rounds:
+            return self._run_inner_step(list(batches))
         step, micro_batches = self.step, list(batches)
         loss = torch.zeros(())
         for micro, (batch, weight) in enumerate(micro_batches):
@@ -274,6 +308,34 @@ class FaultTolerantTrainer(Trainer):
             logger.info("%s | world %d", format_log_line(self.ft.last_record), self.ft.world_size)
         self.step = step + 1
         return None if nonfinite else loss
+
+    def _run_inner_step(self, micro_batches: list) -> torch.Tensor | None:
+        """localsgd/diloco: this replica's inner step on its piece, alone (the restart path's
+        micro-steps, clip and update: the wrapper is held, so it does not sync), then
+        `FaultTolerantRounds.end_step`, which syncs the replicas present when one is due. A
+        non-finite loss is this replica's alone: `--on-nan skip` skips its update,
+        `--on-nan stop` stops it (the others go on)."""
+        ft, step = self.ft, self.step
+        assert isinstance(ft, FaultTolerantRounds)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros(())
+        for micro, (batch, weight) in enumerate(micro_batches):
+            loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
+        loss /= len(micro_batches)
+        finite = bool(loss.isfinite())
+        if not finite and self.config.on_nan == "stop":
+            raise RunStopped(step_check.stop_line(step + 1, (ft.rank,)), ft.is_master)
+        if finite:
+            self._apply_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.engine.end_step()
+        self._last_step_finite = finite
+        ft.end_step(float(loss), len(ft.batch_for(step)), self.config.steps)
+        if ft.is_master and (step + 1) % self.config.log_every == 0:
+            logger.info("%s | world %d", format_log_line(ft.last_record), ft.world_size)
+        self.step = step + 1
+        return loss if finite else None
 
     def _boundary(self, step: int) -> None:
         """`FaultTolerant(boundary=)`: after each quorum, with `step` committed steps, the

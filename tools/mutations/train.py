@@ -323,6 +323,13 @@ FAULTS = (
         ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
     ),
     Mutation(
+        "ft rounds: a sync's contributions not weighted by the samples each replica trained",
+        "nanoddp/ft/rounds.py",
+        "torch.mul(contribution, float(self.samples), out=flat[:numel])",
+        "torch.mul(contribution, 1.0, out=flat[:numel])",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "localsgd"),
+    ),
+    Mutation(
         "ft continue: --on-nan stop ignored, the NaN update applied",
         "nanoddp/train/ft_trainer.py",
         '        if nonfinite and self.config.on_nan == "stop":',

@@ -117,20 +117,36 @@ class DiLoCo(PeriodicSync):
     @torch.no_grad()
     def _start(self, fragment: int) -> int:
         """Send fragment's pseudo-gradient (how far this rank moved since its last sync) for averaging."""
-        params = self._params()
-        pseudo_grad = torch.cat(
-            [(self.last_sync[i] - params[i]).reshape(-1).float() for i in self.fragments[fragment]]
-        )  # (N,)
+        pseudo_grad = self._pseudo_grad(fragment)
         pending = start_mean(pseudo_grad, self.compress, self.collectives, self.group, self.residuals[fragment])
         self.in_flight[fragment] = pending
         return pending.sent_bytes
 
     @torch.no_grad()
     def _finish(self, fragment: int) -> int:
-        """The outer step on fragment's mean pseudo-gradient; then local = global + mix (local - global).
-        Returns the bytes the transport sent for that mean (`MeanInFlight.wire_bytes`)."""
+        """Fragment's mean arrived: its outer step (`_outer_step`). Returns the bytes the transport
+        sent for that mean (`MeanInFlight.wire_bytes`)."""
         pending = self.in_flight.pop(fragment)
-        mean = pending.wait()
+        self._outer_step(fragment, pending.wait())
+        return pending.wire_bytes()
+
+    def _pseudo_grad(self, fragment: int) -> torch.Tensor:
+        """How far this rank moved fragment's weights since its last sync, flat fp32 (N,)."""
+        params = self._params()
+        return torch.cat([(self.last_sync[i] - params[i]).reshape(-1).float() for i in self.fragments[fragment]])
+
+    @torch.no_grad()
+    def sync_contribution(self) -> torch.Tensor:
+        """The whole model's pseudo-gradient (under `held` there is one fragment: `check_continue`)."""
+        return self._pseudo_grad(0)
+
+    @torch.no_grad()
+    def take_mean(self, mean: torch.Tensor) -> None:
+        self._outer_step(0, mean)
+
+    @torch.no_grad()
+    def _outer_step(self, fragment: int, mean: torch.Tensor) -> None:
+        """The outer step on fragment's mean pseudo-gradient; then local = global + mix (local - global)."""
         params, offset = self._params(), 0
         for i in self.fragments[fragment]:
             synced = self.last_sync[i]
@@ -144,7 +160,6 @@ class DiLoCo(PeriodicSync):
             if local is not None:
                 p.lerp_(local, self.mix)
             synced.grad = None
-        return pending.wire_bytes()
 
     def replicas_equal(self) -> bool:
         """After a whole-model sync that keeps nothing local (one fragment, mix 0)."""

@@ -44,6 +44,16 @@ class LocalSGD(PeriodicSync):
     def _sync(self) -> int:
         return average_(self._params(), self.collectives, self.group)
 
+    def sync_contribution(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
+
+    @torch.no_grad()
+    def take_mean(self, mean: torch.Tensor) -> None:
+        offset = 0
+        for p in self._params():
+            p.copy_(mean[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "local_step": self.local_step}
 

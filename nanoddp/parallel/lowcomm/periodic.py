@@ -33,6 +33,9 @@ class PeriodicSync(torch.optim.Optimizer):
         self.group = group
         self.collectives = collectives_for(comm_backend)
         self.local_step = 0
+        # Set by `--on-failure continue` (`nanoddp.ft.rounds`): `step()` is the inner step alone, and the
+        # caller averages `sync_contribution()` over the replicas present and hands it to `take_mean`.
+        self.held = False
         self.last_sync_bytes = 0  # what the last step() sent (0 between syncs): for metrics
         # [Note: no super().__init__] The wrapper has no parameters of its own: it reads and
         # writes the inner optimizer's groups and state, as torch's PostLocalSGDOptimizer does.
@@ -57,6 +60,14 @@ class PeriodicSync(torch.optim.Optimizer):
         """Bring the replicas together (collective); returns the bytes this rank sent."""
         raise NotImplementedError
 
+    def sync_contribution(self) -> torch.Tensor:
+        """What this rank brings to a sync, as one new flat fp32 tensor (nothing is changed)."""
+        raise NotImplementedError
+
+    def take_mean(self, mean: torch.Tensor) -> None:
+        """Finish a sync with `mean`, the replicas' mean of `sync_contribution()`."""
+        raise NotImplementedError
+
     def _after_step(self) -> int:
         """Run after each inner step (all ranks together); returns the bytes this rank sent.
         Here: every `sync_every`-th step `_sync()`. DiLoCo's fragments sync on a finer schedule."""
@@ -71,7 +82,7 @@ class PeriodicSync(torch.optim.Optimizer):
         """The inner optimizer's step, then `_after_step()` (every `sync_every`-th: a sync)."""
         loss = self.optimizer.step(closure)
         self.local_step += 1
-        self.last_sync_bytes = self._after_step()
+        self.last_sync_bytes = 0 if self.held else self._after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

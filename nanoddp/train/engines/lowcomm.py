@@ -54,6 +54,12 @@ class PeriodicSyncEngine(Engine):
             self.wrapper = self._wrap(optimizer, config)
         return self.wrapper
 
+    def use_cross_replica(self) -> None:
+        """`--on-failure continue`: the wrapper's step is the inner step alone; the syncs are the
+        fault-tolerant loop's (`nanoddp.ft.rounds`), over the replicas present at each."""
+        assert self.wrapper is not None, "wrap_optimizer first"
+        self.wrapper.held = True
+
     def _check_given(self, wrapper: PeriodicSync, config: Any) -> None:
         wanted = {name: getattr(config, name) for name in self.option_defaults}
         kind = self.wrapper_class.__name__
