@@ -19,8 +19,8 @@ The run ends when a replica finishes (exit 0) and the rest have finished too, or
 the collective timeout more: those are killed, and a replacement that never reached a step (it
 has nobody left to join) at once. A replica that exits with `STOPPED_EXIT_CODE` stopped the run
 on purpose (`nanoddp.ft.stopped`: its line says why): it is not replaced, the run ends the same
-way, and its exit code is the run's; unless another replica marks a step after it, within the
-collective timeout: then it stopped alone and is a failed replica (`_stopped_alone`).
+way, and its exit code is the run's; unless another replica marks a step after it (within the
+collective timeout) or finishes: then it stopped alone, a failed replica (`_stopped_alone`).
 
 [Note: the launcher never ends the last holder] What a kill can take is the committed state of a
 replica that holds it while no other live one does. The hung-replica kill needs another replica
@@ -43,10 +43,9 @@ Across hosts each host runs its own launcher (`nanoddp.ft.placement`): it superv
 host's replicas (ids K*P .. K*P+P-1), node 0's also runs the quorum service, and one that finds
 the run under way (its host was lost and is started again) starts its replicas as joiners
 (`nanoddp.ft.quorum_service`). A host lost whole is no launcher's to replace: the others' quorum
-leaves its replicas out and goes on. A grower (a host past the starting count, `--max-replicas`)
-joins alike; it comes to a run under way or not at all: a run that has not started, has ended,
-or whose quorum service does not answer within GROWER_WAIT_S is one line and exit 1, never a
-wait for a run that will not come (nor a run of its own: it is never node 0).
+leaves its replicas out and goes on. A grower (a host past the starting count, `--max-replicas`,
+never node 0) joins alike, to a run under way or not at all: finding none (not started, ended, or
+no answer within GROWER_WAIT_S) is one line and exit 1, never a wait nor a run of its own.
 """
 
 from __future__ import annotations
@@ -274,8 +273,7 @@ class Supervisor:
         does went on without the stopper (the same error try after try was the stopper's own: a
         replacement's bad setting, say): the stopper was not the run, and the replicas that
         hold the state must not be ended for it. It is then a failed replica, replaced as one.
-        A finish counts whenever it came: holders that ran fast to the end may have exited
-        before the stopper's own exit was seen, their last marks older than its stop."""
+        A finish counts whenever it came (holders may end before the stopper's exit is seen)."""
         finished = any(r.exitcode == 0 for r in self.replicas)
         for replica in self.replicas:
             at = replica.stopped_at

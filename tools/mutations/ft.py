@@ -1,0 +1,135 @@
+"""Planted faults in fault tolerance under `--on-failure continue` (`nanoddp/ft/`): the launcher,
+the quorum and its placement across hosts, the step and the round, the live state a joiner takes."""
+
+from __future__ import annotations
+
+from mutations.fault import Mutation
+
+FAULTS = (
+    Mutation(
+        "ft continue: the summed gradients never written back into the engine's buffers",
+        "nanoddp/ft/gradients.py",
+        "            buffer.copy_(self.flat[at : at + buffer.numel()])\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_engines.py", "-k", "zero2-plain and replay"),
+    ),
+    Mutation(
+        "ft continue: a joiner's optimizer state not put (it starts AdamW afresh)",
+        "nanoddp/ft/live_state.py",
+        '        put_optimizer(self.optimizer, state["optimizer"])\n',
+        "        pass\n",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "zero2_loses"),
+    ),
+    Mutation(
+        "ft: a joiner's tensors stay views of the whole transfer buffer",
+        "nanoddp/ft/packed_state.py",
+        "[slot.start : slot.start + slot.numel].view(slot.shape).clone()",
+        "[slot.start : slot.start + slot.numel].view(slot.shape)",
+        ("tests/unit/test_ft_packed_state.py", "-k", "mixed_state"),
+    ),
+    Mutation(
+        "ft launcher: the warm spare is never used, a replacement starts cold",
+        "nanoddp/ft/supervisor.py",
+        "        if self._take_spare(replica):\n",
+        "        if False:\n",
+        ("tests/multiproc/test_ft.py", "-k", "train_continue_survives_a_kill"),
+    ),
+    Mutation(
+        "ft continue: a group in which nobody holds the state starts over from step 0",
+        "nanoddp/ft/fault_tolerant.py",
+        "        if held.item():\n",
+        "        if True:\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
+    ),
+    Mutation(
+        "ft rounds: a sync's contributions not weighted by the samples each replica trained",
+        "nanoddp/ft/rounds.py",
+        "torch.mul(contribution, float(self.samples), out=flat[:numel])",
+        "torch.mul(contribution, 1.0, out=flat[:numel])",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "localsgd"),
+    ),
+    Mutation(
+        "ft launcher: a replica that stopped the run is replaced",
+        "nanoddp/ft/supervisor.py",
+        "        if code in (0, STOPPED_EXIT_CODE) or self._over():  # one stopped the run, or finished:\n",
+        "        if code == 0 or self._over():  # one stopped the run, or finished:\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "snapshot_write_that_fails"),
+    ),
+    Mutation(
+        "ft launcher: one restart more than --max-restarts",
+        "nanoddp/ft/supervisor.py",
+        "        if replica.attempt >= self.launch.max_restarts:\n",
+        "        if replica.attempt > self.launch.max_restarts:\n",
+        ("tests/multiproc/test_ft_counts.py", "-k", "max_restarts"),
+    ),
+    Mutation(
+        "ft quorum: half the replicas, not more than half (a survivor of 2 trains alone)",
+        "nanoddp/ft/placement.py",
+        "    return replicas // 2 + 1\n",
+        "    return (replicas + 1) // 2\n",
+        ("tests/multiproc/test_ft_counts.py", "-k", "quorum"),
+    ),
+    Mutation(
+        "ft hosts: a host started again resumes from its snapshot instead of joining",
+        "nanoddp/ft/replica_env.py",
+        "        return self.attempt > 0 or self.join\n",
+        "        return self.attempt > 0\n",
+        ("tests/unit/test_ft_placement.py", "-k", "carries_address"),
+    ),
+    Mutation(
+        "ft growth: a node rank whose replica ids reach --max-replicas is accepted",
+        "nanoddp/ft/placement.py",
+        "    if not 0 <= node_rank < max_replicas // nproc:\n",
+        "    if not 0 <= node_rank <= max_replicas // nproc:\n",
+        ("tests/unit/test_ft_placement.py", "-k", "one_line"),
+    ),
+    Mutation(
+        "ft growth: the default --min-replicas a majority of the most replicas, not of the starting ones",
+        "nanoddp/ft/placement.py",
+        "    min_replicas = majority(replicas) if given is None else given\n",
+        "    min_replicas = majority(max_replicas) if given is None else given\n",
+        ("tests/unit/test_ft_placement.py", "-k", "grows"),
+    ),
+    Mutation(
+        "ft growth: a grower that finds no run under way starts its replicas anyway",
+        "nanoddp/ft/supervisor.py",
+        "    if where.grows and not service.under_way:\n",
+        "    if where.grows and service.under_way:\n",
+        ("tests/unit/test_ft_placement.py", "-k", "grower"),
+    ),
+    Mutation(
+        "ft hosts: a fresh quorum service taken for a run under way",
+        "nanoddp/ft/quorum_service.py",
+        "    return int(found.group(1)) > 0\n",
+        "    return int(found.group(1)) >= 0\n",
+        ("tests/unit/test_ft_placement.py", "-k", "under_way"),
+    ),
+    Mutation(
+        "ft hosts: the Manager server listens on every interface",
+        "nanoddp/ft/manager.py",
+        '        return original(**{**kwargs, "bind": f"{url_host(address)}:{port}"})\n',
+        "        return original(**kwargs)\n",
+        ("tests/multiproc/test_ft_hosts.py", "-k", "listener"),
+    ),
+    Mutation(
+        "ft continue: a step record's comm_bytes a running total",
+        "nanoddp/ft/fault_tolerant.py",
+        '"comm_bytes": sent_bytes() - self._bytes_at_start,',
+        '"comm_bytes": sent_bytes(),',
+        ("tests/multiproc/test_ft_counts.py", "-k", "comm_bytes"),
+    ),
+    Mutation(
+        "ft launcher: a replica that stopped alone ends the run, and the holders with it",
+        "nanoddp/ft/supervisor.py",
+        "            self._stopped_alone()\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "stops_alone"),
+    ),
+    Mutation(
+        "ft continue: a resume from a snapshot keeps the records past it (steps recorded twice)",
+        "nanoddp/ft/fault_tolerant.py",
+        "            self.metrics.truncate_after(snapshot_step)  # the steps after it are redone and recorded again\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
+    ),
+)
