@@ -33,6 +33,7 @@ import pytest
 import torch
 from helpers import FT_TINY_GPT, replay_rounds_run, replica_pid, run_on_ranks, wait_for
 
+from nanoddp.base.processes import end_tree
 from nanoddp.bench.training_run import run_training
 from nanoddp.env import free_port
 
@@ -166,7 +167,8 @@ def lost_during_a_sync(tmp_path_factory):
                 os.kill(survivor, signal.SIGSTOP)
             try:
                 with open(grower_log, "w") as log:
-                    grown.append(subprocess.Popen(growing, stdout=log, stderr=subprocess.STDOUT, env=slow_link))
+                    grown.append(subprocess.Popen(growing, stdout=log, stderr=subprocess.STDOUT, env=slow_link,
+                                                  start_new_session=True))  # fmt: skip
                 # the survivors' heartbeats have stopped (held): the one replica asking is the grower
                 wait_for(lambda: time.monotonic() > held + HEARTBEAT_S and _asking(url) == 1, deadline, 0.05)
             finally:
@@ -181,11 +183,7 @@ def lost_during_a_sync(tmp_path_factory):
         assert grown[0].wait(timeout=60) == 0, grower_log.read_text()[-5000:]
     finally:
         for proc in grown:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-            proc.kill()
-            proc.wait(timeout=30)
+            end_tree(proc)  # a no-op once it ended
     return out, run, grower_log.read_text()
 
 
