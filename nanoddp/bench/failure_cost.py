@@ -21,6 +21,14 @@ host's load moves far less.
 
 The victim is rank 1 (replica 1): never the rank that logs, so the kill moment is read from
 `metrics.jsonl` the same way in every mode.
+
+`--cost-engine diloco` measures the low-communication loop instead (`nanoddp.ft.rounds`:
+`--on-failure continue --engine diloco`, a quorum per round of `--sync-every` steps): replica 1
+SIGKILLed mid-round (`ROUNDS_KILL_AT_STEP`, between two syncs), a clean and a killed run per
+trial. Within the killed run: the survivors' wall time at the first sync after the kill (the
+`comm_time_s` its step record carries: the quorum without the lost replica, the weighted mean)
+less an ordinary sync's (the median of those before the kill), and the sync where the replacement
+joined; across the pair: the final validation loss of the killed run against the clean run's.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 
 import psutil
 
-from nanoddp.base.records import Record, last_step, step_records
+from nanoddp.base.records import Record, events, last_step, step_records
 from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.bench.training_run import run_training, train_command
@@ -55,12 +63,21 @@ RATIOS = (("continue", "restart"), ("torchft", "restart"), ("continue", "torchft
 RUN_TIMEOUT_S = 600
 # What `_seen_by_survivors` reads inside a killed run, as each trial's record carries it.
 SEEN_KEYS = ("stall_s", "join_s", "steps_short", "step_s", "extra_s")
+# `--cost-engine diloco`: 3 replicas of the same GPT, a sync every 10 steps, evaluated at the end.
+ROUNDS_ARGS = [
+    "--nproc", "3", "--engine", "diloco", "--sync-every", "10", "--steps", "200", "--seq-len", "32",
+    "--batch-size", "12", "--text-max-bytes", "200000", "--log-every", "50", "--eval-every", "200",
+    "--snapshot-every", "0", "--no-progress", "--max-restarts", "1", "--collective-timeout", "30",
+]  # fmt: skip
+ROUNDS_KILL_AT_STEP = 105  # mid-round: between the syncs of steps 100 and 110
+# What `_seen_at_syncs` reads inside a killed run of the rounds loop.
+SYNC_KEYS = ("sync_s", "stall_s", "extra_s", "join_sync_s", "join_step")
 
 
 def _victim(launcher: psutil.Process, mode: str) -> int | None:
     """The pid of rank 1's worker (restart: torchrun's worker with RANK=1; continue and torchft:
     replica 1's process, whose command names its step loop's module)."""
-    replica_module = {"continue": CONTINUE_WORKER, "torchft": TORCHFT_WORKER}.get(mode)
+    replica_module = {"continue": CONTINUE_WORKER, "diloco": CONTINUE_WORKER, "torchft": TORCHFT_WORKER}.get(mode)
     for child in launcher.children(recursive=True):
         try:
             environ, cmdline = child.environ(), " ".join(child.cmdline())
@@ -77,6 +94,8 @@ def _command(mode: str, out: Path) -> list[str]:
     """The run of `mode`: `nanoddp train`, or the torchft launcher with the same flags."""
     if mode == "torchft":
         return [sys.executable, "-m", TORCHFT_WORKER, *TRAIN_ARGS, "--on-failure", "continue", "--out", str(out)]
+    if mode == "diloco":  # `--cost-engine diloco`: the rounds loop under continue
+        return train_command(*ROUNDS_ARGS, "--on-failure", "continue", "--out", str(out))
     return train_command(*TRAIN_ARGS, "--on-failure", mode, "--out", str(out))
 
 
@@ -86,14 +105,16 @@ def _logged_step(out: Path) -> int:
 
 
 def _run(mode: str, kill: bool, out: Path) -> dict:
-    """One run of `mode`; with `kill`, rank 1 is SIGKILLed once step KILL_AT_STEP is logged."""
+    """One run of `mode`; with `kill`, rank 1 is SIGKILLed once step KILL_AT_STEP (diloco:
+    ROUNDS_KILL_AT_STEP) is logged."""
     start = time.monotonic()
+    kill_at = ROUNDS_KILL_AT_STEP if mode == "diloco" else KILL_AT_STEP
 
     def kill_rank_1(proc: Popen) -> tuple[float | None, float | None]:
         """(seconds after the start, wall clock) of the kill; (None, None) when the run ended first."""
         launcher = psutil.Process(proc.pid)
         while kill and proc.poll() is None:
-            if _logged_step(out) >= KILL_AT_STEP and (pid := _victim(launcher, mode)) is not None:
+            if _logged_step(out) >= kill_at and (pid := _victim(launcher, mode)) is not None:
                 os.kill(pid, signal.SIGKILL)
                 return time.monotonic() - start, time.time()
             time.sleep(0.02)
@@ -104,9 +125,12 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
     if run.returncode != 0:
         raise ChildFailed(f"mode {mode}: the run failed (exit {run.returncode}):\n{run.output[-3000:]}")
     if kill and killed_after is None:
-        raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no kill")
-    seen = _seen_by_survivors(run.records, killed_at) if killed_at is not None else {}
-    return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after, **seen}
+        raise ChildFailed(f"mode {mode}: the run ended before step {kill_at} was logged; no kill")
+    seen_by = _seen_at_syncs if mode == "diloco" else _seen_by_survivors
+    seen = seen_by(run.records, killed_at) if killed_at is not None else {}
+    evals = events(run.records, "eval")
+    return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after,
+            "val_loss": evals[-1]["val_loss"] if evals else None, **seen}  # fmt: skip
 
 
 def _seen_by_survivors(records: list[Record], killed_at: float) -> dict[str, Any]:
@@ -142,6 +166,80 @@ def _seen_by_survivors(records: list[Record], killed_at: float) -> dict[str, Any
     step = statistics.median(wait_before(i) for i in range(max(1, first_after - 10), first_after))
     return {"stall_s": stall, "join_s": None if back is None else wait_before(back), "steps_short": len(short),
             "step_s": round(step, 3), "extra_s": round(stall - step, 3)}  # fmt: skip
+
+
+def _seen_at_syncs(records: list[Record], killed_at: float) -> dict[str, Any]:
+    """What a replica lost mid-round cost the survivors of the rounds loop, read from their step
+    records (a sync step's record carries the sync's wall time as `comm_time_s`; the others None):
+    `sync_s`, the median sync before the kill; `stall_s`, the first sync after it (the quorum
+    without the lost replica and the mean of the survivors'); `extra_s`, the stall less `sync_s`;
+    `join_sync_s`, the sync where the replacement joined (its heal; the stall's own sync when it
+    joined there), at step `join_step`. The last sync is left out (it holds the final evaluation)."""
+    steps = step_records(records)
+    unseen = dict.fromkeys(SYNC_KEYS)
+    syncs = [r for r in steps[:-1] if r.get("comm_time_s") is not None and "time" in r]
+    before = [r["comm_time_s"] for r in syncs if r["time"] < killed_at]
+    after = [r for r in syncs if r["time"] > killed_at]
+    if not before or not after:  # the kill came before the first sync, or after the last
+        return unseen
+    joins = {event["step"] - 1 for event in events(records, "rank_joined")}  # noted on the step after the sync
+    joined = [r for r in after if r["step"] in joins]
+    sync, stall = statistics.median(before), after[0]["comm_time_s"]
+    return {"sync_s": round(sync, 3), "stall_s": round(stall, 3), "extra_s": round(stall - sync, 3),
+            "join_sync_s": round(joined[0]["comm_time_s"], 3) if joined else None,
+            "join_step": joined[0]["step"] if joined else None}  # fmt: skip
+
+
+def measure_rounds(trials: int) -> dict:
+    """`trials` (clean, killed) pairs of `--cost-engine diloco`; every run directory is removed."""
+    results: list[dict] = []
+    load_before = list(os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="nanoddp-cost-") as root:
+        for trial in range(trials):
+            clean = _run("diloco", False, Path(root, f"diloco-{trial}-clean"))
+            killed = _run("diloco", True, Path(root, f"diloco-{trial}-killed"))
+            gap = killed["val_loss"] / clean["val_loss"] - 1 if clean["val_loss"] and killed["val_loss"] else None
+            results.append({
+                "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
+                "cost_s": round(killed["wall_s"] - clean["wall_s"], 2),
+                "killed_after_s": killed["killed_after_s"], **{key: killed[key] for key in SYNC_KEYS},
+                "clean_val_loss": clean["val_loss"], "killed_val_loss": killed["val_loss"],
+                "val_loss_gap": None if gap is None else round(gap, 5),
+            })  # fmt: skip
+    return {
+        "meta": {
+            "train_args": ROUNDS_ARGS, "on_failure": "continue", "kill_at_step": ROUNDS_KILL_AT_STEP,
+            "victim": "replica 1", "trials": trials, "cpus": os.cpu_count(), "load_average_before": load_before,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "results": results,
+        "summary": summarize_rounds(results),
+    }  # fmt: skip
+
+
+def summarize_rounds(results: list[dict]) -> dict[str, Any]:
+    """Median and worst of the survivors' extra wait at the sync after the kill, and of the final
+    validation loss's relative gap (killed over clean, less 1)."""
+    summary: dict[str, Any] = {}
+    for key in ("cost_s", "sync_s", "stall_s", "extra_s", "join_sync_s", "val_loss_gap"):
+        seen = [r[key] for r in results if r.get(key) is not None]
+        summary[f"median_{key}"] = round(statistics.median(seen), 5) if seen else None
+        summary[f"max_{key}"] = max(seen, key=abs) if seen else None
+    return summary
+
+
+def describe_rounds(report: dict) -> str:
+    """Two lines: what the sync after the kill cost the survivors, and the loss it left."""
+    s, trials = report["summary"], report["meta"]["trials"]
+    if s["median_extra_s"] is None or s["median_val_loss_gap"] is None:
+        return f"--engine diloco under continue: no kill seen between two syncs in {trials} trial(s)"
+    return (
+        f"--engine diloco under continue: a replica SIGKILLed mid-round adds {s['median_extra_s']:.2f} s to the "
+        f"survivors' next sync (median of {trials}, worst {s['max_extra_s']:.2f}; an ordinary sync "
+        f"{s['median_sync_s']:.2f} s)\n"
+        f"final validation loss, killed run / clean run - 1: {100 * s['median_val_loss_gap']:+.2f} % "
+        f"(median; worst {100 * s['max_val_loss_gap']:+.2f} %)"
+    )
 
 
 def measure(trials: int) -> dict:

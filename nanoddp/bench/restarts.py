@@ -9,7 +9,8 @@ during a write must never be read back half-written; random kill times hit write
 
 It also measures what one failure costs in wall time under `--on-failure restart`,
 `--on-failure continue` and torchft's own fault-tolerant DDP on the same job, side by side
-(`nanoddp.bench.failure_cost`, `--cost-trials`).
+(`nanoddp.bench.failure_cost`, `--cost-trials`), or with `--cost-engine diloco` what a replica
+lost mid-round costs the low-communication loop under continue.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         "--cost-trials", type=count(0), default=3,
         help="(clean, killed) run pairs per failure mode for the cost of a failure (0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cost-engine", choices=("ddp", "diloco"), default="ddp",
+        help="ddp: the cost trials compare restart, continue and torchft on the default engine; diloco: a "
+        "replica SIGKILLed mid-round under --on-failure continue --engine diloco (the next sync's stall, the "
+        "final validation loss against a clean run)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
     parser.add_argument(
         "--max-delay", type=number(0), default=2.5, help="latest kill, seconds after the first snapshot"
@@ -123,7 +130,10 @@ def _run(args: argparse.Namespace) -> int:
         report = run_trials(args.trials, args.seed, args.max_delay)
         print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
         passed = report["passed"] == report["trials"]
-    if args.cost_trials:
+    if args.cost_trials and args.cost_engine == "diloco":
+        report["failure_cost_rounds"] = failure_cost.measure_rounds(args.cost_trials)
+        print(failure_cost.describe_rounds(report["failure_cost_rounds"]))
+    elif args.cost_trials:
         report["failure_cost"] = failure_cost.measure(args.cost_trials)
         print(failure_cost.describe(report["failure_cost"]))
     if args.json:

@@ -5,7 +5,9 @@ SIGKILLed from outside after step 4 (between the syncs of steps 3 and 6): the tw
 alone and the next sync averages over their samples (replica 2's since the sync of step 3 are
 lost); there its replacement heals from a peer (last-synced weights, outer state, inner AdamW and
 step count) and trains the rounds after it. A second launch (diloco) loses replica 2 during a
-sync's all-reduce: the survivors retry it among themselves and go on at world size 2. References:
+sync's all-reduce: the survivors retry it among themselves and go on at world size 2; then a
+grower (replica 3, a second launcher past the 3 replicas the run starts with, `--max-replicas 4`)
+joins at a sync, heals, and the rounds after it are split over three. References:
 - the `sync` records (who was present, the samples each trained since the last sync, whom a
   joiner healed from) make the schedule described above, and the step records' world sizes are
   the quorum of each round's start;
@@ -15,17 +17,25 @@ sync's all-reduce: the survivors retry it among themselves and go on at world si
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
 import torch
 from helpers import FT_TINY_GPT, replay_rounds_run, replica_pid, run_on_ranks, wait_for
 
+from nanoddp.base.processes import end_tree
 from nanoddp.bench.training_run import run_training
+from nanoddp.env import free_port
 
 pytest.importorskip("torchft")
 
@@ -100,22 +110,43 @@ def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
         assert torch.equal(got[name], want[name]), f"{engine} {name}: {(got[name] - want[name]).abs().max()}"
 
 
-# ---- lost during a sync: after the sync's quorum, in its all-reduce ------------------------------
-DURING_STEPS, DURING_SYNC = 9, 6  # replica 2 dies in the sync of step 6
+# ---- lost during a sync, then a grower --------------------------------------------------------
+DURING_STEPS, DURING_SYNC = 15, 6  # replica 2 dies in the sync of step 6
+GROWER = 3  # the replica id of the growing launcher (--node-rank 3 of --nproc 1: past the 3 of the start)
+ABSENT = [f"absent_{i}" for i in range(4)]  # heartbeats of replicas that never ask (the fixture's note)
+HEARTBEAT_S = 2.5  # past the quorum service's heartbeat timeout (`quorum_service.HEARTBEAT_MS`)
 
 
 @pytest.fixture(scope="module")
 def lost_during_a_sync(tmp_path_factory):
     """diloco, 3 replicas, no replacement: replica 2 SIGKILLed once it has marked the quorum of the
     sync of step DURING_SYNC (`FaultTolerant._beat`, which comes right before the sync's
-    all-reduce), while that all-reduce waits on a simulated 300 ms link."""
-    out = tmp_path_factory.mktemp("during") / "run"
-    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
-               "--engine", "diloco", "--sync-every", str(SYNC_EVERY), "--steps", str(DURING_STEPS),
-               "--max-restarts", "0", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
-               "--log-every", str(DURING_STEPS)]  # fmt: skip
+    all-reduce), while that all-reduce waits on a simulated 300 ms link. Once the survivors' retry
+    has committed, a grower launcher (`--nnodes 3 --nproc 1 --node-rank 3`: the same run of 3
+    replicas, as seen from a host of one) joins it through the run's endpoint on loopback.
 
-    def kill_in_the_sync(proc) -> bool:
+    [Note: the grower's sync] Its start takes seconds, the survivors' rounds milliseconds: they are
+    held (SIGSTOP) until it asks for a quorum. torchft's Lighthouse forms a quorum at once when
+    every member of the last one asks (a fast quorum: with everyone else asking, the grower
+    included), and otherwise, past the join timeout, with a majority of the healthy replicas
+    present: released, the first survivor to ask would be grouped with the grower without the
+    other. So while the grower comes, replicas that never ask (`ABSENT`) heartbeat: no majority
+    of the healthy can form, only the fast quorum of both survivors and the grower. The hold is
+    shorter than the collective timeout (60 s here), so a survivor held in a collective stays."""
+    out = tmp_path_factory.mktemp("during") / "run"
+    port = free_port()
+    common = ["--on-failure", "continue", "--engine", "diloco", "--sync-every", str(SYNC_EVERY), "--steps",
+              str(DURING_STEPS), "--max-restarts", "0", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out),
+              *FT_TINY_GPT, "--log-every", str(DURING_STEPS), "--collective-timeout", "60", "--max-replicas", "4",
+              "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    command = [sys.executable, "-m", "nanoddp", "train", "--nproc", str(REPLICAS), *common]
+    growing = [sys.executable, "-m", "nanoddp", "train", "--nnodes", str(REPLICAS), "--nproc", "1", "--node-rank",
+               str(GROWER), *common]  # fmt: skip
+    slow_link = dict(os.environ, NANODDP_LINK_LATENCY="300ms")
+    grower_log = out.parent / "grower.log"
+    grown: list[subprocess.Popen] = []
+
+    def kill_in_the_sync_then_grow(proc) -> bool:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
         pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 2), deadline)
         beat = os.path.join(psutil.Process(pid).environ()["NANODDP_FT_BEATS"], "replica-2")
@@ -125,29 +156,105 @@ def lost_during_a_sync(tmp_path_factory):
         committed = next(r["time"] for r in _records(out) if "event" not in r and r["step"] == before)
         wait_for(lambda: proc.poll() is not None or os.stat(beat).st_mtime > committed, deadline, 0.001)
         os.kill(pid, signal.SIGKILL)
-        return True
+        retried = lambda r: r.get("event") == "sync" and r["step"] == DURING_SYNC  # noqa: E731
+        if not _wait_for_record(proc, out, deadline, retried):
+            return False
+        survivors = [replica_pid(launcher, replica) for replica in (0, 1)]
+        url = f"http://127.0.0.1:{port}"
+        with _heartbeating(url, ABSENT):
+            held = time.monotonic()
+            for survivor in survivors:
+                os.kill(survivor, signal.SIGSTOP)
+            try:
+                with open(grower_log, "w") as log:
+                    grown.append(subprocess.Popen(growing, stdout=log, stderr=subprocess.STDOUT, env=slow_link,
+                                                  start_new_session=True))  # fmt: skip
+                # the survivors' heartbeats have stopped (held): the one replica asking is the grower
+                wait_for(lambda: time.monotonic() > held + HEARTBEAT_S and _asking(url) == 1, deadline, 0.05)
+            finally:
+                for survivor in survivors:
+                    os.kill(survivor, signal.SIGCONT)
+            joined = lambda r: r.get("event") == "sync" and GROWER in r["replicas"]  # noqa: E731
+            return _wait_for_record(proc, out, deadline, joined)
 
-    slow_link = dict(os.environ, NANODDP_LINK_LATENCY="300ms")
-    run = run_training(command, out, timeout_s=180, during=kill_in_the_sync, env=slow_link)
-    assert run.acted and run.returncode == 0, run.output[-5000:]
-    return out, run
+    try:
+        run = run_training(command, out, timeout_s=240, during=kill_in_the_sync_then_grow, env=slow_link)
+        assert run.acted and run.returncode == 0, run.output[-5000:]
+        assert grown[0].wait(timeout=60) == 0, grower_log.read_text()[-5000:]
+    finally:
+        for proc in grown:
+            end_tree(proc)  # a no-op once it ended
+    return out, run, grower_log.read_text()
+
+
+@contextlib.contextmanager
+def _heartbeating(url: str, names: list[str]):
+    """Heartbeats for `names` at the Lighthouse `url`, every 0.1 s, while inside."""
+    from torchft.coordination import LighthouseClient
+
+    client, stop = LighthouseClient(url, datetime.timedelta(seconds=10)), threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            for name in names:
+                client.heartbeat(name)
+            stop.wait(0.1)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beating.join(timeout=30)
+
+
+def _asking(url: str) -> int:
+    """How many healthy replicas ask the Lighthouse at `url` for a quorum now (its status page)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    found = re.search(r"only have ([0-9]+) participants", direct.open(f"{url}/status", timeout=10).read().decode())
+    return int(found.group(1)) if found else -1
 
 
 def test_a_replica_lost_during_a_sync_the_survivors_retry_it(lost_during_a_sync):
     """The survivors' first try of the sync failed, the retry among them averaged their whole
     round (nothing of the failed try applied), and model.pt equals the replay bitwise."""
-    out, run = lost_during_a_sync
+    out, run, _ = lost_during_a_sync
     assert f"the sync at step {DURING_SYNC} failed" in run.output, run.output[-3000:]
     syncs = [r for r in run.records if r.get("event") == "sync"]
-    assert [(s["step"], s["replicas"], s["samples"]) for s in syncs] == [
+    assert [(s["step"], s["replicas"], s["samples"]) for s in syncs[:2]] == [
         (3, [0, 1, 2], [12, 12, 12]),
         (6, [0, 1], [12, 12]),  # pieces of 4 (split over 3), 3 steps each: the survivors' whole round
-        (9, [0, 1], [18, 18]),
     ], syncs
     got = torch.load(out / "model.pt")
     want = run_on_ranks(_replay_during, 1, syncs, timeout=240)[0]
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def test_a_grower_joins_at_a_sync_and_the_rounds_after_split_over_one_more(lost_during_a_sync):
+    """The grower (replica 3, past the run's 3) came to a run under way, joined at a sync with no
+    samples, healed from a survivor, and from the next round every step's global batch of 12 was
+    split over three (pieces of 4, 12 samples a round) where the survivors had split it over two
+    (pieces of 6, 18 a round); the step records' world sizes say the same. The model's bits: the
+    test above (the replay follows these records)."""
+    _, run, grower_output = lost_during_a_sync
+    assert f"replicas {GROWER}..{GROWER} join it" in grower_output and "resum" not in grower_output.lower()
+    syncs = [r for r in run.records if r.get("event") == "sync"]
+    assert [s["step"] for s in syncs] == list(range(SYNC_EVERY, DURING_STEPS + 1, SYNC_EVERY)), syncs
+    at = next(i for i, s in enumerate(syncs) if GROWER in s["replicas"])
+    join = syncs[at]
+    assert DURING_SYNC < join["step"] < DURING_STEPS, syncs  # a round after it, split over three
+    assert all((s["replicas"], s["samples"]) == ([0, 1], [18, 18]) for s in syncs[2:at]), syncs
+    assert (join["replicas"], join["samples"], join["healed_from"][:2]) == ([0, 1, 3], [18, 18, 0], [-1, -1])
+    assert join["healed_from"][2] in (0, 1), join
+    after = [(s["replicas"], s["samples"], s["healed_from"]) for s in syncs[at + 1 :]]
+    assert after == [([0, 1, 3], [12, 12, 12], [-1, -1, -1])] * len(after), after
+    sizes = [r["world_size"] for r in run.records if "event" not in r]
+    want = [3] * DURING_SYNC + [2] * (join["step"] - DURING_SYNC) + [3] * (DURING_STEPS - join["step"])
+    assert sizes == want, sizes
+    changes = [(r["event"], r["replicas"]) for r in run.records if r.get("event") in ("rank_lost", "rank_joined")]
+    assert changes == [("rank_lost", [2]), ("rank_joined", [GROWER])], changes
 
 
 def _replay_during(env, syncs):

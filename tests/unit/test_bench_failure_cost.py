@@ -10,7 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from nanoddp.bench.failure_cost import MODES, RATIOS, SEEN_KEYS, _logged_step, _seen_by_survivors, describe, summarize
+from nanoddp.bench.failure_cost import (
+    MODES,
+    RATIOS,
+    SEEN_KEYS,
+    SYNC_KEYS,
+    _logged_step,
+    _seen_at_syncs,
+    _seen_by_survivors,
+    describe,
+    describe_rounds,
+    summarize,
+    summarize_rounds,
+)
 from nanoddp.bench.torchft_ddp import ShardBatches, per_replica_batch
 from nanoddp.ft.global_batches import GlobalBatches
 
@@ -39,6 +51,41 @@ def test_the_survivors_stall_and_extra_wait_are_read_around_the_kill():
     assert set(seen) == set(SEEN_KEYS)  # every key a trial's record copies
     assert seen == {"stall_s": 1.0, "join_s": 0.2, "steps_short": 1, "step_s": 0.2, "extra_s": 0.8}
     assert _seen_by_survivors(records, killed_at=0.3) == dict.fromkeys(SEEN_KEYS) | {"steps_short": 0}
+
+
+def test_the_rounds_stall_is_read_at_the_first_sync_after_the_kill():
+    """`--cost-engine diloco`: a sync every 2 steps (0.1, 0.3, 0.2 s), a kill at 2.5 s, the next
+    sync 0.9 s: an ordinary sync is 0.2 s (the median before the kill), the kill added 0.7 s; the
+    replacement joined at the sync of step 8 (`rank_joined` is noted on step 9), 0.5 s; the last
+    sync (step 10, with the final evaluation) is left out."""
+    comm = {2: 0.1, 4: 0.3, 6: 0.2, 8: 0.9, 10: 0.5, 12: 3.0}
+    records = [{"step": i, "loss": 1.0, "world_size": 3 if i <= 8 or i > 10 else 2, "time": 0.4 * i,
+                "comm_time_s": comm.get(i)} for i in range(1, 13)]  # fmt: skip
+    records.insert(8, {"event": "rank_lost", "step": 9, "world_size": 2, "replicas": [1]})
+    records.insert(11, {"event": "rank_joined", "step": 11, "world_size": 3, "replicas": [1]})
+    seen = _seen_at_syncs(records, killed_at=2.5)
+    assert set(seen) == set(SYNC_KEYS)
+    assert seen == {"sync_s": 0.2, "stall_s": 0.9, "extra_s": 0.7, "join_sync_s": 0.5, "join_step": 10}
+    assert _seen_at_syncs(records, killed_at=0.3) == dict.fromkeys(SYNC_KEYS)  # before the first sync
+    summary = summarize_rounds([{**seen, "val_loss_gap": 0.01}, {**seen, "extra_s": 0.3, "val_loss_gap": -0.02}])
+    assert (summary["median_extra_s"], summary["max_extra_s"]) == (0.5, 0.7)
+    assert summary["max_val_loss_gap"] == -0.02  # the worst: the largest in size
+
+
+ROUNDS_MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-diloco-2026-11-29.json"
+
+
+def test_the_summary_and_report_of_the_committed_rounds_measurement():
+    """The real records of `nanoddp bench restarts --cost-trials 2 --cost-engine diloco`: the
+    summary recomputed from them, and its two report lines."""
+    report = json.loads(ROUNDS_MEASURED.read_text())["failure_cost_rounds"]
+    assert [r["trial"] for r in report["results"]] == list(range(report["meta"]["trials"]))
+    assert summarize_rounds(report["results"]) == report["summary"]
+    for r in report["results"]:
+        assert r["val_loss_gap"] == round(r["killed_val_loss"] / r["clean_val_loss"] - 1, 5)
+    stall, loss = describe_rounds(report).splitlines()
+    assert f"adds {report['summary']['median_extra_s']:.2f} s" in stall
+    assert f"{100 * report['summary']['max_val_loss_gap']:+.2f} %" in loss
 
 
 # ---- the torchft mode ------------------------------------------------------------------------
