@@ -279,17 +279,21 @@ class FaultTolerantTrainer(Trainer):
             indices = piece[share(len(piece), micro, count)]
             yield default_collate([self.train_set[i] for i in indices.tolist()]), len(indices) * count / len(piece)
 
+    def _piece_loss(self, micro_batches: list) -> torch.Tensor:
+        """Forward and backward over this replica's piece (the Trainer's micro-steps, the engine's
+        own sync on the last); returns the piece's mean loss."""
+        loss = torch.zeros(())
+        for micro, (batch, weight) in enumerate(micro_batches):
+            loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
+        return loss / len(micro_batches)
+
     def _run_step(self, batches: Iterator) -> torch.Tensor | None:
         # FT: forward and backward are the Trainer's (its micro-steps, the engine's own sync); then
         # the cross phase over the replicas and the verdict on a non-finite loss (`FaultTolerant`),
         # and the Trainer's clip and update only if the step commits (one that does not comes again).
         if self.rounds:
             return self._run_inner_step(list(batches))
-        step, micro_batches = self.step, list(batches)
-        loss = torch.zeros(())
-        for micro, (batch, weight) in enumerate(micro_batches):
-            loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
-        loss /= len(micro_batches)  # this replica's piece's mean loss
+        step, loss = self.step, self._piece_loss(list(batches))
         averaged = self.ft.average_gradients(loss, self.engine.cross_replica_grads()) is not None
         if averaged:
             self.engine.finish_cross_replica()
@@ -318,13 +322,10 @@ class FaultTolerantTrainer(Trainer):
         ft, step = self.ft, self.step
         assert isinstance(ft, FaultTolerantRounds)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros(())
-        for micro, (batch, weight) in enumerate(micro_batches):
-            loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
-        loss /= len(micro_batches)
+        loss = self._piece_loss(micro_batches)
         finite = bool(loss.isfinite())
-        if not finite and self.config.on_nan == "stop":
-            raise RunStopped(step_check.stop_line(step + 1, (ft.rank,)), ft.is_master)
+        if not finite and self.config.on_nan == "stop":  # this replica's own verdict: it says the line
+            raise RunStopped(step_check.stop_line(step + 1, (ft.rank,)), speaker=True)
         if finite:
             self._apply_update()
         self.optimizer.zero_grad(set_to_none=True)
