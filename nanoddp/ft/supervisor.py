@@ -248,7 +248,7 @@ class Supervisor:
                 copier.join(timeout=STOP_GRACE_S)
         if self.stopped:
             return STOPPED_EXIT_CODE  # the replica said why
-        if any(r.exitcode == 0 for r in self.replicas):
+        if self.finished:
             return 0
         self._say("no replica finished")
         return 1
@@ -258,6 +258,10 @@ class Supervisor:
         """A replica stopped the run on purpose (`nanoddp.ft.stopped`) and nobody went on
         without it (`_stopped_alone`)."""
         return any(r.stopped_at is not None for r in self.replicas) and not self._stop_pending()
+
+    @property
+    def finished(self) -> bool:  # a replica finished the run (exit 0)
+        return any(r.exitcode == 0 for r in self.replicas)
 
     def _stop_pending(self) -> bool:
         """A replica stopped the run at most the collective timeout ago, and others still run:
@@ -269,24 +273,21 @@ class Supervisor:
 
     def _stopped_alone(self) -> None:
         """[Note: a stop is the group's] Every member of a group raises `RunStopped` at the same
-        point, so after a real stop no replica marks a step again, and none finishes. One that
-        does went on without the stopper (the same error try after try was the stopper's own: a
-        replacement's bad setting, say): the stopper was not the run, and the replicas that
-        hold the state must not be ended for it. It is then a failed replica, replaced as one.
-        A finish counts whenever it came (holders may end before the stopper's exit is seen)."""
-        finished = any(r.exitcode == 0 for r in self.replicas)
+        point, so after a real stop no replica marks a step again, nor finishes (whenever its exit
+        is seen). One that does went on without the stopper, whose same error try after try was its
+        own (a replacement's bad setting, say): not the run's stop, and the replicas holding the
+        state must not be ended for it; the stopper is a failed replica, replaced as one."""
         for replica in self.replicas:
             at = replica.stopped_at
-            if at is None:
-                continue
-            if not finished and not any(self._last_mark(r) > at for r in self.replicas if r.exitcode is None):
-                continue
-            replica.stopped_at = None
-            self._replace(replica, f"replica {replica.replica} stopped the run while the others went on without it")
+            if at is not None and (
+                self.finished or any(self._last_mark(r) > at for r in self.replicas if r.exitcode is None)
+            ):
+                replica.stopped_at = None
+                self._replace(replica, f"replica {replica.replica} stopped the run while the others went on without it")
 
     def _over(self) -> bool:
         """The run has ended for every replica: one finished, or one stopped it."""
-        return self.stopped or any(r.exitcode == 0 for r in self.replicas)
+        return self.stopped or self.finished
 
     def _dismiss_spare(self) -> None:
         """The run is over: end the spare's input, which ends it (SIGKILL if it lingers)."""
@@ -322,7 +323,7 @@ class Supervisor:
         if replica.attempt >= self.launch.max_restarts:
             self._say(f"{failed}; no restarts left")
             return
-        if any(r.exitcode == 0 for r in self.replicas):  # a replacement would have nobody to join
+        if self.finished:  # a replacement would have nobody to join
             self._say(f"{failed}; the others had finished")
             return
         replica.attempt += 1
@@ -366,8 +367,7 @@ class Supervisor:
                 replica.exitcode = replica.proc.returncode  # type: ignore[union-attr]
 
     def stop(self, sig: signal.Signals) -> None:
-        """Signal every running replica's session (and the spare's); after SIGTERM, SIGKILL those
-        still there."""
+        """Signal every running replica's session and the spare's (after SIGTERM: SIGKILL the rest)."""
         holders = [*self.replicas, *([self.spare] if self.spare is not None else [])]
         running = [r for r in holders if r.proc is not None and r.proc.poll() is None]
         processes.stop([r.proc for r in running if r.proc is not None], whole_group=True, first=sig)
