@@ -30,7 +30,7 @@ from multiprocessing import reduction
 from typing import Any
 
 from nanoddp import env as nd
-from nanoddp.base.processes import die_with, die_with_parent, stop, take_descendants_along
+from nanoddp.base.processes import die_with_launcher, stop, take_descendants_along
 from nanoddp.tempdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,8 @@ def _worker(
     launcher_view: _LauncherView | None,
 ) -> None:
     """Child entry point: join the group, run the user's function, report back."""
-    if launcher_view is None:
-        die_with_parent(launcher_pid)  # the launcher may have died while this rank imported torch
-    else:
-        die_with_parent()  # the fork server, our parent
-        die_with(launcher_pid)  # and the launcher, which the server does not follow while we live
+    die_with_launcher(launcher_pid)  # who may have died while this rank imported torch
+    if launcher_view is not None:  # forked by the server: become what a spawned rank would be
         launcher_view.take_on()
     take_descendants_along(new_group=True)
     try:

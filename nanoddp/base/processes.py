@@ -74,6 +74,34 @@ def die_with(pid: int) -> None:
     threading.Thread(target=watch, name=f"nanoddp-die-with-{pid}", daemon=True).start()
 
 
+def name_this_process(name: str) -> None:
+    """Show this process as `name` (at most 15 bytes) in ps, top and psutil's name(), which
+    otherwise show every rank as `python` (no-op off Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_name = 15
+    libc.prctl(pr_set_name, ctypes.c_char_p(name.encode()[:15]))
+
+
+def die_with_launcher(launcher_pid: int) -> bool:
+    """End this rank when its launcher ends, whether the launcher started it itself or a fork
+    server it started forked it; return True for a forked rank (its parent is the server).
+
+    Started by the launcher: the parent's death signal (`die_with_parent`), with the window before
+    the request closed. Forked by the server: the server's death signal and the launcher's pidfd
+    (`die_with`), since the server outlives the launcher while any of its children live. A
+    launcher gone before this call ends the rank at once either way (its pid is no parent, and
+    `die_with` finds it gone)."""
+    if os.getppid() == launcher_pid:
+        die_with_parent(launcher_pid)
+        return False
+    die_with_parent()
+    die_with(launcher_pid)
+    return True
+
+
 # The guard of `take_descendants_along`: a fresh interpreter (-I -S: nothing of the rank's
 # environment is imported) in the rank's process group, which it kills once the rank is gone.
 _GUARD_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

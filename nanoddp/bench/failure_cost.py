@@ -50,6 +50,7 @@ from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.bench.training_run import run_training, train_command
 from nanoddp.train.ft_trainer import WORKER_MODULE as CONTINUE_WORKER
+from nanoddp.train.launcher.agent import train_workers
 
 TRAIN_ARGS = [
     "--nproc", "3", "--steps", "60", "--snapshot-every", "20", "--seq-len", "32", "--batch-size", "12",
@@ -75,17 +76,18 @@ SYNC_KEYS = ("sync_s", "stall_s", "extra_s", "join_sync_s", "join_step")
 
 
 def _victim(launcher: psutil.Process, mode: str) -> int | None:
-    """The pid of rank 1's worker (restart: torchrun's worker with RANK=1; continue and torchft:
-    replica 1's process, whose command names its step loop's module)."""
-    replica_module = {"continue": CONTINUE_WORKER, "diloco": CONTINUE_WORKER, "torchft": TORCHFT_WORKER}.get(mode)
+    """The pid of rank 1's worker (restart: the torchrun worker named rank 1; continue and
+    torchft: replica 1's process, whose command names its step loop's module)."""
+    if mode == "restart":
+        worker = train_workers(launcher).get(1)
+        return None if worker is None else worker.pid
+    replica_module = {"continue": CONTINUE_WORKER, "diloco": CONTINUE_WORKER, "torchft": TORCHFT_WORKER}[mode]
     for child in launcher.children(recursive=True):
         try:
             environ, cmdline = child.environ(), " ".join(child.cmdline())
         except psutil.Error:  # exited while we looked
             continue
-        if replica_module is not None and environ.get("NANODDP_FT_REPLICA") == "1" and replica_module in cmdline:
-            return child.pid
-        if mode == "restart" and environ.get("RANK") == "1" and "nanoddp.train" in cmdline:
+        if environ.get("NANODDP_FT_REPLICA") == "1" and replica_module in cmdline:
             return child.pid
     return None
 

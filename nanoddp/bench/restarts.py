@@ -33,6 +33,7 @@ from nanoddp.bench import failure_cost
 from nanoddp.bench.common import ChildFailed, add_output_args, write_json
 from nanoddp.bench.inputs import count, number
 from nanoddp.bench.training_run import run_training, train_command
+from nanoddp.train.launcher.agent import train_workers
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ TRAIN_ARGS = [
     "--text-max-bytes", "200000", "--log-every", "5", "--eval-every", "0", "--no-progress",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 600
-WORKER_MODULE = "nanoddp.train"
 
 
 def _argv(out: Path, max_restarts: int) -> list[str]:
@@ -55,8 +55,7 @@ def _kill_random_worker(proc: subprocess.Popen, out: Path, rng: random.Random, m
     while not first.exists() and proc.poll() is None:
         time.sleep(0.02)
     time.sleep(rng.uniform(0.0, max_delay_s))
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if WORKER_MODULE in " ".join(p.cmdline())]  # fmt: skip
+    workers = list(train_workers(psutil.Process(proc.pid)).values())
     if workers:
         rng.choice(workers).send_signal(signal.SIGKILL)
     return len(list((out / "snapshots").glob("step-*.pt")))

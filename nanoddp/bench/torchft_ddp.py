@@ -233,7 +233,7 @@ def launch(argv: list[str]) -> int:
     add_launch_args(parser)
     args = parser.parse_args(argv)
     try:
-        config, nproc, _ = prepare_launch(args)
+        config, nproc, _, _ = prepare_launch(args)
         check_torchft(config)
         per_replica_batch(filled(config.batch_size), nproc)
     except ValueError as exc:  # one line, as `nanoddp train` refuses a config

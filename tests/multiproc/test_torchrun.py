@@ -23,6 +23,7 @@ import torch
 
 from nanoddp.env import free_port
 from nanoddp.train.checkpoint import rundir, snapshot
+from nanoddp.train.launcher.agent import train_workers
 
 # GPT tiny on 32-byte windows: ~0.1 s a step on 2 busy cores, so a kill lands mid-run.
 TRAIN_ARGS = [
@@ -80,8 +81,7 @@ def _finish_together(procs: list[subprocess.Popen], timeout: float = RUN_TIMEOUT
 
 
 def _workers(launcher: subprocess.Popen) -> list[psutil.Process]:
-    children = psutil.Process(launcher.pid).children(recursive=True)
-    return [p for p in children if "nanoddp.train" in " ".join(p.cmdline())]
+    return list(train_workers(psutil.Process(launcher.pid)).values())
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:

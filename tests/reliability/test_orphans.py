@@ -66,7 +66,9 @@ class Job:
         self.ready_dir = tmp_path / "ready"
         self.ready_dir.mkdir()
         self.log = tmp_path / "launcher.log"
-        environ = {**os.environ, **(env or {}), MARK: self.token, "OMP_NUM_THREADS": "1"}
+        scratch = tmp_path / "tmp"  # the temp dirs a SIGKILLed launcher leaves (the next start's to sweep)
+        scratch.mkdir()
+        environ = {**os.environ, **(env or {}), MARK: self.token, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=environ

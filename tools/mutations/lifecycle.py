@@ -45,9 +45,16 @@ FAULTS = (
     Mutation(
         "launch: ranks do not die with their launcher",
         "nanoddp/launch.py",
-        "        die_with_parent(launcher_pid)  # the launcher may have died while this rank imported torch",
-        "        pass",
+        "    die_with_launcher(launcher_pid)  # who may have died while this rank imported torch",
+        "    pass",
         ("tests/reliability/test_orphans.py", "-k", "while_its_ranks_start"),
+    ),
+    Mutation(
+        "nanoddp train: what a worker forked by the fork server started outlives a SIGKILLed launcher",
+        "nanoddp/train/launcher/cli.py",
+        "    take_descendants_along(new_group=forked)",
+        "    take_descendants_along(new_group=False)",
+        ("tests/reliability/test_orphans.py", "-k", "nanoddp_train"),
     ),
     Mutation(
         "nanoddp run: Ctrl-C gives a traceback per rank",
@@ -107,9 +114,9 @@ FAULTS = (
     ),
     Mutation(
         "launch: a rank forked from the fork server outlives a SIGKILLed launcher",
-        "nanoddp/launch.py",
-        "        die_with(launcher_pid)  # and the launcher",
-        "        pass  # and the launcher",
+        "nanoddp/base/processes.py",
+        "    die_with(launcher_pid)\n    return True",
+        "    return True",
         ("tests/multiproc/test_launch.py", "-k", "sigkilled_launcher"),
     ),
     Mutation(

@@ -18,7 +18,7 @@ from typing import IO
 
 import psutil
 
-WORKER_MODULE = "nanoddp.train"  # torchrun's workers run `python -m nanoddp.train`
+from nanoddp.train.launcher.agent import WORKER_NAME
 
 
 class Watched:
@@ -72,8 +72,8 @@ class Watched:
             return
         for child in children:
             proc = self.seen.get(child.pid, (child, ""))[0]
-            try:
-                self.seen[child.pid] = (proc, " ".join(child.cmdline()))
+            try:  # the name first: a forked worker's command line is its fork server's
+                self.seen[child.pid] = (proc, f"{child.name()} {' '.join(child.cmdline())}")
             except psutil.Error:
                 self.seen.setdefault(child.pid, (proc, "?"))
 
@@ -105,7 +105,7 @@ class Watched:
         return [proc for proc, _ in self.seen.values()]
 
     def workers(self) -> list[psutil.Process]:
-        return [proc for proc, cmd in self.seen.values() if WORKER_MODULE in cmd]
+        return [proc for proc, cmd in self.seen.values() if cmd.startswith(WORKER_NAME)]
 
     def wait(self, timeout: float) -> int | None:
         """Wait for the exit (killing everything on timeout) and for the output to be read."""

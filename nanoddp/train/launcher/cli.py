@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import logging
 import os
 import sys
@@ -29,14 +30,14 @@ import traceback
 from collections.abc import Sized
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from nanoddp import env as nd
 from nanoddp import torchrun
 from nanoddp.base import files
 from nanoddp.base.files import try_lock
 from nanoddp.base.limits import PG_TIMEOUT_MARGIN_S
-from nanoddp.base.processes import die_with_parent, take_descendants_along
+from nanoddp.base.processes import die_with_launcher, name_this_process, take_descendants_along
 from nanoddp.comm.transport import watchdog
 from nanoddp.dataclass_cli import (
     KeepLinesHelpFormatter,
@@ -50,9 +51,13 @@ from nanoddp.train.data.datasets import DataSpec
 from nanoddp.train.engines import engine_help
 from nanoddp.train.launcher import agent, preflight, rendezvous
 
+if TYPE_CHECKING:
+    from nanoddp.ft.placement import Placement
+
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "nanoddp.train"
+WORKER_SCRIPT = str(Path(__file__).resolve().parents[1] / "__main__.py")  # WORKER_MODULE's, as a file
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -196,9 +201,9 @@ def _max_nodes(nnodes: str) -> int:
         raise ValueError(f"--nnodes must be N or MIN:MAX, got {nnodes!r}") from None
 
 
-def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec]:
-    """Build and check the config in the launcher process; return it, the processes per node
-    and the data's spec (vocabulary) for the model checks."""
+def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec, Placement | None]:
+    """Build and check the config in the launcher process; return it, the processes per node,
+    the data's spec (vocabulary) for the model checks, and under continue this host's replicas."""
     from nanoddp.train.config import check_data
     from nanoddp.train.data.datasets import build_datasets
 
@@ -231,7 +236,7 @@ def prepare_launch(args: argparse.Namespace) -> tuple[TrainConfig, int, DataSpec
     check_data(config, world_size, len(cast(Sized, train_set)))  # map-style: torch's Dataset stub has no __len__
     if config.out is None:  # fixed here, so that every worker and every restart agree on it
         config = dataclasses.replace(config, out=rundir.default_run_dir())
-    return config, nproc, spec
+    return config, nproc, spec, placement
 
 
 def _check_growth(config: TrainConfig, most_replicas: int) -> None:
@@ -261,14 +266,17 @@ def config_to_argv(config: TrainConfig) -> list[str]:
 
 
 def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> list[str]:
-    """The `torchrun ...` command line (without the program name) for this launch."""
-    return [*rendezvous.launch_argv(args, nproc), "-m", WORKER_MODULE, *config_to_argv(config)]
+    """The `torchrun ...` command line (without the program name) for this launch: workers forked
+    from a fork server, each running `python -m nanoddp.train`'s file in its interpreter
+    (torchrun's --run-path; [Note: workers forked from a server] in `agent`)."""
+    worker = ["--start-method", "forkserver", "--run-path", WORKER_SCRIPT]
+    return [*rendezvous.launch_argv(args, nproc), *worker, *config_to_argv(config)]
 
 
 def run_train(args: argparse.Namespace) -> int:
     if torchrun.inside_torchrun():  # `torchrun -m nanoddp.cli train ...`: we are a worker already
         return worker_main(_worker_config(args))
-    config, nproc, spec = prepare_launch(args)
+    config, nproc, spec, placement = prepare_launch(args)
     out = filled(config.out)  # prepare_launch fixed it
     created = not Path(out).exists()
     preflight.check_out_dir(out)
@@ -283,7 +291,7 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"nanoddp: {config.out}: {preflight.prepare_run_dir(config, spec, args.overwrite)}", file=sys.stderr)
         started = True
         if config.on_failure == "continue":
-            return _run_fault_tolerant(args, config, nproc)
+            return _run_fault_tolerant(args, config, nproc, cast("Placement", placement))
         return agent.run_agent(config, torchrun_argv(args, config, nproc), verbose=getattr(args, "verbose", False))
     finally:
         if lock_fd is not None:
@@ -292,14 +300,12 @@ def run_train(args: argparse.Namespace) -> int:
             rundir.remove_if_empty(out)
 
 
-def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: int) -> int:
+def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: int, placement: Placement) -> int:
     """`--on-failure continue`: one supervised process per replica (`nanoddp.train.ft_trainer`),
     this host's replicas of the run's (`nanoddp.ft.placement`)."""
-    from nanoddp.ft.placement import placement_for
     from nanoddp.ft.supervisor import Launch, supervise
     from nanoddp.train.ft_trainer import WORKER_MODULE as FT_WORKER
 
-    placement = placement_for(args, nproc, config.group_size)
     out = filled(config.out)
     shared_out = (lambda: _check_shared_out(out)) if args.node_rank > 0 and not args.lighthouse else None
     command = [sys.executable, "-m", FT_WORKER, *config_to_argv(config)]
@@ -373,9 +379,12 @@ def worker_main(config: TrainConfig) -> int:
     from nanoddp.train.trainer import Trainer
 
     env = nd.DistEnv.from_environ()
-    # Die with the agent however it dies (SIGKILL included): no worker outlives its run.
-    die_with_parent(int(os.environ.get(agent.AGENT_PID_VAR, os.getppid())))
-    take_descendants_along()  # and whatever this worker starts goes with it
+    name_this_process(f"{agent.WORKER_NAME}{env.rank}")
+    # Die with the agent however it dies (SIGKILL included): no worker outlives its run. A worker
+    # forked by the agent's fork server leads no session of its own (torchrun's started ones
+    # do), so it starts a process group for what it starts, which goes with it.
+    forked = die_with_launcher(int(os.environ.get(agent.AGENT_PID_VAR, os.getppid())))
+    take_descendants_along(new_group=forked)
     signals.install()  # SIGTERM/SIGINT: finish the step, snapshot it, exit 128 + signal
     _setup_worker_logging(env.rank, config.out)
     # The watchdog reports a stuck nanoddp collective after collective_timeout; torch's own
@@ -420,6 +429,8 @@ def worker_entry() -> int:
     console gets the traceback only when there is no log file to hold it."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    if isinstance(sys.stdout, io.TextIOWrapper):  # forked, not started with -u: each line to the tee as printed
+        sys.stdout.reconfigure(line_buffering=True)
     error_handler = get_error_handler()
     error_handler.initialize()
     try:
