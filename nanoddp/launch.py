@@ -26,11 +26,11 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing import reduction
 from typing import Any
 
 from nanoddp import env as nd
 from nanoddp.base.processes import die_with_launcher, stop, take_descendants_along
+from nanoddp.fork_server import LauncherView
 from nanoddp.tempdirs import make_private_dir
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _worker(
     results: mp.Queue,
     pg_timeout_s: float,
     launcher_pid: int,
-    launcher_view: _LauncherView | None,
+    launcher_view: LauncherView | None,
 ) -> None:
     """Child entry point: join the group, run the user's function, report back."""
     die_with_launcher(launcher_pid)  # who may have died while this rank imported torch
@@ -80,35 +80,6 @@ def _worker(
     nd.cleanup()
     results.close()
     results.join_thread()
-
-
-class _LauncherView:
-    """What a spawned rank inherits from the launcher at launch time and a rank forked from the
-    fork server would not: the environment variables, the working directory, and stdout/stderr
-    (the server's are those of whoever started it, maybe long ago; pytest's capture of an
-    earlier test, say). Pickled into the child; the two descriptors travel as file descriptors
-    that multiprocessing passes along with the process (`reduction.DupFd`)."""
-
-    def __init__(self, environ: dict[str, str], cwd: str, streams: Sequence[Any] = (1, 2)) -> None:
-        self.environ, self.cwd = environ, cwd
-        self.streams = streams  # stdout's and stderr's fds here; their passed duplicates in the child
-
-    @classmethod
-    def now(cls) -> _LauncherView:
-        return cls(dict(os.environ), os.getcwd())
-
-    def __reduce__(self):
-        return _LauncherView, (self.environ, self.cwd, [reduction.DupFd(fd) for fd in self.streams])
-
-    def take_on(self) -> None:
-        """Child side: become what a spawned child of the launcher would be."""
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        for target, stream in zip((1, 2), self.streams, strict=True):
-            fd = stream.detach()
-            os.dup2(fd, target)
-            os.close(fd)
 
 
 def _describe_exit(exitcode: int) -> str:
@@ -153,7 +124,7 @@ def launch(
         )
     backend = backend or nd.default_backend(nprocs)
     ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext: both make Processes
-    launcher_view = None if start_method == "spawn" else _LauncherView.now()
+    launcher_view = None if start_method == "spawn" else LauncherView.now()
     results: mp.Queue = ctx.Queue()
     rendezvous_dir = make_private_dir("nanoddp-rdzv-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"

@@ -547,19 +547,11 @@ def replay_rounds_run(
 def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:
     """The pid of replica `replica`'s process under `launcher` (a psutil.Process of `nanoddp
     train --on-failure continue`), its `attempt`-th replacement if given; None if there is none."""
-    import psutil
+    from nanoddp.ft.replica_env import replica_processes
 
-    from nanoddp.train.ft_trainer import WORKER_MODULE as FT_WORKER
-
-    for child in launcher.children(recursive=True):
-        try:
-            environ = child.environ()
-            if environ.get("NANODDP_FT_REPLICA") != str(replica) or FT_WORKER not in " ".join(child.cmdline()):
-                continue
-            if attempt is None or environ.get("NANODDP_FT_ATTEMPT") == str(attempt):
-                return child.pid
-        except psutil.Error:
-            continue
+    for (found, tried), proc in replica_processes(launcher).items():
+        if found == replica and attempt in (None, tried):
+            return proc.pid
     return None
 
 

@@ -22,7 +22,7 @@ PACKAGE = ROOT / "nanoddp"
 # `__main__` and the root `nanoddp/__init__.py` (the public API re-exported) sit on top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("base",)),  # files, the run record, RNG, processes, limits: written once, imports nothing above
-    ("env", ("env", "hosts", "torchrun", "groups", "launch", "tempdirs", "dataclass_cli")),
+    ("env", ("env", "hosts", "torchrun", "groups", "launch", "fork_server", "tempdirs", "dataclass_cli")),
     ("models", ("models",)),
     ("comm", ("comm",)),
     ("parallel", ("parallel", "fsdp")),  # `nanoddp.fsdp` is the face of parallel/fsdp/

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import psutil
 
@@ -85,7 +86,21 @@ def name_this_process(name: str) -> None:
     libc.prctl(pr_set_name, ctypes.c_char_p(name.encode()[:15]))
 
 
-def die_with_launcher(launcher_pid: int) -> bool:
+def named_descendants(root: psutil.Process, prefix: str) -> dict[str, psutil.Process]:
+    """`root`'s live descendants whose name (`name_this_process`) starts with `prefix`, by the rest
+    of the name: how a launcher's workers are found from outside, since a forked one's command line
+    and environment, as the system shows them, are its fork server's."""
+    found: dict[str, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):  # root gone: none
+        for proc in root.children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # exited while we looked
+                name = proc.name()
+                if name.startswith(prefix) and proc.status() != psutil.STATUS_ZOMBIE:
+                    found[name[len(prefix) :]] = proc
+    return found
+
+
+def die_with_launcher(launcher_pid: int | None) -> bool:
     """End this rank when its launcher ends, whether the launcher started it itself or a fork
     server it started forked it; return True for a forked rank (its parent is the server).
 
@@ -93,8 +108,8 @@ def die_with_launcher(launcher_pid: int) -> bool:
     the request closed. Forked by the server: the server's death signal and the launcher's pidfd
     (`die_with`), since the server outlives the launcher while any of its children live. A
     launcher gone before this call ends the rank at once either way (its pid is no parent, and
-    `die_with` finds it gone)."""
-    if os.getppid() == launcher_pid:
+    `die_with` finds it gone). No launcher's pid (None): the parent's death signal alone."""
+    if launcher_pid is None or os.getppid() == launcher_pid:
         die_with_parent(launcher_pid)
         return False
     die_with_parent()
@@ -158,11 +173,22 @@ def take_descendants_along(new_group: bool = False) -> None:
 
 # --- stopping --------------------------------------------------------------------------------
 
-Stoppable = subprocess.Popen | mp.process.BaseProcess
+
+class Polled(Protocol):
+    """A child as subprocess.Popen shows one (also `nanoddp.fork_server.ForkedModule`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Stoppable = Polled | mp.process.BaseProcess
 
 
 def _running(proc: Stoppable) -> bool:
-    return proc.poll() is None if isinstance(proc, subprocess.Popen) else proc.is_alive()
+    return proc.is_alive() if isinstance(proc, mp.process.BaseProcess) else proc.poll() is None
 
 
 def _signal(proc: Stoppable, sig: signal.Signals, whole_group: bool) -> None:
@@ -202,10 +228,10 @@ def stop(
             if whole_group or _running(proc):
                 _signal(proc, signal.SIGKILL, whole_group)
     for proc in running:
-        if isinstance(proc, subprocess.Popen):
-            proc.wait()
-        else:
+        if isinstance(proc, mp.process.BaseProcess):
             proc.join()
+        else:
+            proc.wait()
 
 
 def end_tree(proc: subprocess.Popen) -> None:

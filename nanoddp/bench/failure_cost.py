@@ -49,7 +49,7 @@ from nanoddp.base.records import Record, events, last_step, step_records
 from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.torchft_ddp import WORKER_MODULE as TORCHFT_WORKER
 from nanoddp.bench.training_run import run_training, train_command
-from nanoddp.train.ft_trainer import WORKER_MODULE as CONTINUE_WORKER
+from nanoddp.ft.replica_env import replica_processes
 from nanoddp.train.launcher.agent import train_workers
 
 TRAIN_ARGS = [
@@ -76,20 +76,13 @@ SYNC_KEYS = ("sync_s", "stall_s", "extra_s", "join_sync_s", "join_step")
 
 
 def _victim(launcher: psutil.Process, mode: str) -> int | None:
-    """The pid of rank 1's worker (restart: the torchrun worker named rank 1; continue and
-    torchft: replica 1's process, whose command names its step loop's module)."""
+    """The pid of rank 1's worker (restart: the torchrun worker named rank 1; continue, diloco and
+    torchft: replica 1's process)."""
     if mode == "restart":
-        worker = train_workers(launcher).get(1)
-        return None if worker is None else worker.pid
-    replica_module = {"continue": CONTINUE_WORKER, "diloco": CONTINUE_WORKER, "torchft": TORCHFT_WORKER}[mode]
-    for child in launcher.children(recursive=True):
-        try:
-            environ, cmdline = child.environ(), " ".join(child.cmdline())
-        except psutil.Error:  # exited while we looked
-            continue
-        if environ.get("NANODDP_FT_REPLICA") == "1" and replica_module in cmdline:
-            return child.pid
-    return None
+        victim = train_workers(launcher).get(1)
+    else:
+        victim = next((proc for (replica, _), proc in replica_processes(launcher).items() if replica == 1), None)
+    return None if victim is None else victim.pid
 
 
 def _command(mode: str, out: Path) -> list[str]:

@@ -14,6 +14,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import psutil
+
+from nanoddp.base.processes import die_with_launcher, name_this_process, named_descendants, take_descendants_along
+
 LIGHTHOUSE_VAR = "NANODDP_FT_LIGHTHOUSE"  # host:port of the quorum service (torchft's Lighthouse)
 REPLICA_VAR = "NANODDP_FT_REPLICA"  # this replica's id, 0 .. replicas-1, kept by its replacements
 REPLICAS_VAR = "NANODDP_FT_REPLICAS"  # replicas the run starts with: the first step waits for them
@@ -27,6 +31,7 @@ ADDRESS_VAR = "NANODDP_FT_ADDRESS"  # the address this replica's servers bind an
 MIN_REPLICAS_VAR = "NANODDP_FT_MIN_REPLICAS"  # the fewest replicas a step may commit with
 JOIN_VAR = "NANODDP_FT_JOIN"  # "1": the run was under way when this host's launcher started
 LOOPBACK = "127.0.0.1"
+PROCESS_NAME = "ft-replica"  # + "<id>.<attempt>": what ps and psutil's name() show for a replica's process
 
 
 @dataclass(frozen=True)
@@ -144,3 +149,22 @@ class ReplicaEnv:
         if self.beats is not None:
             env[BEATS_VAR] = self.beats
         return env
+
+
+def become_replica(env: ReplicaEnv) -> None:
+    """What a replica's process does first, whatever it runs: take its name (`PROCESS_NAME`), die
+    with its launcher however the launcher dies (its pid in `env`), and take what it starts along
+    when it dies itself (the launcher starts it in a session of its own)."""
+    name_this_process(f"{PROCESS_NAME}{env.replica}.{env.attempt}")
+    die_with_launcher(env.launcher_pid)
+    take_descendants_along()
+
+
+def replica_processes(launcher: psutil.Process) -> dict[tuple[int, int], psutil.Process]:
+    """The live replica processes among the launcher's descendants, by (replica id, attempt)."""
+    found = {}
+    for suffix, proc in named_descendants(launcher, PROCESS_NAME).items():
+        replica, _, attempt = suffix.partition(".")
+        if replica.isdigit() and attempt.isdigit():
+            found[(int(replica), int(attempt))] = proc
+    return found

@@ -24,13 +24,16 @@ import os
 import signal
 import sys
 
-from nanoddp.base.processes import die_with_parent
+from nanoddp.base.processes import die_with_parent, name_this_process
+
+PROCESS_NAME = "ft-spare"  # what ps and psutil's name() show for the waiting spare
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nanoddp.ft.spare MODULE ARGS...` (see the module docstring)."""
     module_name, *args = sys.argv[1:] if argv is None else argv
-    die_with_parent(os.getppid())  # a spare never outlives its launcher either
+    name_this_process(PROCESS_NAME)  # until it becomes a replica, which names itself
+    die_with_parent(os.getppid())  # a spare never outlives its launcher either (forked: see fork_server)
     worker = importlib.import_module(module_name)  # what a cold replacement would pay for after the failure
     line = sys.stdin.readline()
     if not line:

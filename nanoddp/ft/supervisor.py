@@ -5,7 +5,8 @@ Why not torchrun's agent: it restarts every local worker when one fails, so the 
 die with the lost rank, which is exactly what per-step fault tolerance avoids. Here the launcher
 is the supervisor. It runs torchft's Lighthouse (the quorum service; `nanoddp.ft.quorum_service`)
 inside the launcher's process, on threads of torchft's own, starts one process per replica
-(each in a session of its own) and watches them: a replica that dies is replaced, up to
+(each in a session of its own, forked from a server that imported it once:
+`nanoddp.ft.replica_process`) and watches them: a replica that dies is replaced, up to
 `max_restarts` times per replica, by a process with the same replica id and a higher attempt
 number, which joins the running group at a step boundary and receives its state
 from a peer (`FaultTolerant`). The others are never touched. The first replacement is a warm
@@ -61,7 +62,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
 from nanoddp import hosts
 from nanoddp.base import processes
@@ -69,6 +69,7 @@ from nanoddp.base.limits import STOP_GRACE_S
 from nanoddp.ft.placement import Placement
 from nanoddp.ft.quorum_service import QuorumServiceUnavailable, open_quorum_service
 from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.replica_process import ReplicaProcess, copy_output, start_fork_server, start_process
 from nanoddp.ft.stopped import STOPPED_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 
@@ -86,20 +87,13 @@ class Replica:
 
     replica: int
     attempt: int = 0
-    proc: subprocess.Popen | None = None
+    proc: ReplicaProcess | None = None
     exitcode: int | None = None  # of the current process, once it ended
     started: float = 0.0  # time.time() when the current process started (or took this replica)
     killed: bool = False  # the launcher has SIGKILLed the current process (said once)
     stopped_at: float | None = None  # time.time() when the current process exited with STOPPED_EXIT_CODE
     copiers: list[threading.Thread] = field(default_factory=list)
     prefix: list[str] = field(default_factory=lambda: [""])  # read by the copiers: a spare changes it
-
-
-def _copy_prefixed(stream: IO[bytes], out: IO[str], prefix: list[str]) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(prefix[0] + line.decode(errors="replace"))
-        out.flush()
-    stream.close()
 
 
 def _describe_exit(code: int) -> str:
@@ -171,19 +165,10 @@ class Supervisor:
     def _popen(self, holder: Replica, command: Sequence[str], environ: dict[str, str], spare: bool) -> None:
         """Start `command` as `holder`'s process, its output copied with `holder`'s prefix."""
         environ = {**os.environ, **environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        stdin = subprocess.PIPE if spare else None  # a replica reads what the launcher reads
-        proc = subprocess.Popen(
-            list(command), env=environ, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True,
-        )  # fmt: skip
+        proc = start_process(command, environ, stdin_pipe=spare)
         holder.proc, holder.exitcode, holder.started, holder.killed = proc, None, time.time(), False
         holder.stopped_at = None
-        holder.copiers = [
-            threading.Thread(target=_copy_prefixed, args=(stream, out, holder.prefix), daemon=True)
-            for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
-        ]
-        for copier in holder.copiers:
-            copier.start()
+        holder.copiers = copy_output(proc, holder.prefix)
 
     def start(self, replica: Replica) -> None:
         """Start a process for `replica`: its first, or a cold replacement."""
@@ -402,7 +387,7 @@ def _grower_line(where: Placement, url: str | None) -> str:
     )
 
 
-def _kill_session(proc: subprocess.Popen | None, sig: signal.Signals) -> None:
+def _kill_session(proc: ReplicaProcess | None, sig: signal.Signals) -> None:
     if proc is None:
         return
     processes.signal_group(proc, sig)  # the replica leads its session's group (start_new_session)
@@ -427,6 +412,7 @@ def supervise(launch: Launch) -> int:
         print(f"{launch.name}: the run is under way at {service.url}: replicas {launch.where.first}.."
               f"{launch.where.first + launch.where.nproc - 1} join it", file=sys.stderr, flush=True)  # fmt: skip
     beats = make_private_dir(BEATS_PREFIX)
+    start_fork_server(launch.command)  # before the first replica (and any thread of ours beside it)
     supervisor = Supervisor(launch, service.url, beats, join=service.under_way)
     stopped: list[signal.Signals] = []
 

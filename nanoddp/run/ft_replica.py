@@ -2,8 +2,8 @@
 the launcher.
 
 `python -m nanoddp.run.ft_replica [-m] SCRIPT ARGS...`: the replica dies with the launcher (even a
-SIGKILLed one, `die_with_parent`), takes what the script starts along when it dies itself
-(`take_descendants_along`), then runs the script as `__main__`. The script finds its place in the
+SIGKILLed one), takes what the script starts along when it dies itself (`become_replica`),
+then runs the script as `__main__`. The script finds its place in the
 run through `nanoddp.ft.ReplicaEnv` (the launcher's variables).
 """
 
@@ -13,8 +13,7 @@ import argparse
 import signal
 import sys
 
-from nanoddp.base.processes import die_with_parent, take_descendants_along
-from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.replica_env import ReplicaEnv, become_replica
 from nanoddp.ft.stopped import run_replica
 from nanoddp.run.bootstrap import run_script
 
@@ -26,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     parsed = parser.parse_args(argv)
-    die_with_parent(ReplicaEnv.from_environ().launcher_pid)
-    take_descendants_along()  # the launcher starts each replica in a session of its own
+    become_replica(ReplicaEnv.from_environ())
     return run_replica(lambda: run_script(parsed.target, parsed.args, parsed.as_module))
 
 

@@ -54,12 +54,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from nanoddp.base.processes import die_with_parent, take_descendants_along
 from nanoddp.base.rng import restore_rng_state
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.env import DistEnv
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 from nanoddp.ft.global_batches import share
+from nanoddp.ft.replica_env import become_replica
 from nanoddp.ft.replica_group import own_world
 from nanoddp.ft.rounds import FaultTolerantRounds
 from nanoddp.ft.stopped import RunStopped, run_replica
@@ -410,8 +410,7 @@ def start_replica(argv: list[str] | None, module: str) -> tuple[TrainConfig, Rep
     add_dataclass_args(parser, TrainConfig)  # the launcher passes the config as flags
     config = config_from_args(TrainConfig, parser.parse_args(argv))
     env = ReplicaEnv.from_environ()
-    die_with_parent(env.launcher_pid)  # no replica outlives its launcher, even a SIGKILLed one
-    take_descendants_along()
+    become_replica(env)  # named, and no replica outlives its launcher, even a SIGKILLed one
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     # torchft logs every quorum and commit at info, and its structured loggers an empty line each
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):

@@ -37,8 +37,10 @@ import torch
 pytest.importorskip("torchft")
 from helpers import replica_pid, wait_for  # noqa: E402  (after the skip)
 
+from nanoddp.base.processes import named_descendants
 from nanoddp.base.records import read_records
 from nanoddp.bench.training_run import run_training
+from nanoddp.ft.spare import PROCESS_NAME as SPARE_NAME
 
 REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 3.0, 10, 60, 0  # 10: uneven pieces at world size 3
 KILL_STEP = 3
@@ -324,17 +326,10 @@ def _first_in_line(launcher: psutil.Process, deadline: float) -> None:
     """Raise the warm spare's CPU priority (root only; else nothing), so that on a loaded machine
     the replacement's start is not starved by the survivors' steps: it joins while they have
     steps left. Every thread's, and so every thread it starts (they inherit it)."""
-    spare = wait_for(lambda: next((c for c in launcher.children(recursive=True) if _is_spare(c)), None), deadline)
+    spare = wait_for(lambda: named_descendants(launcher, SPARE_NAME).get(""), deadline)
     with contextlib.suppress(psutil.Error, PermissionError):
         for thread in spare.threads():
             os.setpriority(os.PRIO_PROCESS, thread.id, -10)
-
-
-def _is_spare(proc: psutil.Process) -> bool:
-    try:
-        return "nanoddp.ft.spare" in proc.cmdline()
-    except psutil.Error:
-        return False
 
 
 def test_train_continue_survives_a_kill_bitwise(tmp_path):

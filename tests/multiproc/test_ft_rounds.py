@@ -24,9 +24,11 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -36,6 +38,7 @@ from helpers import FT_TINY_GPT, replay_rounds_run, replica_pid, run_on_ranks, w
 from nanoddp.base.processes import end_tree
 from nanoddp.bench.training_run import run_training
 from nanoddp.env import free_port
+from nanoddp.ft.supervisor import BEATS_PREFIX
 
 pytest.importorskip("torchft")
 
@@ -149,7 +152,8 @@ def lost_during_a_sync(tmp_path_factory):
     def kill_in_the_sync_then_grow(proc) -> bool:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
         pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 2), deadline)
-        beat = os.path.join(psutil.Process(pid).environ()["NANODDP_FT_BEATS"], "replica-2")
+        (beats,) = Path(tempfile.gettempdir()).glob(f"{BEATS_PREFIX}{proc.pid}-*")  # the launcher's
+        beat = beats / "replica-2"
         before = DURING_SYNC - SYNC_EVERY  # the sync before: its step record's time follows its quorum's mark
         if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] == before):
             return False

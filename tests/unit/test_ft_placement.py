@@ -13,6 +13,7 @@ import datetime
 import http.server
 import socket
 import threading
+import time
 
 import pytest
 
@@ -229,6 +230,10 @@ def test_a_grower_that_finds_no_run_under_way_is_one_line_and_exit_1(monkeypatch
         f"none: the run at {service.url} has not formed its first group; start a growing host while the run "
         "trains (after its first step, before its last), with the run's --rdzv-endpoint or --lighthouse"
     ]
+    # torchft's shutdown returns before its listener closes (under load, a while later): wait for that
+    closed_by = time.monotonic() + 30
+    while hosts.wait_reachable("127.0.0.1", port, 0.1) and time.monotonic() < closed_by:
+        time.sleep(0.05)
     monkeypatch.setattr(supervisor, "GROWER_WAIT_S", 0.2)  # nothing listens there now
     assert supervisor.supervise(launch) == 1
     (line,) = capsys.readouterr().err.splitlines()

@@ -30,7 +30,8 @@ from typing import Any
 
 import psutil
 
-from nanoddp import torchrun
+from nanoddp import fork_server, torchrun
+from nanoddp.base import processes
 from nanoddp.comm.transport.watchdog import HANG_EXIT_CODE
 from nanoddp.tempdirs import make_private_dir
 from nanoddp.train import signals
@@ -39,7 +40,7 @@ from nanoddp.train.config import TrainConfig, filled
 from nanoddp.train.launcher import rendezvous
 
 # What a `nanoddp train` worker imports before its first step, imported once by the fork server
-# its workers are forked from (see _start_fork_server).
+# its workers are forked from (`nanoddp.fork_server`).
 WORKER_PRELOAD = ("nanoddp.train.launcher.cli", "nanoddp.train.trainer")
 WORKER_NAME = "nanoddp-rank"  # + the global rank: what ps and psutil's name() show for a worker
 AGENT_PID_VAR = "NANODDP_AGENT_PID"  # the workers' parent: they die with it (cli.worker_main, run.bootstrap)
@@ -73,7 +74,7 @@ class AgentJob:
     fork_server_preload: tuple[str, ...] = ()
     """With `--start-method forkserver` in the argv: the modules the fork server imports once, so
     that every worker (and every restart's) is a fork of a process that has them, not a fresh
-    interpreter importing torch."""
+    interpreter importing torch ([Note: workers forked from a server] in `nanoddp.fork_server`)."""
 
 
 def run_torchrun_agent(job: AgentJob) -> int:
@@ -94,7 +95,7 @@ def run_torchrun_agent(job: AgentJob) -> int:
     try:
         argv, store = rendezvous.rendezvous(["--log-dir", log_dir, *job.torchrun_argv])
         if job.fork_server_preload:
-            _start_fork_server(job.fork_server_preload, job.scratch_prefix)
+            fork_server.start(job.fork_server_preload)
         hosted.append(store)
         print(f"nanoddp: torchrun {' '.join(argv)}", file=sys.stderr)
         with job.watch():
@@ -124,37 +125,6 @@ def run_torchrun_agent(job: AgentJob) -> int:
     return 0
 
 
-def _start_fork_server(preload: tuple[str, ...], scratch_prefix: str) -> None:
-    """Start multiprocessing's fork server with `preload` imported.
-
-    [Note: workers forked from a server] A worker started as `python -m ...` spends a second or
-    two of CPU importing torch before its first step, and so does each restart's. Forked from a
-    server that imported them once, it starts in milliseconds. The server is a fresh interpreter
-    started before any worker (not this agent, whose rendezvous threads a fork would copy
-    mid-state). It ends with this process (its liveness pipe closes); the workers watch this
-    process too (`die_with_launcher`).
-
-    multiprocessing keeps the server's socket in a temp dir of its own, removed at exit. Made
-    inside a private dir named by this pid, it is swept by the next start even after a SIGKILL
-    (`tempdirs`). A socket's path holds at most 107 bytes, which a deep TMPDIR (a test's, a CI
-    job's) exceeds: the private dir is reached as /proc/self/fd/N instead, N a descriptor this
-    process keeps open on it for its life (only this process connects to the server)."""
-    import multiprocessing
-    import tempfile
-    from multiprocessing import forkserver, util
-
-    scratch = make_private_dir(scratch_prefix)
-    short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
-    multiprocessing.set_forkserver_preload(list(preload))
-    previous, tempfile.tempdir = tempfile.tempdir, short if os.path.isdir(short) else scratch
-    try:
-        forkserver.ensure_running()
-    finally:
-        tempfile.tempdir = previous
-    # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
-    util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
-
-
 def _say(lines: list[str]) -> None:
     for line in lines:
         print(line, file=sys.stderr)
@@ -177,17 +147,10 @@ def rank_log(out: str | Path, rank: int) -> Path:
 
 
 def train_workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
-    """The live workers of `nanoddp train` among the launcher's descendants, by global rank.
-    Found by the name each gives itself (`WORKER_NAME`): a forked worker's command line and
-    environment, as the system shows them, are its fork server's."""
-    found: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.Error):  # the launcher gone: none
-        for proc in launcher.children(recursive=True):
-            with contextlib.suppress(psutil.Error):  # exited while we looked
-                name = proc.name()
-                if name.startswith(WORKER_NAME) and name[len(WORKER_NAME) :].isdigit():
-                    found[int(name[len(WORKER_NAME) :])] = proc
-    return found
+    """The live workers of `nanoddp train` among the launcher's descendants, by global rank (each
+    names itself `WORKER_NAME` + rank)."""
+    named = processes.named_descendants(launcher, WORKER_NAME)
+    return {int(rank): proc for rank, proc in named.items() if rank.isdigit()}
 
 
 def run_agent(config: TrainConfig, torchrun_argv: list[str], verbose: bool = False) -> int:

@@ -1,0 +1,179 @@
+"""Workers forked from a server that imported torch once, instead of fresh interpreters.
+
+[Note: workers forked from a server] A worker started as `python -m ...` spends a second or two
+of CPU importing torch and nanoddp before its first step, and so does every restart's and every
+replacement's. multiprocessing's fork server is a fresh interpreter, started once per launcher,
+that imports the modules it is told to preload and then forks a child per request: a child
+starts in milliseconds, its imports done. (Not a fork of the launcher itself: its threads, a
+rendezvous store's or a copier's, would be copied mid-state.)
+
+What a forked child lacks, and gets here:
+
+- the launcher's state at this start (`LauncherView`): a forked child would otherwise see the
+  environment, working directory and standard streams the server started with, maybe long ago;
+- its ties to the launcher (`base.processes.die_with_launcher`): its parent is the server, which
+  outlives the launcher while any child lives;
+- for `ForkedModule`, what `subprocess.Popen([python, -m, MODULE, ...], start_new_session=True)`
+  gives: a session of its own (the launcher signals its whole group), pipes for its streams, an
+  exit code in `poll()`/`wait()` (negative for a signal), and `MODULE.main(argv)` run as the
+  program.
+
+The server's socket lives in a temp dir of multiprocessing's, which `start` makes inside a private
+dir named by this pid: removed at exit, swept by the next start after a SIGKILL (`tempdirs`). A
+socket's path holds at most 107 bytes, which a deep TMPDIR (a test's, a CI job's) exceeds, so the
+private dir is reached as /proc/self/fd/N, N a descriptor kept open for this process's life (only
+this process connects to the server).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from multiprocessing import forkserver, reduction, util
+from typing import IO, Any
+
+from nanoddp.base.processes import POLL_S, die_with_launcher
+from nanoddp.tempdirs import make_private_dir
+
+SCRATCH_PREFIX = "nanoddp-forkserver-"
+SESSION_WAIT_S = 10.0  # a forked child makes its session first thing; this only bounds a dead one
+
+
+def start(preload: Sequence[str]) -> None:
+    """Start this process's fork server with `preload` imported (one that runs already stays, with
+    what it preloaded)."""
+    scratch = make_private_dir(SCRATCH_PREFIX)
+    short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
+    mp.set_forkserver_preload(list(preload))
+    previous, tempfile.tempdir = tempfile.tempdir, short if os.path.isdir(short) else scratch
+    try:
+        forkserver.ensure_running()
+    finally:
+        tempfile.tempdir = previous
+    # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
+    util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
+
+
+class LauncherView:
+    """What a spawned child inherits from the launcher at its start and a child forked from the
+    fork server would not: the environment variables, the working directory, and standard
+    streams (fd -> the descriptor to put there). Pickled into the child; the descriptors travel
+    as file descriptors that multiprocessing passes along with the process (`reduction.DupFd`)."""
+
+    def __init__(self, environ: dict[str, str], cwd: str, streams: dict[int, Any]) -> None:
+        self.environ, self.cwd, self.streams = environ, cwd, streams
+
+    @classmethod
+    def now(cls, environ: dict[str, str] | None = None, streams: dict[int, int] | None = None) -> LauncherView:
+        """This process's view (stdout and stderr unless `streams` says otherwise)."""
+        return cls(dict(os.environ) if environ is None else environ, os.getcwd(), streams or {1: 1, 2: 2})
+
+    def __reduce__(self):
+        streams = {target: reduction.DupFd(fd) for target, fd in self.streams.items()}
+        return LauncherView, (self.environ, self.cwd, streams)
+
+    def take_on(self) -> None:
+        """Child side: become what a spawned child of the launcher would be."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for target, stream in self.streams.items():
+            fd = stream.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+        if 0 in self.streams:  # multiprocessing gave the child /dev/null as sys.stdin
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115  (fd 0 lives as long as the process)
+        if isinstance(sys.stdout, io.TextIOWrapper):  # the server's: block-buffered into a pipe
+            sys.stdout.reconfigure(line_buffering=True)
+
+
+def _run_module(module: str, argv: list[str], view: LauncherView, launcher_pid: int) -> None:
+    """The forked child of `ForkedModule`: `python -m module *argv` in a session of its own."""
+    os.setsid()
+    die_with_launcher(launcher_pid)
+    view.take_on()
+    sys.argv = [module, *argv]
+    sys.exit(importlib.import_module(module).main(argv) or 0)
+
+
+class ForkedModule:
+    """`subprocess.Popen([sys.executable, "-m", module, *argv], env=environ, stdin=PIPE or the
+    launcher's, stdout=PIPE, stderr=PIPE, start_new_session=True)`, forked from the fork server:
+    the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()` and `returncode`. `module` has
+    a `main(argv) -> int | None`."""
+
+    def __init__(self, module: str, argv: Sequence[str], environ: dict[str, str], stdin_pipe: bool) -> None:
+        ours: list[int] = []  # the ends this process keeps
+        theirs: dict[int, int] = {}  # the child's ends, by the stream they become
+        for target in (1, 2):
+            read, write = os.pipe()
+            ours.append(read)
+            theirs[target] = write
+        stdin_write = None
+        if stdin_pipe:
+            theirs[0], stdin_write = os.pipe()
+        elif _is_open(0):  # a replica reads what the launcher reads
+            theirs[0] = 0
+        try:
+            self._process = mp.get_context("forkserver").Process(
+                target=_run_module, args=(module, list(argv), LauncherView.now(environ, theirs), os.getpid()),
+                name=module, daemon=False,
+            )  # fmt: skip
+            self._process.start()
+        finally:
+            for fd in theirs.values():
+                if fd != 0:  # the pipes' child ends: the child holds its copies (EOF comes with its exit)
+                    os.close(fd)
+        self.pid: int = self._process.pid  # type: ignore[assignment]  (started)
+        self.stdout: IO[bytes] = os.fdopen(ours[0], "rb")
+        self.stderr: IO[bytes] = os.fdopen(ours[1], "rb")
+        self.stdin: IO[bytes] | None = None if stdin_write is None else os.fdopen(stdin_write, "wb")
+        self._wait_for_its_session()
+
+    def _wait_for_its_session(self) -> None:
+        """Return once the child leads its session (its first act), so that a signal to its group
+        from here on reaches it, as with Popen's start_new_session."""
+        deadline = time.monotonic() + SESSION_WAIT_S
+        while self.poll() is None and time.monotonic() < deadline:
+            try:
+                if os.getpgid(self.pid) == self.pid:
+                    return
+            except ProcessLookupError:
+                return
+            time.sleep(POLL_S / 10)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        return self._process.exitcode
+
+
+def python_module(command: Sequence[str]) -> str | None:
+    """MODULE for `[sys.executable, "-m", MODULE, ...]` (what `ForkedModule` can fork), else None."""
+    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m":
+        return command[2]
+    return None
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
