@@ -132,19 +132,25 @@ def test_sigkilled_nanoddp_run_takes_the_ranks_children_along(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_sigkilled_nanoddp_train_takes_the_workers_children_along(tmp_path):
+@pytest.mark.parametrize("on_failure", ["restart", "continue"])
+def test_sigkilled_nanoddp_train_takes_the_workers_children_along(tmp_path, on_failure):
+    """Both launch paths fork their ranks from a fork server (torchrun's workers, the replicas):
+    the server, the ranks and what each rank started all go with the launcher."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
     pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "nanoddp", "train", *TINY_TRAIN, "--out", str(out)]
+    argv = [sys.executable, "-m", "nanoddp", "train", *TINY_TRAIN, "--on-failure", on_failure, "--out", str(out)]
     job = Job(tmp_path, argv, env={"PYTHONPATH": pythonpath})
-    log = out / "logs" / "rank0.log"
+    log = out / "logs" / "rank0.log" if on_failure == "restart" else job.log
+
+    def sleeping() -> list[psutil.Process]:
+        return [p for p in _marked(job.token) if p.name() == "sleep"]
+
     try:
-        job.wait_for(lambda: log.is_file() and " INFO " in log.read_text() and "step " in log.read_text(), "a step")
-        sleeps = [p for p in _marked(job.token) if p.name() == "sleep"]
-        assert len(sleeps) == 2, _describe(_marked(job.token))  # one child per worker
+        job.wait_for(lambda: log.is_file() and "step " in log.read_text(), "a step")
+        job.wait_for(lambda: len(sleeping()) == 2, "one child per rank", timeout=30)
         _sigkill_and_check(job)
     finally:
         job.kill_all()

@@ -50,6 +50,13 @@ FAULTS = (
         ("tests/reliability/test_orphans.py", "-k", "while_its_ranks_start"),
     ),
     Mutation(
+        "ft launcher: a forked replica leads no session (what it starts outlives it)",
+        "nanoddp/fork_server.py",
+        "    os.setsid()\n",
+        "",
+        ("tests/reliability/test_orphans.py", "-k", "nanoddp_train and continue"),
+    ),
+    Mutation(
         "nanoddp train: what a worker forked by the fork server started outlives a SIGKILLed launcher",
         "nanoddp/train/launcher/cli.py",
         "    take_descendants_along(new_group=forked)",
@@ -121,14 +128,14 @@ FAULTS = (
     ),
     Mutation(
         "launch: a forked rank writes to the streams the fork server started with",
-        "nanoddp/launch.py",
+        "nanoddp/fork_server.py",
         "            os.dup2(fd, target)",
         "            pass",
         ("tests/multiproc/test_launch.py", "-k", "returns or forked_rank_sees"),
     ),
     Mutation(
         "launch: a forked rank sees the environment the fork server started with",
-        "nanoddp/launch.py",
+        "nanoddp/fork_server.py",
         "        os.environ.update(self.environ)",
         "        os.environ.update(os.environ)",
         ("tests/multiproc/test_launch.py", "-k", "returns or forked_rank_sees"),

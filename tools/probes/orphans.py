@@ -62,14 +62,15 @@ if __name__ == "__main__":
 # imported (a metrics or profiling service) stands in for it: Python imports `sitecustomize`
 # from PYTHONPATH at start-up, and this one starts the child in torchrun's workers only.
 # (tests/reliability/test_orphans.py runs these same jobs.)
-# Each torchrun worker starts a child once it leads its own process group: a worker run as a
-# fresh interpreter does from its first line (torchrun starts it in a session of its own); one
-# forked from a fork server learns its rank and makes its group after the fork, so a thread
-# started at the fork waits for both.
+# Each torchrun worker (and each replica under --on-failure continue) starts a child once it
+# leads its own process group: a worker run as a fresh interpreter does from its first line
+# (torchrun starts it in a session of its own); one forked from a fork server learns its rank
+# and makes its group after the fork, so a thread started at the fork waits for both.
 SITECUSTOMIZE = """
 import os, subprocess, threading, time
 def a_worker():
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and os.getpgid(0) == os.getpid()
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    return (torchrun or "NANODDP_FT_REPLICA" in os.environ) and os.getpgid(0) == os.getpid()
 def start_child_once_a_worker():
     while not a_worker():
         time.sleep(0.05)
