@@ -11,9 +11,11 @@ one JSON line and the spare runs `MODULE.main(ARGS)` as that replica, which join
 takes its state from a peer like any replacement. An end of input without a line (the run ended
 without needing it) ends the spare with exit 0.
 
-The spare is used once: a later failure starts its replacement cold, as before. It costs the run
-its imports at start-up, when every replica is importing too, and the memory of an idle
-interpreter with torch loaded.
+The spare is used once: a later failure starts its replacement when needed. Since the launcher
+forks its replicas from a fork server that imported MODULE once (`nanoddp.ft.replica_process`),
+such a replacement has its imports done too, and the spare saves only the fork; it matters for
+a replica command that is not `python -m MODULE` (started as a fresh process). It costs the run
+the memory of an idle process with torch loaded.
 """
 
 from __future__ import annotations

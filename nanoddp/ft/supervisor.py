@@ -10,8 +10,8 @@ inside the launcher's process, on threads of torchft's own, starts one process p
 `max_restarts` times per replica, by a process with the same replica id and a higher attempt
 number, which joins the running group at a step boundary and receives its state
 from a peer (`FaultTolerant`). The others are never touched. The first replacement is a warm
-spare (`nanoddp.ft.spare`), started with the run and waiting with its imports done, so that a
-failure does not cost the survivors' cores a cold start.
+spare (`nanoddp.ft.spare`), started with the run and waiting with its imports done; the ones
+after it are forked from the same server, their imports done too.
 
 A hung replica is ended too: every replica marks each step boundary it reaches (a file in the
 launcher's private directory); one that has marked nothing for the collective timeout and more
