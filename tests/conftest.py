@@ -26,7 +26,7 @@ def on_ranks():
 # suite's `--dist loadfile --no-loadscope-reorder`, xdist hands out whole files in collection
 # order, so these start at once and the many short files fill the gaps beside them, instead of
 # one long file starting last and running alone at the end. A file missing here only runs later.
-# Except: the three files that load SmolLM2-135M are spread out (first, tenth, sixteenth): side
+# Except: the three files that load SmolLM2-135M are spread out (first, eleventh, seventeenth): side
 # by side they compete for the cores and memory, and each took twice as long.
 LONGEST_FILES_FIRST = (
     "multiproc/test_smollm2.py",
@@ -38,6 +38,7 @@ LONGEST_FILES_FIRST = (
     "multiproc/test_ft_engines.py",
     "reliability/test_reliability_leftovers.py",
     "multiproc/test_ft.py",
+    "multiproc/test_ft_rounds.py",
     "examples/test_example_smollm2.py",
     "multiproc/test_launch.py",
     "multiproc/test_notebook_launch.py",
