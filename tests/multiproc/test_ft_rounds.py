@@ -94,18 +94,22 @@ def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
     records = run.records
     syncs = [r for r in records if r.get("event") == "sync"]
     got_schedule = [(s["step"], s["replicas"], s["samples"], s["healed_from"]) for s in syncs]
-    assert got_schedule[:2] == [
-        (3, [0, 1, 2], [12, 12, 12], [-1, -1, -1]),
-        # replica 2's round is lost: the survivors' samples alone; its replacement healed from a peer
-        (6, [0, 1, 2], [12, 12, 0], [-1, -1, syncs[1]["healed_from"][2]]),
-    ], got_schedule
-    assert syncs[1]["healed_from"][2] in (0, 1), got_schedule
-    assert got_schedule[2:] == [(step, [0, 1, 2], [12, 12, 12], [-1, -1, -1]) for step in (9, 12)], got_schedule
+    # replica 2 is killed after step 3's record; on a fast machine the loss may land a round late
+    lost = next(k for k, s in enumerate(syncs) if 0 in s["samples"])
+    assert lost in (1, 2), got_schedule
+    healed = syncs[lost]["healed_from"][2]
+    assert healed in (0, 1), got_schedule
+    full = [-1, -1, -1]
+    want_schedule = [(step, [0, 1, 2], [12, 12, 12], full) for step in (3, 6, 9, 12)]
+    # replica 2's round is lost: the survivors' samples alone; its replacement healed from a peer
+    want_schedule[lost] = (want_schedule[lost][0], [0, 1, 2], [12, 12, 0], [-1, -1, healed])
+    assert got_schedule == want_schedule, got_schedule
     assert [r["world_size"] for r in records if "event" not in r] == [REPLICAS] * STEPS
     changes = [
         (r["event"], r["step"], r["replicas"]) for r in records if r.get("event") in ("rank_lost", "rank_joined")
     ]
-    assert changes == [("rank_lost", 7, [2]), ("rank_joined", 7, [2])], changes
+    at = syncs[lost]["step"] + 1
+    assert changes == [("rank_lost", at, [2]), ("rank_joined", at, [2])], changes
     got = torch.load(out / "model.pt")
     want = run_on_ranks(_replay, 1, syncs, engine, timeout=240)[0]
     assert got.keys() == want.keys()
