@@ -3,7 +3,8 @@
 `nanoddp.launch(fn, nprocs, args)` is `mp.spawn` with the chores done: it creates the process
 group before `fn(env, *args)` runs (a private file:// rendezvous: no MASTER_PORT to pick), and
 if one rank fails it stops the others and re-raises that rank's error here, instead of leaving
-them blocked in a collective. What remains for the script:
+them blocked in a collective. Its ranks fork from a server that imported torch once, so each
+starts at once and, like a spawned rank, imports this script anew. What remains for the script:
 
 * setup: seed, build the model, wrap it in `nanoddp.DistributedDataParallel`;
 * a distributed sampler, with `set_epoch(epoch)` so that every epoch is shuffled differently

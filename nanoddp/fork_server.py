@@ -46,20 +46,38 @@ from nanoddp.tempdirs import make_private_dir
 SCRATCH_PREFIX = "nanoddp-forkserver-"
 SESSION_WAIT_S = 10.0  # a forked child makes its session first thing; this only bounds a dead one
 
+_preloads: list[str] = []  # every module asked for in this process, in order: the server imports them all
+_socket_dir: list[str] = []  # this process's private dir for the server's socket, made once
 
-def start(preload: Sequence[str]) -> None:
-    """Start this process's fork server with `preload` imported (one that runs already stays, with
-    what it preloaded)."""
-    scratch = make_private_dir(SCRATCH_PREFIX)
-    short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
-    mp.set_forkserver_preload(list(preload))
-    previous, tempfile.tempdir = tempfile.tempdir, short if os.path.isdir(short) else scratch
+
+def preload(modules: Sequence[str]) -> None:
+    """Have this process's fork server import `modules` too, if it has not started yet (the
+    server imports once, at its start: after that a child imports what it lacks itself)."""
+    _preloads.extend(m for m in modules if m not in _preloads)
+
+
+def start(modules: Sequence[str] = ()) -> None:
+    """Start this process's fork server with `modules` imported, and every module `preload` was
+    given; one that runs already stays, with what it imported."""
+    preload(modules)
+    mp.set_forkserver_preload(list(_preloads))
+    previous, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
     try:
         forkserver.ensure_running()
     finally:
         tempfile.tempdir = previous
-    # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
-    util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
+
+
+def _private_socket_dir() -> str:
+    """The dir multiprocessing makes its own (and the server's socket) in: a private one named by
+    this pid, reached by a short path (see the module's note), made at the first start."""
+    if not _socket_dir:
+        scratch = make_private_dir(SCRATCH_PREFIX)
+        short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
+        _socket_dir.append(short if os.path.isdir(short) else scratch)
+        # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
+        util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
+    return _socket_dir[0]
 
 
 class LauncherView:

@@ -28,7 +28,10 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from nanoddp import env as nd
+from nanoddp import fork_server
 from nanoddp.base.processes import die_with_launcher, stop, take_descendants_along
 from nanoddp.fork_server import LauncherView
 from nanoddp.tempdirs import make_private_dir
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 START_METHODS = ("spawn", "forkserver")
+# What a rank imports before `fn` (torch, torch.distributed, the env layer): the fork server's once.
+RANK_PRELOAD = ("nanoddp.launch",)
 SETTLE_S = 1.0  # after a failure, how long to wait for the others' reports
 
 
@@ -65,6 +70,9 @@ def _worker(
     die_with_launcher(launcher_pid)  # who may have died while this rank imported torch
     if launcher_view is not None:  # forked by the server: become what a spawned rank would be
         launcher_view.take_on()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # torch read it at the server's start
+            torch.set_num_threads(int(threads))
     take_descendants_along(new_group=True)
     try:
         nd.init(env, init_method=init_method, timeout=timedelta(seconds=pg_timeout_s))
@@ -99,17 +107,21 @@ def launch(
     backend: str | None = None,
     timeout: float | None = None,
     pg_timeout_s: float = 300.0,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run `fn(env, *args)` on `nprocs` local processes; return each rank's return value.
 
-    `fn` must be importable (a module-level function). Children are started with `spawn` by
-    default, so CUDA state in the parent does not matter. `start_method="forkserver"` forks them
-    from multiprocessing's server process instead, which imported the modules named in
-    `multiprocessing.set_forkserver_preload` once: a launch then costs milliseconds, not an
-    import of torch per rank (what a test suite or a sweep of short jobs wants). Each child
-    still sees the launcher's environment variables and working directory as they are at this
-    call, as a spawned child would, not as they were when the server started.
+    `fn` must be importable (a module-level function), as with `mp.spawn`. The ranks are forked
+    from this process's fork server (`nanoddp.fork_server`): a fresh interpreter, started at the
+    first launch, that imported torch and nanoddp once (and what `fork_server.preload` named), so
+    a rank starts in milliseconds instead of spending a second or two of CPU importing torch, and
+    so does every rank of every later launch. Like a spawned rank, it holds nothing of this
+    process: no CUDA state, no threads, and `__main__` imported anew; and it sees this process's
+    environment variables, working directory and standard streams as they are at this call, not
+    as they were when the server started, and `OMP_NUM_THREADS` as at this call sets its
+    thread count. What differs: torch was imported with the environment of the server's start,
+    so another variable torch reads only at import changed since then takes effect through
+    `start_method="spawn"`, which starts each rank as a fresh interpreter.
 
     Rendezvous is a `file://` store in a private temp dir, so no port is ever fixed. Raises
     `LaunchError` naming the first rank that failed, and `TimeoutError` if the whole job outlives
@@ -124,7 +136,10 @@ def launch(
         )
     backend = backend or nd.default_backend(nprocs)
     ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext: both make Processes
-    launcher_view = None if start_method == "spawn" else LauncherView.now()
+    launcher_view = None
+    if start_method == "forkserver":
+        fork_server.start(RANK_PRELOAD)
+        launcher_view = LauncherView.now()
     results: mp.Queue = ctx.Queue()
     rendezvous_dir = make_private_dir("nanoddp-rdzv-")
     init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
@@ -224,18 +239,19 @@ def notebook_launch(
     """`launch` for a `fn` defined in a notebook cell or `python -c`: run `fn(env, *args)` on
     `nprocs` processes and return each rank's return value, failing exactly as `launch` fails.
 
-    Why by value: `launch` pickles `fn` by reference ("`__main__.train`"), and a spawned child
-    starts a fresh `__main__` in which a cell's definitions do not exist, so it dies unpickling
-    ("exited with code 1"). Here `cloudpickle` serialises the function's code, and the globals,
-    closures and `__main__` classes it uses, by value; the children run it through
-    `_run_by_value`, an importable trampoline, on top of `launch` (same rendezvous, fail-fast,
-    `LaunchError` with the failing rank's traceback, no orphans).
+    Why by value: `launch` pickles `fn` by reference ("`__main__.train`"), and a rank (forked
+    from the fork server, or spawned) starts a fresh `__main__` in which a cell's definitions do
+    not exist, so it dies unpickling ("exited with code 1"). Here `cloudpickle` serialises the
+    function's code, and the globals, closures and `__main__` classes it uses, by value; the
+    children run it through `_run_by_value`, an importable trampoline, on top of `launch` (same
+    rendezvous, fail-fast, `LaunchError` with the failing rank's traceback, no orphans).
 
     Why not fork, which would inherit the cell's definitions for free: by the time a notebook
     calls this, the kernel has threads (ZMQ I/O, heartbeat) and torch has started its own
     (intra/inter-op pools, OpenMP); a forked child gets copies of the locks those threads held,
     but not the threads, and may deadlock in its first parallel op or collective. CUDA cannot be
-    used in a forked child at all. Spawn plus a by-value function has neither problem.
+    used in a forked child at all. A rank of `launch` (a fork of a fresh server, or spawned) plus
+    a by-value function has neither problem.
 
     What travels is a snapshot taken at call time: globals `fn` uses are copied into every child
     (a big tensor in the notebook's namespace is copied `nprocs` times: load data inside `fn`),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -14,7 +13,9 @@ if str(TESTS_DIR) not in sys.path:  # spawned workers import `helpers` and test 
 
 from helpers import FORKSERVER_PRELOAD, run_on_ranks  # noqa: E402  (needs TESTS_DIR on sys.path)
 
-multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+from nanoddp import fork_server  # noqa: E402
+
+fork_server.preload(FORKSERVER_PRELOAD)  # the server starts at the first launch
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ notebook kernels). Tests import these by name; no test file imports another test
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
@@ -67,8 +66,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
 
     Any rank's exception is re-raised here as `nanoddp.LaunchError` carrying its traceback, and
     every child is stopped before this returns, pass or fail. The ranks are forked from the fork
-    server; what `launch` itself promises for the default `spawn` is tested with `spawn`
-    (test_launch.py, test_notebook_launch.py).
+    server (`launch`'s default), which imported what conftest.py names once per session.
     """
     return nanoddp.launch(
         functools.partial(_single_threaded, fn),
@@ -76,28 +74,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         args=args,
         backend="gloo",
         timeout=timeout,
-        start_method="forkserver",
     )
-
-
-@contextlib.contextmanager
-def launches_forked():
-    """Inside this, `nanoddp.launch` forks its ranks from the fork server as `run_on_ranks` does.
-
-    For benchmarks run in this process (`bench train|zero|collectives`): what they claim is the
-    figures their ranks record, not how the ranks start, and each of their launches would
-    otherwise import torch in every rank again (seconds apiece, several launches per benchmark).
-    """
-    spawning = nanoddp.launch
-
-    def forked(*args, **kwargs):
-        return spawning(*args, **{**kwargs, "start_method": "forkserver"})
-
-    nanoddp.launch = forked
-    try:
-        yield
-    finally:
-        nanoddp.launch = spawning
 
 
 # ---- many named checks in one launch, each reported on its own -------------------------------

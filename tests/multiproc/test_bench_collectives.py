@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launches_forked, run_on_ranks
+from helpers import run_on_ranks
 
 from nanoddp.bench import collectives as bench
 from nanoddp.bench import floor
@@ -61,8 +61,7 @@ def test_the_path_column_uses_the_collectives_own_switch_point(world_size):
 @pytest.mark.timeout(300)
 def test_a_real_run_gives_paired_rows_and_a_table(tmp_path):
     sizes = [4096, 8 << 20]  # one under the gloo one-round limit at ws 2 (3 MB), one over it
-    with launches_forked():
-        rows = bench.run_benchmark([2], ["all_reduce", "broadcast"], sizes, iters=2, warmup=1)
+    rows = bench.run_benchmark([2], ["all_reduce", "broadcast"], sizes, iters=2, warmup=1)
     assert {(r["op"], r["size_bytes"]) for r in rows} == {(op, s) for op in ("all_reduce", "broadcast") for s in sizes}
     for r in rows:
         assert r["nanoddp_time_us"] > 0 and r["torch_time_us"] > 0
@@ -122,8 +121,7 @@ def test_the_bare_floor_moves_every_ops_real_bytes(world_size):
 
 @pytest.mark.timeout(300)
 def test_a_run_with_the_floor_adds_the_bare_columns(tmp_path):
-    with launches_forked():
-        rows = bench.run_benchmark([2], ["all_gather"], [1 << 20], iters=2, warmup=1, floor=True)
+    rows = bench.run_benchmark([2], ["all_gather"], [1 << 20], iters=2, warmup=1, floor=True)
     (r,) = rows
     assert r["bare_time_us"] > 0
     torch.testing.assert_close(r["bare_ratio"], r["bare_busbw_gbps"] / r["torch_busbw_gbps"])

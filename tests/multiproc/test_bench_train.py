@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launches_forked, run_on_ranks
+from helpers import run_on_ranks
 
 from nanoddp.bench import write_json
 from nanoddp.bench.report import format_markdown
@@ -42,9 +42,8 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_train")
     # memory="shared": one launch per world size (the memory pass, a launch per engine, is
     # tested on fewer engines in tests/unit/test_bench_memory_plot.py)
-    with launches_forked():
-        data = run_benchmark([1, 2], list(ENGINES), "tiny", GLOBAL_BATCH, steps=2, warmup=2, block=1,
-                             overrides=OVERRIDES, trace_dir=str(tmp / "trace"), memory="shared")  # fmt: skip
+    data = run_benchmark([1, 2], list(ENGINES), "tiny", GLOBAL_BATCH, steps=2, warmup=2, block=1,
+                         overrides=OVERRIDES, trace_dir=str(tmp / "trace"), memory="shared")  # fmt: skip
     return data, tmp
 
 

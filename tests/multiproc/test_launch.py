@@ -18,7 +18,8 @@ import torch.distributed as dist
 from helpers import run_on_ranks, wait_for
 
 import nanoddp
-from nanoddp import LaunchError
+from nanoddp import LaunchError, fork_server
+from nanoddp.launch import RANK_PRELOAD
 
 START_METHODS = pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 
@@ -128,21 +129,27 @@ def _what_the_rank_sees(env):
     sys.stdout.flush()
     sys.stderr.write(f"rank {env.rank} on stderr\n")
     sys.stderr.flush()
-    return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd()
+    return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd(), torch.get_num_threads()
 
 
 def test_a_forked_rank_sees_the_launchers_environment_directory_and_streams_of_now(tmp_path, capfd, monkeypatch):
     """The fork server started long before (with another test's environment, directory and
     captured streams); its ranks must still see the launcher's as they are at the call, exactly
-    as spawned ranks do."""
+    as spawned ranks do, and take their thread count from OMP_NUM_THREADS as it is now (torch
+    read it when the server imported torch)."""
+    # The server as a session's first launch starts it, OMP_NUM_THREADS unset: torch's default
+    # there is the cores (2 or more), which also cap the setting, so the ranks' 1 comes from here.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    fork_server.start(RANK_PRELOAD)  # one that runs already stays
     seen = {}
     for start_method in ("spawn", "forkserver"):
         work = tmp_path / start_method
         work.mkdir()
         monkeypatch.chdir(work)
         monkeypatch.setenv("NANODDP_TEST_SEEN", start_method)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
         seen[start_method] = _launch(_what_the_rank_sees, 2, start_method=start_method, timeout=120)
-        assert seen[start_method] == [(start_method, str(work))] * 2
+        assert seen[start_method] == [(start_method, str(work), 1)] * 2
         out, err = capfd.readouterr()
         assert sorted(out.splitlines()) == ["rank 0 on stdout", "rank 1 on stdout"], start_method
         assert sorted(line for line in err.splitlines() if line.startswith("rank")) == [
@@ -159,7 +166,7 @@ def test_launch_rejects_bad_nprocs_and_start_methods():
 
 
 LAUNCHER_SCRIPT = """
-import multiprocessing, os, sys, time
+import os, sys, time
 from pathlib import Path
 import nanoddp
 
@@ -168,7 +175,6 @@ def rank(env, pid_dir):
     time.sleep(300)
 
 if __name__ == "__main__":
-    multiprocessing.set_forkserver_preload(["torch", "nanoddp"])
     nanoddp.launch(rank, 2, args=(sys.argv[2],), backend="gloo", start_method=sys.argv[1])
 """
 

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from probes.orphans import LAUNCH_SCRIPT, RUN_SCRIPT, SITECUSTOMIZE  # noqa: E402  (the probes' jobs, one copy)
+from probes.orphans import LAUNCH_SCRIPT, RUN_SCRIPT, SITECUSTOMIZE, SPAWNING_LAUNCH_SCRIPT  # noqa: E402  (the probes' jobs, one copy)
 
 MARK = "NANODDP_ORPHAN_TEST"
 START_TIMEOUT_S = 90  # two ranks importing torch and joining the group, on a loaded 2-core machine
@@ -175,7 +175,7 @@ def _spawned_ranks(job: Job) -> int:
 
 @pytest.mark.timeout(240)
 def test_launch_killed_while_its_ranks_start_leaves_no_rank(tmp_path):
-    job = Job(tmp_path, [sys.executable, *_script(tmp_path, LAUNCH_SCRIPT)])
+    job = Job(tmp_path, [sys.executable, *_script(tmp_path, SPAWNING_LAUNCH_SCRIPT)])
     try:
         job.wait_for(lambda: _spawned_ranks(job) == 2, "both ranks spawned")
         assert not any(job.ready_dir.iterdir())  # still starting: importing torch, no group yet

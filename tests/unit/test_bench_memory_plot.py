@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import launches_forked
 
 from nanoddp.bench import write_json
 from nanoddp.bench.report import MB, MEMORY_PARTS, write_memory_plot
@@ -24,8 +23,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_memory")
-    with launches_forked():  # five 2-rank launches (one timed, one per engine alone)
-        data = run_benchmark([2], ENGINES, "tiny", 8, steps=2, warmup=2, block=1, overrides=OVERRIDES)
+    # five 2-rank launches (one timed, one per engine alone)
+    data = run_benchmark([2], ENGINES, "tiny", 8, steps=2, warmup=2, block=1, overrides=OVERRIDES)
     write_json(str(tmp / "bench.json"), data)
     return tmp
 

@@ -140,4 +140,11 @@ FAULTS = (
         "        os.environ.update(os.environ)",
         ("tests/multiproc/test_launch.py", "-k", "returns or forked_rank_sees"),
     ),
+    Mutation(
+        "launch: a forked rank keeps the thread count torch read when the fork server started",
+        "nanoddp/launch.py",
+        "            torch.set_num_threads(int(threads))",
+        "            pass",
+        ("tests/multiproc/test_launch.py", "-k", "forked_rank_sees"),
+    ),
 )

@@ -57,6 +57,9 @@ def rank_main(env, ready_dir):
 if __name__ == "__main__":
     nanoddp.launch(rank_main, 2, args=(sys.argv[1],), backend="gloo", timeout=600)
 """
+# The same job with ranks that start as fresh interpreters: a window of seconds (torch's import)
+# in which a rank is alive but not yet in its function. (Forked ranks have their imports done.)
+SPAWNING_LAUNCH_SCRIPT = LAUNCH_SCRIPT.replace("timeout=600)", 'timeout=600, start_method="spawn")')
 
 # `nanoddp train`'s workers run no user code; a library that starts a helper process when it is
 # imported (a metrics or profiling service) stands in for it: Python imports `sitecustomize`
@@ -171,11 +174,12 @@ def launch_children_die(ctx: Ctx) -> tuple[bool, str]:
 
 @probe(
     "11.4",
-    "SIGKILL of a `nanoddp.launch` parent right after it spawned its 2 ranks (still importing torch)",
+    "SIGKILL of a `nanoddp.launch(start_method='spawn')` parent right after it spawned its 2 ranks "
+    "(still importing torch)",
     f"no rank joins a group; all gone within {STARTING_GONE_WITHIN_S:.0f} s",
 )
 def launch_starting_ranks_die(ctx: Ctx) -> tuple[bool, str]:
-    run, ready = _start_script(ctx, LAUNCH_SCRIPT, PYTHON)
+    run, ready = _start_script(ctx, SPAWNING_LAUNCH_SCRIPT, PYTHON)
 
     def spawned() -> bool:
         run.record()
