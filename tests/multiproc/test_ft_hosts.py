@@ -241,6 +241,37 @@ def _history(records: list[dict]) -> list[int]:
     return [r["world_size"] for r in records if "event" not in r]
 
 
+LATE_MAX_STEPS = 2  # a replica left out for lateness is back within this many steps
+
+
+def _without_late_replicas(records: list[dict], history: list[int], changes: list[tuple]) -> tuple[list, list]:
+    """`history` and `changes` as if no replica had been late to a quorum after the host's rejoin.
+
+    The quorum service leaves out a live replica that asks for a group more than its JOIN_MS after
+    the others (`ft/quorum_service.py`), as it must to go on without a lost one; on a loaded
+    machine a replica descheduled that long is left out of a step and heals back at the next.
+    That is a `rank_lost` and a `rank_joined` of the same replica, the world size restored within
+    LATE_MAX_STEPS steps. The bitwise replay (the test above) replays such steps too; here the
+    schedule the test made is judged without them. The kill's pair (first two events) stays."""
+    events = [r for r in records if r.get("event", "eval") != "eval"]
+    kept, judged, i = changes[:2], list(history), 2
+    while i < len(changes):
+        lost, joined = changes[i], changes[i + 1] if i + 1 < len(changes) else None
+        late = (
+            joined is not None and lost[0] == "rank_lost" and joined[0] == "rank_joined"
+            and lost[2] == joined[2] and joined[1] == lost[1] + 1
+            and 0 < events[i + 1]["step"] - events[i]["step"] <= LATE_MAX_STEPS
+        )  # fmt: skip
+        if not late:
+            kept.append(changes[i])
+            i += 1
+            continue
+        for step in range(events[i]["step"], events[i + 1]["step"]):  # 1-based: the steps it missed
+            judged[step - 1] = joined[1]
+        i += 2
+    return judged, kept
+
+
 @pytest.fixture(scope="module")
 def replayed(run):
     """The single-process replay of the run's world-size schedule: its weights and each step's loss."""
@@ -268,13 +299,14 @@ def test_the_survivor_went_on_alone_the_host_rejoined_and_a_third_grew_the_run(r
     records = run["records"]
     history = _history(records)
     assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
+    changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
+    history, changes = _without_late_replicas(records, history, changes)
     alone = [i for i, size in enumerate(history) if size == 1]
     grown = [i for i, size in enumerate(history) if size == 3]
     assert history[:BOTH_BEFORE_KILL] == [2] * BOTH_BEFORE_KILL, history
     assert alone and alone == list(range(alone[0], alone[-1] + 1)) and len(alone) >= ALONE_BEFORE_HOLD, history
     assert history[alone[-1] + 1 : alone[-1] + 1 + BOTH_BEFORE_GROWTH] == [2] * BOTH_BEFORE_GROWTH, history
     assert grown and grown == list(range(grown[0], STEPS)), history  # from the step it joined to the end
-    changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
     assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1]), ("rank_joined", 3, [2])], changes
     assert not any(r.get("event") == "resumed_from_snapshot" for r in records)
     said = [line for line in run["outputs"]["host 0"].splitlines() if line.startswith("nanoddp train: replica")]
