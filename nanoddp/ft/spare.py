@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     module_name, *args = sys.argv[1:] if argv is None else argv
     name_this_process(PROCESS_NAME)  # until it becomes a replica, which names itself
     die_with_parent(os.getppid())  # a spare never outlives its launcher either (forked: see fork_server)
-    worker = importlib.import_module(module_name)  # what a cold replacement would pay for after the failure
+    worker = importlib.import_module(module_name)  # what a replacement started fresh would pay for after the failure
     line = sys.stdin.readline()
     if not line:
         return 0

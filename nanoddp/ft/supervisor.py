@@ -171,7 +171,7 @@ class Supervisor:
         holder.copiers = copy_output(proc, holder.prefix)
 
     def start(self, replica: Replica) -> None:
-        """Start a process for `replica`: its first, or a cold replacement."""
+        """Start a process for `replica`: its first, or a replacement (the spare used already)."""
         replica.prefix[0] = f"[replica {replica.replica}] "
         self._popen(replica, self.launch.command, self._environ(replica), spare=False)
 
