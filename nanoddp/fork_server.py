@@ -27,6 +27,7 @@ this process connects to the server).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import multiprocessing as mp
@@ -47,7 +48,6 @@ SCRATCH_PREFIX = "nanoddp-forkserver-"
 SESSION_WAIT_S = 10.0  # a forked child makes its session first thing; this only bounds a dead one
 
 _preloads: list[str] = []  # every module asked for in this process, in order: the server imports them all
-_socket_dir: list[str] = []  # this process's private dir for the server's socket, made once
 
 
 def preload(modules: Sequence[str]) -> None:
@@ -68,16 +68,15 @@ def start(modules: Sequence[str] = ()) -> None:
         tempfile.tempdir = previous
 
 
+@functools.cache  # made at the first start, once per process
 def _private_socket_dir() -> str:
     """The dir multiprocessing makes its own (and the server's socket) in: a private one named by
-    this pid, reached by a short path (see the module's note), made at the first start."""
-    if not _socket_dir:
-        scratch = make_private_dir(SCRATCH_PREFIX)
-        short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
-        _socket_dir.append(short if os.path.isdir(short) else scratch)
-        # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
-        util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
-    return _socket_dir[0]
+    this pid, reached by a short path (see the module's note)."""
+    scratch = make_private_dir(SCRATCH_PREFIX)
+    short = f"/proc/self/fd/{os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)}"
+    # multiprocessing removes its own dir inside at exit, with priority -100: lower runs later
+    util.Finalize(None, shutil.rmtree, args=(scratch,), kwargs={"ignore_errors": True}, exitpriority=-101)
+    return short if os.path.isdir(short) else scratch
 
 
 class LauncherView:
