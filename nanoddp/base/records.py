@@ -54,8 +54,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "nonfinite_loss": ("step", "ranks", "action", "world_size"),
     "resumed_from_snapshot": ("step", "snapshot_step", "world_size"),
     # localsgd/diloco under continue: per rank of the sync's quorum, its replica, the samples it
-    # trained since the last sync and the replica it healed from (-1: none) (`nanoddp.ft.rounds`)
-    "sync": ("step", "world_size", "replicas", "samples", "healed_from"),
+    # trained since the last sync, the replica it healed from (-1: none) and its inner steps with a
+    # NaN or inf loss since the last sync (`nanoddp.ft.rounds`)
+    "sync": ("step", "world_size", "replicas", "samples", "healed_from", "nonfinite_steps"),
 }
 
 

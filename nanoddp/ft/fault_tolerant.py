@@ -69,7 +69,7 @@ from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.replica_group import ReplicaGroup, own_world
-from nanoddp.ft.stopped import RunStopped
+from nanoddp.ft.stopped import RunStopped, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class FaultTolerant:
             if self._boundary_failures >= BOUNDARY_TRIES:
                 raise RunStopped(
                     f"the boundary after step {step} (snapshot, evaluation) failed {BOUNDARY_TRIES} times in a row, "
-                    f"the last with {_first_line(exc)}: stopped rather than retry it; fix that and rerun with "
+                    f"the last with {first_line(exc)}: stopped rather than retry it; fix that and rerun with "
                     "--resume auto", self.is_master,
                 ) from exc  # fmt: skip
             self._fail(exc, f"the boundary after step {step}")
@@ -281,8 +281,8 @@ class FaultTolerant:
     def _fail(self, exc: Exception, what: str) -> None:
         """A collective of this step failed: tell the Manager (the step will not commit) and
         close the group (see `ReplicaGroup.close`); the next quorum rebuilds it."""
-        logger.info("%s failed: %s", what, _first_line(exc))
-        self._count_failure(what, _first_line(exc))
+        logger.info("%s failed: %s", what, first_line(exc))
+        self._count_failure(what, first_line(exc))
         self.manager.report_error(exc)
         self.world.close()
 
@@ -344,7 +344,7 @@ class FaultTolerant:
         place (an engine's `cross_replica_grads()`; default: the model's parameters' gradients)."""
         error = self.manager.errored()
         if error is not None:  # the quorum or the heal failed: the step will not commit
-            self._count_failure(f"step {self.manager.current_step() + 1}", _first_line(error.original_exception))
+            self._count_failure(f"step {self.manager.current_step() + 1}", first_line(error.original_exception))
             return None
         weight = piece_weight(self.batches.batch_size, self.rank, self.world_size)
         try:
@@ -407,9 +407,3 @@ class FaultTolerant:
         """Leave the run: stop the Manager's servers and destroy the group."""
         self.manager.shutdown(wait=False)
         self.world.close()
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's first line, shortened: what a log line or a stop line quotes."""
-    text = str(exc)
-    return text.splitlines()[0][:200] if text.strip() else type(exc).__name__

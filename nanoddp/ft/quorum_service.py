@@ -26,6 +26,7 @@ from typing import Any
 from nanoddp import hosts
 from nanoddp.ft.placement import Placement
 from nanoddp.ft.replica_env import LOOPBACK
+from nanoddp.ft.stopped import first_line
 
 # The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
 # (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
@@ -86,9 +87,8 @@ def _start(where: Placement) -> QuorumService:
             heartbeat_timeout_ms=HEARTBEAT_MS,
         )
     except Exception as exc:  # torchft raises its Rust error as a plain exception
-        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise QuorumServiceUnavailable(
-            f"cannot start the quorum service on {bind} ({first}); is another run using that port? "
+            f"cannot start the quorum service on {bind} ({first_line(exc)}); is another run using that port? "
             "choose another --rdzv-endpoint port"
         ) from None
     bound_port = server.address().rsplit(":", 1)[1]  # it names the host by its hostname: use the address

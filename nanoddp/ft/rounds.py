@@ -20,14 +20,16 @@ Here the unit of agreement is the round (torchft's LocalSGD and DiLoCo with a Ma
    the contributions are taken again from the same pre-sync state, after a new quorum among the
    survivors. Then the boundary work (snapshot, evaluation) of `FaultTolerant`.
 
-Every sync writes `{"event": "sync", "step", "world_size", "replicas", "samples", "healed_from"}`
-(per rank of the quorum: replica, samples trained since the last sync, the replica a joiner
-healed from or -1): the membership schedule a replay follows.
+Every sync writes `{"event": "sync", "step", "world_size", "replicas", "samples", "healed_from",
+"nonfinite_steps"}` (per rank of the quorum: replica, samples trained since the last sync, the
+replica a joiner healed from or -1, its inner steps with a NaN or inf loss since the last sync):
+the membership schedule a replay follows, and where a replica skipped updates alone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,11 +38,14 @@ import torch
 
 from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.comm.transport.transport import sent_bytes
-from nanoddp.ft.fault_tolerant import FaultTolerant, _first_line
+from nanoddp.ft.fault_tolerant import FaultTolerant
+from nanoddp.ft.stopped import first_line
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 
 logger = logging.getLogger(__name__)
-FACTS_PER_RANK = 3  # the slots each rank fills after the contribution: replica, samples, healed from
+# The slots each rank fills after the contribution: replica, samples, healed from, and the inner
+# steps whose loss was NaN or inf (their updates skipped under --on-nan skip) since the last sync.
+FACTS_PER_RANK = 4
 
 
 class FaultTolerantRounds(FaultTolerant):
@@ -57,6 +62,7 @@ class FaultTolerantRounds(FaultTolerant):
         super().__init__(model, wrapper, **kwargs)
         self.wrapper = wrapper
         self.samples = 0  # trained since the last committed sync
+        self.nonfinite_steps = 0  # inner steps since the last committed sync whose loss was NaN or inf
         self._healed_from = -1
         self._sync_s: float | None = None
 
@@ -92,6 +98,7 @@ class FaultTolerantRounds(FaultTolerant):
         world_size = self.world_size
         self.history.append(world_size)
         self.samples += samples
+        self.nonfinite_steps += not math.isfinite(loss)
         self._loss = loss
         if self.step % self.wrapper.sync_every == 0 or self.step >= total_steps:
             self._sync()
@@ -111,7 +118,7 @@ class FaultTolerantRounds(FaultTolerant):
                 continue  # a lost member: the next quorum is among the survivors
             if isinstance(mean, tuple):
                 self._commit(*mean)
-            self.samples, self._healed_from, self._same_failure = 0, -1, ((), 0)
+            self.samples, self.nonfinite_steps, self._healed_from, self._same_failure = 0, 0, -1, ((), 0)
             # [Note: the Manager's step] torchft heals a member whose step is below the quorum's
             # highest: make it the inner steps synced (+1: 0 is a fresh run, which torchft heals
             # from replica rank 0), so a member that missed a commit its peers made is behind at
@@ -127,7 +134,7 @@ class FaultTolerantRounds(FaultTolerant):
         last sync) and every rank's facts; False when the sync failed (a member was lost)."""
         error = self.manager.errored()
         if error is not None:  # the quorum or the heal failed
-            self._count_failure(f"the sync at step {self.step}", _first_line(error.original_exception))
+            self._count_failure(f"the sync at step {self.step}", first_line(error.original_exception))
             return False
         rank, world_size = self.rank, self.world_size
         try:
@@ -136,7 +143,8 @@ class FaultTolerantRounds(FaultTolerant):
             flat = torch.zeros(numel + FACTS_PER_RANK * world_size, dtype=contribution.dtype)
             torch.mul(contribution, float(self.samples), out=flat[:numel])
             at = numel + FACTS_PER_RANK * rank
-            flat[at : at + FACTS_PER_RANK] = torch.tensor([self.env.replica, self.samples, self._healed_from])
+            mine = [self.env.replica, self.samples, self._healed_from, self.nonfinite_steps]
+            flat[at : at + FACTS_PER_RANK] = torch.tensor(mine)
             all_reduce_in_rank_order(flat, self.group)
         except Exception as exc:  # a lost peer: gloo's error or timeout
             self._fail(exc, f"the sync at step {self.step}")
@@ -149,8 +157,8 @@ class FaultTolerantRounds(FaultTolerant):
         if mean is not None:
             self.wrapper.take_mean(mean)
         if self.is_master:
-            replicas, samples, sources = (facts[:, i].long().tolist() for i in range(FACTS_PER_RANK))
+            replicas, samples, sources, nonfinite = (facts[:, i].long().tolist() for i in range(FACTS_PER_RANK))
             record = {"event": "sync", "step": self.step, "world_size": self.world_size, "replicas": replicas,
-                      "samples": samples, "healed_from": sources}  # fmt: skip
+                      "samples": samples, "healed_from": sources, "nonfinite_steps": nonfinite}  # fmt: skip
             self.metrics.write(record)
             logger.info("sync at step %d: %d samples from replicas %s", self.step, sum(samples), replicas)

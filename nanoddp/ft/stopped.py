@@ -41,3 +41,9 @@ def run_replica(main: Callable[[], object]) -> int:
             sys.stderr.flush()
         return STOPPED_EXIT_CODE
     return 0
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line, shortened: what a log line or a stop line quotes."""
+    text = str(exc)
+    return text.splitlines()[0][:200] if text.strip() else type(exc).__name__

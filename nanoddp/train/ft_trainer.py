@@ -317,8 +317,8 @@ class FaultTolerantTrainer(Trainer):
         """localsgd/diloco: this replica's inner step on its piece, alone (the restart path's
         micro-steps, clip and update: the wrapper is held, so it does not sync), then
         `FaultTolerantRounds.end_step`, which syncs the replicas present when one is due. A
-        non-finite loss is this replica's alone: `--on-nan skip` skips its update,
-        `--on-nan stop` stops it (the others go on)."""
+        non-finite loss is this replica's alone: `--on-nan skip` skips its update (a line here; the
+        next sync record counts it), `--on-nan stop` stops it (the others go on)."""
         ft, step = self.ft, self.step
         assert isinstance(ft, FaultTolerantRounds)
         self.optimizer.zero_grad(set_to_none=True)
@@ -328,6 +328,8 @@ class FaultTolerantTrainer(Trainer):
             raise RunStopped(step_check.stop_line(step + 1, (ft.rank,)), speaker=True)
         if finite:
             self._apply_update()
+        else:  # --on-nan skip: this replica's line; its sync facts count the step for the record
+            logger.warning("%s", step_check.skip_line(step + 1, (ft.rank,), "this replica alone (the others go on)"))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.engine.end_step()

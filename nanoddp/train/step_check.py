@@ -53,8 +53,10 @@ def stop_line(step: int, ranks: tuple[int, ...]) -> str:
     )
 
 
-def skip_line(step: int, ranks: tuple[int, ...]) -> str:
-    return f"step {step}: the loss is NaN or inf on rank(s) {', '.join(map(str, ranks))}; update skipped on every rank"
+def skip_line(step: int, ranks: tuple[int, ...], scope: str = "every rank") -> str:
+    """The line `--on-nan skip` logs; `scope`: where the update was skipped (the low-communication
+    engines under `--on-failure continue` skip on the replica that saw it alone)."""
+    return f"step {step}: the loss is NaN or inf on rank(s) {', '.join(map(str, ranks))}; update skipped on {scope}"
 
 
 def refuse_nonfinite_export(model_state: dict[str, torch.Tensor], step: int, env: DistEnv) -> None:

@@ -1,7 +1,7 @@
 """`--on-failure continue` never starts a run over, and keeps the restart path's guards.
 
 Each test is one launch of a tiny GPT (`helpers.FT_TINY_GPT`) on 2 replicas, of a user's
-loop, or none (the two `--on-nan` runs are launched together, as are the four bad-link ones):
+loop, or none (the three `--on-nan` runs are launched together, as are the four bad-link ones):
 - both replicas SIGKILLed at once after a snapshot: the replacements, which hold nothing, resume
   from the newest snapshot (one line, one record) and end bitwise equal to a replay of the
   uninterrupted run, with no step recorded twice;
@@ -10,6 +10,8 @@ loop, or none (the two `--on-nan` runs are launched together, as are the four ba
 - `--on-nan stop`: exit 3 before the update, the newest snapshot equal to the replay of the
   steps before the NaN; `--on-nan skip`: the NaN steps commit with no update, the newest finite
   snapshot is kept by pruning, and `model.pt` equals the replay that skips the same steps;
+  `--engine localsgd --on-nan skip`: each replica skips its own NaN steps alone, with its own
+  line, and each sync record counts them per replica;
 - a snapshot write that fails on every replica, and a collective that fails the same way each
   try (a bad `NANODDP_LINK_BANDWIDTH` set inside the script): one line and exit 3, bounded;
 - a replacement whose own collectives fail alike stops alone (3 replicas, `nanoddp run`): the
@@ -182,16 +184,18 @@ def _snapshot(out: Path, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
-    """The `--on-nan stop` and `--on-nan skip` runs, launched together (one wall time for two):
-    {policy: (out, exit code, output)}."""
+    """The `--on-nan stop` and `--on-nan skip` runs, and `skip` under localsgd, launched together
+    (one wall time for three): {name: (out, exit code, output)}."""
     root = tmp_path_factory.mktemp("on-nan")
-    outs = {policy: root / policy / "run" for policy in ("stop", "skip")}
+    rounds = ["--engine", "localsgd", "--sync-every", "2", "--snapshot-every", "2"]  # snapshots at syncs
+    runs = {"stop": ["--on-nan", "stop"], "skip": ["--on-nan", "skip"], "rounds-skip": ["--on-nan", "skip", *rounds]}
+    outs = {name: root / name / "run" for name in runs}
     procs = {}
-    for policy, out in outs.items():
+    for name, out in outs.items():
         out.parent.mkdir()
         with open(out.parent / "output.txt", "w") as output:
-            procs[policy] = subprocess.Popen(_command(out, 4, *NAN_LR, "--on-nan", policy), stdout=output,
-                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+            procs[name] = subprocess.Popen(_command(out, 4, *NAN_LR, *runs[name]), stdout=output,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
     try:
         for proc in procs.values():
             proc.wait(timeout=RUN_TIMEOUT_S)
@@ -233,6 +237,20 @@ def test_on_nan_skip_under_continue(nan_runs):
     want = replay_continue_run([2] * 4, replicas=2, lr=1e30)
     _assert_same(torch.load(out / "model.pt"), want)
     _assert_same(_snapshot(out, 1)["objects"]["model"]["state"], want)
+
+
+def test_on_nan_skip_under_continue_with_localsgd_is_each_replicas_own(nan_runs):
+    """localsgd (a sync every 2 steps): a replica steps alone between syncs, so a NaN loss skips
+    its own update alone: one line per replica and step (steps 2 to 4 on both), and each sync
+    record counts them per replica (before: no line and no record named the skipping replica)."""
+    out, code, output = nan_runs["rounds-skip"]
+    assert code == 0, output[-5000:]
+    for replica in (0, 1):
+        lines = [f"step {step}: the loss is NaN or inf on rank(s) {replica}; update skipped on this replica alone"
+                 for step in (2, 3, 4)]  # fmt: skip
+        assert [output.count(line) for line in lines] == [1, 1, 1], output[-3000:]
+    syncs = [(r["step"], r["replicas"], r["nonfinite_steps"]) for r in _records(out) if r.get("event") == "sync"]
+    assert syncs == [(2, [0, 1], [1, 1]), (4, [0, 1], [2, 2])], syncs
 
 
 def test_a_snapshot_write_that_fails_everywhere_stops_in_one_line(tmp_path):
