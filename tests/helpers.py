@@ -431,7 +431,7 @@ def replay_engine_run(
 
 
 def replay_rounds_run(
-    env: DistEnv, syncs: list[dict], engine: str, *, replicas: int, steps: int, sync_every: int
+    env: DistEnv, syncs: list[dict], engine: str, *, replicas: int, steps: int, sync_every: int, compress: str = "fp32"
 ) -> dict[str, torch.Tensor]:
     """Run on one gloo rank: `--on-failure continue --engine localsgd|diloco` (`nanoddp.ft.rounds`)
     over the membership schedule its `sync` records give (`syncs`, in order), one model per
@@ -443,8 +443,13 @@ def replay_rounds_run(
     member's contribution (LocalSGD: its weights; DiLoCo: last-sync weights minus its weights)
     times its samples is added in rank order and divided by the samples summed, then taken
     (LocalSGD: the weights; DiLoCo: the outer step on the last-sync weights, which the weights
-    become). Returns the final model's state (the same on every replica after the last sync)."""
+    become). With `compress` (diloco's `--pseudo-grad-dtype`) other than fp32, each member's
+    pseudo-gradient times its share of the samples is cast to the wire dtype (int8: quantized
+    with the replica's own error feedback, zeros for a new one) and the members' values are
+    added in rank order in fp32. Returns the final model's state (the same on every replica after
+    the last sync)."""
     from nanoddp.ft.global_batches import GlobalBatches, share
+    from nanoddp.parallel.lowcomm.pseudo_grad_mean import WIRE_DTYPES
     from nanoddp.train.config import threads_per_rank
     from nanoddp.train.engines import build_engine
     from nanoddp.train.recipe import build_job
@@ -463,6 +468,7 @@ def replay_rounds_run(
         return built, wrapper, job
 
     first = new_replica()
+    residuals: dict[int, torch.Tensor] = {}  # int8's error feedback, per replica (a new one: none yet)
     train_set = first[2].train_set
     batches = GlobalBatches(len(train_set), 12, 0)
     members = {0: first, **{r: new_replica() for r in range(1, replicas)}}
@@ -484,6 +490,7 @@ def replay_rounds_run(
             assert counted[replica] == (sync["step"] - at_step) * len(piece), (sync, replica)
         for replica, source in zip(sync["replicas"], sync["healed_from"], strict=True):
             if source >= 0:  # a joiner: the source's state as it held it at this sync
+                residuals.pop(replica, None)  # its error feedback starts again
                 members[replica] = joiner = new_replica()
                 joiner[0].module.load_state_dict(members[source][0].module.state_dict())
                 # a copy, as the heal's transfer is: torch's load_state_dict would share the tensors
@@ -497,10 +504,17 @@ def replay_rounds_run(
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
             else:
                 flat = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(wrapper.last_sync, params, strict=True)])
-            mean = flat * float(samples) if mean is None else mean + flat * float(samples)
+            if compress == "fp32":
+                mean = flat * float(samples) if mean is None else mean + flat * float(samples)
+            elif total > 0:
+                sent = _sent_compressed(flat * (float(samples) / total), compress, residuals, replica)
+                mean = sent if mean is None else mean + sent
         if total > 0:
             assert mean is not None
-            mean = mean / total
+            if compress == "fp32":
+                mean = mean / total
+            elif compress != "int8":  # added in fp32, rounded to the wire dtype once (rank_order)
+                mean = mean.to(WIRE_DTYPES[compress]).to(torch.float32)
             for replica in sync["replicas"]:
                 wrapper = members[replica][1]
                 params, offset = [p for g in wrapper.param_groups for p in g["params"]], 0
@@ -519,6 +533,19 @@ def replay_rounds_run(
                             synced.grad = None
         order, at_step = list(sync["replicas"]), sync["step"]
     return members[order[0]][0].module.state_dict()
+
+
+def _sent_compressed(x: torch.Tensor, compress: str, residuals: dict[int, torch.Tensor], replica: int) -> torch.Tensor:
+    """What one replica's `x` (N,) fp32 is once sent as `compress`, back in fp32 (int8: blockwise
+    absmax of x plus the replica's residual, which becomes what the rounding lost)."""
+    from nanoddp.parallel.lowcomm.pseudo_grad_mean import WIRE_DTYPES, dequantize_int8, quantize_int8
+
+    if compress != "int8":
+        return x.to(WIRE_DTYPES[compress]).to(torch.float32)
+    x = x + residuals.get(replica, torch.zeros_like(x))
+    q, scales = quantize_int8(x)
+    residuals[replica] = x - dequantize_int8(q, scales)
+    return dequantize_int8(q, scales)
 
 
 def replica_pid(launcher, replica: int, attempt: int | None = None) -> int | None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -289,7 +290,7 @@ class FaultTolerant:
     def _count_failure(self, what: str, line: str) -> None:
         """Raise `RunStopped` once `what` has failed SAME_FAILURE_TRIES times in a row with the same
         error in the same group: a lost peer changes the group, a bad setting fails alike forever."""
-        key = (what, line, self.world.processes)
+        key = (what, failure_text(line), self.world.processes)
         count = self._same_failure[1] + 1 if self._same_failure[0] == key else 1
         self._same_failure = (key, count)
         if count >= SAME_FAILURE_TRIES:
@@ -407,3 +408,9 @@ class FaultTolerant:
         """Leave the run: stop the Manager's servers and destroy the group."""
         self.manager.shutdown(wait=False)
         self.world.close()
+
+
+def failure_text(line: str) -> str:
+    """`line` with its memory addresses masked: the same failure on a retry names a new object
+    (each try's group is new), and must still count as the same (`_count_failure`)."""
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", line)

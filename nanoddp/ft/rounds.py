@@ -14,7 +14,10 @@ Here the unit of agreement is the round (torchft's LocalSGD and DiLoCo with a Ma
 3. Each replica's contribution (`PeriodicSync.sync_contribution`: LocalSGD's weights, DiLoCo's
    pseudo-gradient), times its sample count, is summed in rank order over the quorum's group
    (`all_reduce_in_rank_order`, as `ft.gradients` sums: the same bits whatever the world size) and
-   divided by the samples summed: the mean over the samples the replicas present trained.
+   divided by the samples summed: the mean over the samples the replicas present trained. With
+   `--pseudo-grad-dtype bf16|fp16|int8` (DiLoCo) the sample counts go first, in a small sum of
+   their own, and each replica sends its contribution times its share of the samples in the
+   narrow format (`_compressed_mean`), summed in rank order all the same.
 4. The mean is applied (`take_mean`: LocalSGD's weights, DiLoCo's outer step) only once the
    Manager says the sync commits. A sync that fails (a member lost during it) changes nothing:
    the contributions are taken again from the same pre-sync state, after a new quorum among the
@@ -41,6 +44,7 @@ from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.ft.fault_tolerant import FaultTolerant
 from nanoddp.ft.stopped import first_line
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
+from nanoddp.parallel.lowcomm.pseudo_grad_mean import sum_in_rank_order
 
 logger = logging.getLogger(__name__)
 # The slots each rank fills after the contribution: replica, samples, healed from, and the inner
@@ -64,12 +68,13 @@ class FaultTolerantRounds(FaultTolerant):
         self.samples = 0  # trained since the last committed sync
         self.nonfinite_steps = 0  # inner steps since the last committed sync whose loss was NaN or inf
         self._healed_from = -1
+        self._residual: torch.Tensor | None = None  # int8's error feedback (`_compressed_mean`)
         self._sync_s: float | None = None
 
     def _put_extra(self, put: Callable[[Any], None]) -> Callable[[Any], None]:
         def put_and_note(state: Any) -> None:
             # what this process trained since the last sync was from a state it no longer holds
-            self._healed_from, self.samples = int(state["source"]), 0
+            self._healed_from, self.samples, self._residual = int(state["source"]), 0, None
             put(state["extra"])
 
         return put_and_note
@@ -112,9 +117,11 @@ class FaultTolerantRounds(FaultTolerant):
         started = time.monotonic()
         while True:
             self._quorum()
+            residual = None if self._residual is None else self._residual.clone()
             mean = self._average() if self.step > 0 else None  # step 0: nothing trained yet
             committed = self.manager.should_commit()  # False on every member if any failed
             if mean is False or not committed:
+                self._residual = residual  # the retry sends from the same pre-sync state
                 continue  # a lost member: the next quorum is among the survivors
             if isinstance(mean, tuple):
                 self._commit(*mean)
@@ -137,21 +144,37 @@ class FaultTolerantRounds(FaultTolerant):
             self._count_failure(f"the sync at step {self.step}", first_line(error.original_exception))
             return False
         rank, world_size = self.rank, self.world_size
+        compress = getattr(self.wrapper, "compress", "fp32")
         try:
             contribution = self.wrapper.sync_contribution()
-            numel = contribution.numel()
+            numel = 0 if compress != "fp32" else contribution.numel()  # fp32: the facts ride along
             flat = torch.zeros(numel + FACTS_PER_RANK * world_size, dtype=contribution.dtype)
-            torch.mul(contribution, float(self.samples), out=flat[:numel])
+            if numel:
+                torch.mul(contribution, float(self.samples), out=flat[:numel])
             at = numel + FACTS_PER_RANK * rank
             mine = [self.env.replica, self.samples, self._healed_from, self.nonfinite_steps]
             flat[at : at + FACTS_PER_RANK] = torch.tensor(mine)
             all_reduce_in_rank_order(flat, self.group)
+            facts = flat[numel:].view(world_size, FACTS_PER_RANK)
+            total = float(facts[:, 1].sum())  # whole numbers: exact in any order
+            if total == 0:
+                return None, facts
+            if numel:
+                return flat[:numel].div_(total), facts
+            return self._compressed_mean(contribution, float(self.samples) / total, compress), facts
         except Exception as exc:  # a lost peer: gloo's error or timeout
             self._fail(exc, f"the sync at step {self.step}")
             return False
-        facts = flat[numel:].view(world_size, FACTS_PER_RANK)
-        total = float(facts[:, 1].sum())  # whole numbers: exact in any order
-        return (flat[:numel].div_(total) if total > 0 else None), facts
+
+    def _compressed_mean(self, contribution: torch.Tensor, share: float, compress: str) -> torch.Tensor:
+        """`--pseudo-grad-dtype bf16|fp16|int8`: each replica sends its contribution times its share
+        of the samples (the shares sum to 1, so the sum is the mean, and a narrow wire format
+        holds it as it holds `start_mean`'s divided values), summed in rank order. int8's error
+        feedback is this process's own (`_residual`): zeros at its start and after a heal (what
+        rounding lost belonged to a trajectory it left), put back when a sync fails."""
+        if compress == "int8" and self._residual is None:
+            self._residual = torch.zeros_like(contribution)
+        return sum_in_rank_order(contribution.mul_(share), compress, self.group, self._residual)
 
     def _commit(self, mean: torch.Tensor | None, facts: torch.Tensor) -> None:
         if mean is not None:

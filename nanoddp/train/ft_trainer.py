@@ -108,15 +108,15 @@ def check_continue(config: TrainConfig) -> None:
 
 
 def check_continue_rounds(config: TrainConfig) -> None:
-    """localsgd and diloco under continue: whole-model syncs in fp32 (what `nanoddp.ft.rounds`
-    averages), and the boundary work at syncs, where every replica holds the synced state."""
-    streaming = {"fragments": (config.fragments, 1), "sync-delay": (config.sync_delay, 0), "mix": (config.mix, 0.0),
-                 "pseudo-grad-dtype": (config.pseudo_grad_dtype, "fp32")}  # fmt: skip
+    """localsgd and diloco under continue: whole-model syncs (what `nanoddp.ft.rounds` averages,
+    in any `--pseudo-grad-dtype`), and the boundary work at syncs, where every replica holds the
+    synced state."""
+    streaming = {"fragments": (config.fragments, 1), "sync-delay": (config.sync_delay, 0), "mix": (config.mix, 0.0)}
     named = [f"--{flag} {value}" for flag, (value, plain) in streaming.items() if value not in (None, plain)]
     if named:
         raise ValueError(
-            f"--on-failure continue --engine diloco syncs the whole model in fp32 (--fragments 1 --sync-delay 0 "
-            f"--mix 0 --pseudo-grad-dtype fp32), got {' '.join(named)}: drop them, or use --on-failure restart"
+            f"--on-failure continue --engine diloco syncs the whole model at once (--fragments 1 --sync-delay 0 "
+            f"--mix 0), got {' '.join(named)}: drop them, or use --on-failure restart"
         )
     sync_every = filled(config.sync_every)
     for flag, every in (("--snapshot-every", config.snapshot_every), ("--eval-every", config.eval_every)):

@@ -400,12 +400,13 @@ def test_train_continue_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="--group-size 2: under --on-failure continue each replica is one process"):
         check_continue(TrainConfig(engine="hsdp", group_size=2, on_failure="continue"))
     check_continue(TrainConfig(engine="hsdp", grad_accum=2, amp="bf16", on_failure="continue"))  # accepted
-    # localsgd/diloco: a quorum per round (nanoddp.ft.rounds), whole-model fp32 syncs, boundary work at syncs
+    # localsgd/diloco: a quorum per round (nanoddp.ft.rounds), whole-model syncs, boundary work at syncs
     check_continue(TrainConfig(engine="localsgd", sync_every=3, snapshot_every=6, eval_every=0, on_failure="continue"))
     check_continue(TrainConfig(engine="diloco", on_failure="continue"))  # the defaults: 50, 100, 100
-    whole = r"syncs the whole model in fp32 \(--fragments 1 --sync-delay 0 --mix 0 --pseudo-grad-dtype fp32\), got"
+    check_continue(TrainConfig(engine="diloco", pseudo_grad_dtype="int8", on_failure="continue"))  # compressed syncs
+    whole = r"syncs the whole model at once \(--fragments 1 --sync-delay 0 --mix 0\), got"
     streaming = {"--fragments 2": {"fragments": 2}, "--sync-delay 1": {"sync_delay": 1, "fragments": 2},
-                 "--mix 0.5": {"mix": 0.5}, "--pseudo-grad-dtype int8": {"pseudo_grad_dtype": "int8"}}  # fmt: skip
+                 "--mix 0.5": {"mix": 0.5}}  # fmt: skip
     for named, flags in streaming.items():
         with pytest.raises(ValueError, match=f"{whole} .*{named}"):
             check_continue(TrainConfig(engine="diloco", on_failure="continue", **flags))

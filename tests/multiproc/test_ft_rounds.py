@@ -1,11 +1,14 @@
 """`nanoddp train --on-failure continue --engine localsgd|diloco`: replicas lost and joined at syncs.
 
-One launch per engine: 3 replicas of a tiny GPT, a sync every 3 steps, 12 steps. Replica 2 is
+One launch per engine (diloco's pseudo-gradients sent bf16): 3 replicas of a tiny GPT, a sync
+every 3 steps, 12 steps. Replica 2 is
 SIGKILLed from outside after step 4 (between the syncs of steps 3 and 6): the two others step on
 alone and the next sync averages over their samples (replica 2's since the sync of step 3 are
 lost); there its replacement heals from a peer (last-synced weights, outer state, inner AdamW and
-step count) and trains the rounds after it. A second launch (diloco) loses replica 2 during a
-sync's all-reduce: the survivors retry it among themselves and go on at world size 2; then a
+step count) and trains the rounds after it. A second launch (diloco, int8 pseudo-gradients with
+error feedback) loses replica 2 during a sync's all-reduce: the survivors retry it among
+themselves from the same pre-sync state (their error feedback included) and go on at world
+size 2; then a
 grower (replica 3, a second launcher past the 3 replicas the run starts with, `--max-replicas 4`)
 joins at a sync, heals, and the rounds after it are split over three. References:
 - the `sync` records (who was present, the samples each trained since the last sync, whom a
@@ -45,12 +48,17 @@ pytest.importorskip("torchft")
 REPLICAS, SYNC_EVERY, STEPS, KILL_AFTER = 3, 3, 12, 4
 
 
-@pytest.fixture(scope="module", params=["localsgd", "diloco"])
+COMPRESS = {"localsgd": "fp32", "diloco": "bf16"}  # the first launches' wire formats
+DURING_COMPRESS = "int8"  # the second launch's
+
+
+@pytest.fixture(scope="module", params=list(COMPRESS))
 def launched(request, tmp_path_factory):
     """The run of one engine; `--min-replicas 3` makes the survivors' next sync wait for the
     replacement (its start takes seconds on a loaded machine), so it joins there."""
     engine, out = request.param, tmp_path_factory.mktemp(request.param) / "run"
-    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
+    wire = ["--pseudo-grad-dtype", COMPRESS[engine]] if engine == "diloco" else []
+    command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS), *wire,
                "--engine", engine, "--sync-every", str(SYNC_EVERY), "--steps", str(STEPS), "--max-restarts", "1",
                "--min-replicas", str(REPLICAS), "--no-warm-spare", "--snapshot-every", "0", "--eval-every", "0",
                "--out", str(out), *FT_TINY_GPT, "--log-every", str(STEPS)]  # fmt: skip
@@ -86,7 +94,9 @@ def _records(out) -> list[dict]:
 
 
 def _replay(env, syncs, engine):
-    return replay_rounds_run(env, syncs, engine, replicas=REPLICAS, steps=STEPS, sync_every=SYNC_EVERY)
+    return replay_rounds_run(
+        env, syncs, engine, replicas=REPLICAS, steps=STEPS, sync_every=SYNC_EVERY, compress=COMPRESS[engine]
+    )
 
 
 def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
@@ -142,7 +152,8 @@ def lost_during_a_sync(tmp_path_factory):
     shorter than the collective timeout (60 s here), so a survivor held in a collective stays."""
     out = tmp_path_factory.mktemp("during") / "run"
     port = free_port()
-    common = ["--on-failure", "continue", "--engine", "diloco", "--sync-every", str(SYNC_EVERY), "--steps",
+    common = ["--on-failure", "continue", "--engine", "diloco", "--pseudo-grad-dtype", DURING_COMPRESS,
+              "--sync-every", str(SYNC_EVERY), "--steps",
               str(DURING_STEPS), "--max-restarts", "0", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out),
               *FT_TINY_GPT, "--log-every", str(DURING_STEPS), "--collective-timeout", "60", "--max-replicas", "4",
               "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
@@ -266,4 +277,6 @@ def test_a_grower_joins_at_a_sync_and_the_rounds_after_split_over_one_more(lost_
 
 
 def _replay_during(env, syncs):
-    return replay_rounds_run(env, syncs, "diloco", replicas=REPLICAS, steps=DURING_STEPS, sync_every=SYNC_EVERY)
+    return replay_rounds_run(
+        env, syncs, "diloco", replicas=REPLICAS, steps=DURING_STEPS, sync_every=SYNC_EVERY, compress=DURING_COMPRESS
+    )

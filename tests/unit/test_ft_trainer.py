@@ -46,3 +46,15 @@ def test_the_first_run_id_is_the_same_on_every_host_and_new_per_quorum_service()
     other = replica("http://127.0.0.1:40001", 0, 111)  # another launch: its own quorum service
     assert ft_trainer.first_run_id(other, "/shared/run") != ft_trainer.first_run_id(host0, "/shared/run")
     assert ft_trainer.first_run_id(host0, "/other") != ft_trainer.first_run_id(host0, "/shared/run")
+
+
+def test_a_failure_that_names_a_new_object_each_try_is_still_the_same_failure():
+    """A retry's group is a new object, so an error that prints it (torch's "Group <... at 0x7f..>
+    is not registered") differs in its address alone; the same-failure rule must still see one
+    failure (before: it retried such a sync forever)."""
+    from nanoddp.ft.fault_tolerant import failure_text
+
+    first = "Group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f4f60151bb0> is not registered"
+    again = "Group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f4f60c276f0> is not registered"
+    assert failure_text(first) == failure_text(again)
+    assert failure_text("peer 1 lost") != failure_text("peer 2 lost")  # the rest of the text still counts

@@ -27,6 +27,9 @@ grows with the group: each rank receives (world_size - 1) payloads, against a ri
 2 (world_size - 1) / world_size fp32 payloads, so the saving is 4x at 2 ranks, 2x at 4, none at
 8. DiLoCo's setting is a few replicas over a slow link; a requantizing int8 ring (prime's) is
 what a large group would want.
+
+`sum_in_rank_order` is the blocking form for fault-tolerant syncs (`nanoddp.ft.rounds`), whose
+membership changes: every format's values added in member-rank order, the same bits at any size.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from nanoddp.comm.api.backend import Collectives
+from nanoddp.comm.api.collectives import all_gather_into_tensor
+from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.parallel.replicas import group_size_rank_src
 
 COMPRESSIONS = ("fp32", "bf16", "fp16", "int8")
@@ -135,24 +141,55 @@ def start_mean(
 def _start_int8_mean(
     flat: torch.Tensor, world_size: int, collectives: Collectives, group, residual: torch.Tensor | None
 ) -> MeanInFlight:
+    payload, n_scale_bytes = _int8_payload(flat, residual)
+    gathered = [torch.empty_like(payload) for _ in range(world_size)]
+    mark = _transport_sent()
+    work = collectives.all_gather(gathered, payload, group=group, async_op=True)
+    finish = lambda: _add_int8_payloads(gathered, n_scale_bytes, flat).div_(world_size)  # noqa: E731
+    return MeanInFlight([work], finish, payload.numel(), mark)
+
+
+@torch.no_grad()
+def sum_in_rank_order(flat: torch.Tensor, compress: str, group, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum over the ranks of `group` of the flat fp32 `flat` (N,), sent as `compress` and added
+    in member-rank order, blocking: the same bits for any number of ranks (`comm.api.rank_order`),
+    which a fault-tolerant sync needs, its membership changing. fp32/bf16/fp16: the rank-order
+    all-reduce of `flat` cast to the wire dtype; int8: as `start_mean`'s (`residual` included),
+    every rank adding the dequantized payloads in rank order. Returns (N,) fp32; `flat` is consumed."""
+    if compress != "int8":
+        wire = flat.to(WIRE_DTYPES[compress])
+        all_reduce_in_rank_order(wire, group)
+        return wire.to(torch.float32)
+    payload, n_scale_bytes = _int8_payload(flat, residual)
+    # the group's own size: a fault-tolerant run's group is one torch's registry does not know
+    world_size = group.size() if group is not None else dist.get_world_size() if dist.is_initialized() else 1
+    gathered = payload.new_empty(world_size * payload.numel())
+    if world_size > 1:
+        all_gather_into_tensor(gathered, payload, group=group)
+    else:
+        gathered.copy_(payload)
+    return _add_int8_payloads(list(gathered.view(world_size, -1)), n_scale_bytes, flat)
+
+
+def _int8_payload(flat: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """This rank's int8 payload of `flat` plus `residual` (the module doc's rule; `residual`
+    becomes what the rounding lost): scales then values, one int8 buffer; and the scales' bytes."""
     if residual is None:
         raise ValueError("int8 pseudo-gradients keep error feedback: pass the residual (zeros at the start)")
     flat.add_(residual)
     q, scales = quantize_int8(flat)
     residual.copy_(flat - dequantize_int8(q, scales))
     payload = torch.cat([scales.view(torch.int8), q])  # scales first: their fp32 view stays aligned
-    gathered = [torch.empty_like(payload) for _ in range(world_size)]
-    mark = _transport_sent()
-    work = collectives.all_gather(gathered, payload, group=group, async_op=True)
-    n_scale_bytes = scales.numel() * scales.element_size()
+    return payload, scales.numel() * scales.element_size()
 
-    def finish() -> torch.Tensor:  # [Note: int8 by all-gather]: every rank adds in rank order
-        total = torch.zeros_like(flat)
-        for theirs in gathered:
-            total.add_(dequantize_int8(theirs[n_scale_bytes:], theirs[:n_scale_bytes].view(torch.float32)))
-        return total.div_(world_size)
 
-    return MeanInFlight([work], finish, payload.numel(), mark)
+def _add_int8_payloads(payloads: Sequence[torch.Tensor], n_scale_bytes: int, like: torch.Tensor) -> torch.Tensor:
+    """[Note: int8 by all-gather]: every rank dequantizes the ranks' payloads and adds them in
+    rank order, in fp32: (N,) like `like`."""
+    total = torch.zeros_like(like)
+    for theirs in payloads:
+        total.add_(dequantize_int8(theirs[n_scale_bytes:], theirs[:n_scale_bytes].view(torch.float32)))
+    return total
 
 
 def _transport_sent() -> int:
