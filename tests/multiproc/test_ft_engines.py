@@ -1,8 +1,10 @@
 """`nanoddp train --on-failure continue` trains with the engines of the restart path.
 
-Every engine that continue covers (nanoddp, zero1, zero2, hsdp), plain and with `--amp bf16
---grad-accum 2` (both in one launch: a launch costs seconds, a step milliseconds): one launch of
-2 replicas of a tiny GPT per case, 3 steps, no failure, two launches at a time. References:
+Every engine that continue covers (nanoddp, zero1, zero2, hsdp), plain and with mixed precision
+and `--grad-accum 2` (both in one launch: a launch costs seconds, a step milliseconds): `--amp
+bf16` for nanoddp and zero2, `--amp fp16` (a GradScaler per replica, which must agree with its
+peers' on every overflow) for zero1 and hsdp. One launch of 2 replicas of a tiny GPT per case,
+3 steps, no failure, two launches at a time. References:
 - the engine object a replica trains with is the class the engine registry names, as under
   restart (the replica's start-up line names the object's class);
 - each run's `model.pt` equals, bitwise, a single-process replay (`helpers.replay_engine_run`):
@@ -33,10 +35,14 @@ pytest.importorskip("torchft")
 
 REPLICAS, STEPS = 2, 3
 ENGINES = ("nanoddp", "zero1", "zero2", "hsdp")
-VARIANTS = {"plain": {}, "bf16-accum2": {"amp": "bf16", "grad_accum": 2}}
+# Each engine's mixed-precision case: bf16 for two, fp16 for the other two (a launch each).
+MIXED = {"nanoddp": "bf16", "zero1": "fp16", "zero2": "bf16", "hsdp": "fp16"}
 AT_ONCE = 2  # launches running together: each waits on its quorum and start-up as much as it computes
 LAUNCH_TIMEOUT_S = 150  # one launch, on a loaded machine
-CASES = {f"{engine}-{variant}": (engine, options) for engine in ENGINES for variant, options in VARIANTS.items()}
+CASES = {
+    **{f"{engine}-plain": (engine, {}) for engine in ENGINES},
+    **{f"{engine}-{amp}-accum2": (engine, {"amp": amp, "grad_accum": 2}) for engine, amp in MIXED.items()},
+}
 
 
 def _flags(options: dict) -> list[str]:
