@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from subprocess import Popen
 from typing import Any
@@ -62,7 +63,7 @@ MODES = ("restart", "continue", "torchft")
 # The ratios of the median costs the summary gives, as (numerator, denominator).
 RATIOS = (("continue", "restart"), ("torchft", "restart"), ("continue", "torchft"))
 RUN_TIMEOUT_S = 600
-# What `_seen_by_survivors` reads inside a killed run, as each trial's record carries it.
+# What `seen_by_survivors` reads inside a killed run, as each trial's record carries it.
 SEEN_KEYS = ("stall_s", "join_s", "steps_short", "step_s", "extra_s")
 # `--cost-engine diloco`: 3 replicas of the same GPT, a sync every 10 steps, evaluated at the end.
 ROUNDS_ARGS = [
@@ -121,14 +122,14 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
         raise ChildFailed(f"mode {mode}: the run failed (exit {run.returncode}):\n{run.output[-3000:]}")
     if kill and killed_after is None:
         raise ChildFailed(f"mode {mode}: the run ended before step {kill_at} was logged; no kill")
-    seen_by = _seen_at_syncs if mode == "diloco" else _seen_by_survivors
+    seen_by = _seen_at_syncs if mode == "diloco" else seen_by_survivors
     seen = seen_by(run.records, killed_at) if killed_at is not None else {}
     evals = events(run.records, "eval")
     return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after,
             "val_loss": evals[-1]["val_loss"] if evals else None, **seen}  # fmt: skip
 
 
-def _seen_by_survivors(records: list[Record], killed_at: float) -> dict[str, Any]:
+def seen_by_survivors(records: list[Record], killed_at: float) -> dict[str, Any]:
     """What the kill cost the survivors, read from their per-step records (`continue` and
     `torchft` record every step with its wall-clock `time`; `restart` only every `--log-every`,
     so None there): `stall_s`, the wait between their last commit before the kill and their first
@@ -237,20 +238,41 @@ def describe_rounds(report: dict) -> str:
     )
 
 
+def interleaved_trials(trials: int, modes: Sequence[str], run: Callable[[str, bool, Path], dict], root: Path) -> list:
+    """`trials` (clean, killed) pairs of `run(mode, kill, out)` per mode, the modes interleaved trial
+    by trial (a change in the host's load between trials shifts every mode alike), each run in a
+    directory of its own under `root`: one result per pair, its cost the killed run's wall time
+    less the clean one's, with what the killed run saw (`SEEN_KEYS`; None where it saw nothing)."""
+    results: list[dict] = []
+    for trial in range(trials):
+        for mode in modes:
+            clean = run(mode, False, root / f"{mode}-{trial}-clean")
+            killed = run(mode, True, root / f"{mode}-{trial}-killed")
+            results.append({
+                "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
+                "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
+                **{key: killed.get(key) for key in SEEN_KEYS},
+            })  # fmt: skip
+    return results
+
+
+def mode_summary(results: list[dict], mode: str) -> dict[str, float | None]:
+    """`mode`'s median cost over its trials and the range, and the medians of the stall, join and
+    extra wait its killed runs saw (None where its records tell none)."""
+    costs = [r["cost_s"] for r in results if r["mode"] == mode]
+    summary: dict[str, float | None] = {"median_cost_s": statistics.median(costs), "min_cost_s": min(costs),
+                                        "max_cost_s": max(costs)}  # fmt: skip
+    for key in ("stall_s", "join_s", "extra_s"):
+        seen = [r[key] for r in results if r["mode"] == mode and r.get(key) is not None]
+        summary[f"median_{key}"] = statistics.median(seen) if seen else None
+    return summary
+
+
 def measure(trials: int) -> dict:
     """`trials` interleaved (clean, killed) pairs per mode; every run directory is removed."""
-    results: list[dict] = []
     load_before = list(os.getloadavg())  # the host is shared: say how busy it was when the trials began
     with tempfile.TemporaryDirectory(prefix="nanoddp-cost-") as root:
-        for trial in range(trials):
-            for mode in MODES:
-                clean = _run(mode, False, Path(root, f"{mode}-{trial}-clean"))
-                killed = _run(mode, True, Path(root, f"{mode}-{trial}-killed"))
-                results.append({
-                    "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
-                    "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
-                    **{key: killed[key] for key in SEEN_KEYS},
-                })  # fmt: skip
+        results = interleaved_trials(trials, MODES, _run, Path(root))
     return {
         "meta": {
             "train_args": TRAIN_ARGS, "modes": list(MODES), "kill_at_step": KILL_AT_STEP, "victim": "rank 1",
@@ -267,11 +289,7 @@ def summarize(results: list[dict]) -> dict[str, Any]:
     its records tell them), and `A_over_B` for each of RATIOS."""
     summary: dict[str, Any] = {}
     for mode in MODES:
-        costs = [r["cost_s"] for r in results if r["mode"] == mode]
-        summary[mode] = {"median_cost_s": statistics.median(costs), "min_cost_s": min(costs), "max_cost_s": max(costs)}
-        for key in ("stall_s", "join_s", "extra_s"):
-            seen = [r[key] for r in results if r["mode"] == mode and r.get(key) is not None]
-            summary[mode][f"median_{key}"] = statistics.median(seen) if seen else None
+        summary[mode] = mode_summary(results, mode)
     for top, bottom in RATIOS:
         a, b = summary[top]["median_cost_s"], summary[bottom]["median_cost_s"]
         # a cost can come out at or below 0 (the killed run was lucky with the host's load): no ratio then

@@ -10,7 +10,8 @@ during a write must never be read back half-written; random kill times hit write
 It also measures what one failure costs in wall time under `--on-failure restart`,
 `--on-failure continue` and torchft's own fault-tolerant DDP on the same job, side by side
 (`nanoddp.bench.failure_cost`, `--cost-trials`), or with `--cost-engine diloco` what a replica
-lost mid-round costs the low-communication loop under continue.
+lost mid-round costs the low-communication loop under continue; with `--hosts N`, what losing a
+whole host costs, on N network-namespace hosts (`nanoddp.bench.host_failure_cost`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from nanoddp.bench import failure_cost
+from nanoddp.bench import failure_cost, host_failure_cost
 from nanoddp.bench.common import ChildFailed, add_output_args, write_json
 from nanoddp.bench.inputs import count, number
 from nanoddp.bench.training_run import run_training, train_command
@@ -112,6 +113,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         "replica SIGKILLed mid-round under --on-failure continue --engine diloco (the next sync's stall, the "
         "final validation loss against a clean run)",
     )  # fmt: skip
+    parser.add_argument(
+        "--hosts", type=count(0), default=0,
+        help="N >= 2: the cost trials lose a whole host instead, on N network-namespace hosts of one rank each "
+        "(restart against continue --min-replicas 1; needs root); 0: one machine (default)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
     parser.add_argument(
         "--max-delay", type=number(0), default=2.5, help="latest kill, seconds after the first snapshot"
@@ -123,13 +129,21 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.trials + args.cost_trials == 0:
         raise ValueError("--trials and --cost-trials are both 0: nothing to measure; give either a count")
+    if args.hosts and (args.cost_engine != "ddp" or not args.cost_trials):
+        raise ValueError("--hosts sets where the cost trials of the default engine run: give --cost-trials N "
+                         "and leave --cost-engine at ddp")  # fmt: skip
+    if args.hosts:
+        host_failure_cost.check(args.hosts)
     report: dict = {}
     passed = True
     if args.trials:
         report = run_trials(args.trials, args.seed, args.max_delay)
         print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
         passed = report["passed"] == report["trials"]
-    if args.cost_trials and args.cost_engine == "diloco":
+    if args.hosts:
+        report["host_failure_cost"] = host_failure_cost.measure(args.cost_trials, args.hosts)
+        print(host_failure_cost.describe(report["host_failure_cost"]))
+    elif args.cost_trials and args.cost_engine == "diloco":
         report["failure_cost_rounds"] = failure_cost.measure_rounds(args.cost_trials)
         print(failure_cost.describe_rounds(report["failure_cost_rounds"]))
     elif args.cost_trials:

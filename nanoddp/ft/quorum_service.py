@@ -30,7 +30,11 @@ from nanoddp.ft.stopped import first_line
 
 # The quorum service's clocks. A lost replica is left out once the others have waited JOIN_MS for it
 # (or its heartbeats, sent every 100 ms, stopped HEARTBEAT_MS ago); a new quorum is looked for every TICK_MS.
-JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 2000, 10
+# Why 1 s of heartbeats: a quorum needs a majority of the replicas still heartbeating, so when one
+# of two is lost (a host of two), the survivor waits until the lost one's heartbeats are that old
+# (2 s gave the survivor a 2.2 s stall, `bench restarts --hosts 2`); ten missed beats in a row is
+# still far from what a busy replica's heartbeat thread misses.
+JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 1000, 10
 STATUS_TIMEOUT_S = 10.0  # one read of the Lighthouse's status page
 QUORUM_ID = re.compile(r"Current quorum_id: (\d+)")
 

@@ -17,9 +17,9 @@ from nanoddp.bench.failure_cost import (
     SYNC_KEYS,
     _logged_step,
     _seen_at_syncs,
-    _seen_by_survivors,
     describe,
     describe_rounds,
+    seen_by_survivors,
     summarize,
     summarize_rounds,
 )
@@ -47,10 +47,10 @@ def test_the_survivors_stall_and_extra_wait_are_read_around_the_kill():
     records.append({"event": "rank_lost", "step": 14, "world_size": 2})
     records.append({"step": 14, "loss": 1.0, "world_size": 2, "time": 3.4})
     records.append({"step": 15, "loss": 1.0, "world_size": 3, "time": 3.6})
-    seen = _seen_by_survivors(records, killed_at=2.5)
+    seen = seen_by_survivors(records, killed_at=2.5)
     assert set(seen) == set(SEEN_KEYS)  # every key a trial's record copies
     assert seen == {"stall_s": 1.0, "join_s": 0.2, "steps_short": 1, "step_s": 0.2, "extra_s": 0.8}
-    assert _seen_by_survivors(records, killed_at=0.3) == dict.fromkeys(SEEN_KEYS) | {"steps_short": 0}
+    assert seen_by_survivors(records, killed_at=0.3) == dict.fromkeys(SEEN_KEYS) | {"steps_short": 0}
 
 
 def test_the_rounds_stall_is_read_at_the_first_sync_after_the_kill():
