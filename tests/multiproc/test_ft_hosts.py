@@ -29,6 +29,9 @@ Every test but the last reads that one run; the reference for the weights and th
 single-process replay of its world-size schedule (`helpers.replay_continue_run`, the one-node
 continue tests' own). The last launches `nanoddp run --on-failure continue` across the two hosts:
 a user's loop placed alike (replica ids, addresses), both replicas ending with the same weights.
+And `--engine localsgd` (the low-communication loop, a quorum per sync) across two hosts loses
+host 1 mid-run: host 0 goes on alone from the next sync, bitwise equal to the replay of its sync
+records (`helpers.replay_rounds_run`).
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -45,7 +48,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import FT_TINY_GPT, OutputReader, replay_continue_run, replica_pid, wait_for
+from helpers import (
+    FT_TINY_GPT,
+    OutputReader,
+    replay_continue_run,
+    replay_rounds_run,
+    replica_pid,
+    run_on_ranks,
+    wait_for,
+)
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
@@ -155,7 +166,7 @@ def run(tmp_path_factory):
             for _ in range(HOLD_TRIES):
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)  # their last heartbeats were at most 0.1 s ago: the helper's
-                try:  # come well within the quorum service's heartbeat timeout (2 s)
+                try:  # come well within the quorum service's heartbeat timeout (1 s)
                     assert tell(f"beat {replicas}").startswith("BEATING replica_"), "no heartbeat id"
                     if tell("count") == "COUNT 0":
                         started = launch(host)  # the same command, on that host
@@ -420,3 +431,51 @@ def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
     (zero, address0, *rest0), (one, address1, *rest1) = (final.split(" ", 2) for final in finals)
     assert (zero, one, address0, address1) == ("0", "1", *hosts.addresses), finals
     assert rest0 == rest1 and rest0[0].startswith("[2, 2, 2, 2] "), finals  # the same history and weights
+
+
+# ---- the low-communication loop across hosts -----------------------------------------------------
+ROUNDS_STEPS, ROUNDS_SYNC_EVERY, ROUNDS_KILL_AFTER = 200, 10, 20
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_localsgd_across_hosts_goes_on_without_a_lost_host_and_equals_the_replay(tmp_path):
+    """`--engine localsgd` under continue across two hosts (`nanoddp.ft.rounds`: a quorum per sync,
+    none between): host 1 is killed whole once step ROUNDS_KILL_AFTER is recorded; host 0 goes on
+    alone from the next sync (`--min-replicas 1`), the lost host's samples since the last sync left
+    out, and its `model.pt` equals, bitwise, the one-process replay of the run's sync records."""
+    out = tmp_path / "run"
+    with NetnsHosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:{PORT + 2}"
+        train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2", "--nproc", "1",
+                 "--rdzv-endpoint", endpoint, "--min-replicas", "1", "--max-restarts", "0", "--engine", "localsgd",
+                 "--sync-every", str(ROUNDS_SYNC_EVERY), "--steps", str(ROUNDS_STEPS), "--snapshot-every", "0",
+                 "--eval-every", "0", "--out", str(out), *FT_TINY_GPT]  # fmt: skip
+        procs = {host: hosts.popen(host, [*train, "--node-rank", str(host)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True) for host in (1, 0)}  # fmt: skip
+        outputs = {host: OutputReader(proc) for host, proc in procs.items()}
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S - 60
+            steps = lambda: [r["step"] for r in _step_records(out)]  # noqa: E731
+            wait_for(lambda: procs[0].poll() is None and max(steps(), default=0) >= ROUNDS_KILL_AFTER, deadline, 0.002)
+            hosts.kill(1)
+            assert procs[1].wait(timeout=30) == -signal.SIGKILL
+            assert procs[0].wait(timeout=max(1.0, deadline - time.monotonic())) == 0, outputs[0].done()[-3000:]
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait(timeout=30)
+    output = outputs[0].done()
+    syncs = [r for r in read_records(out) if r.get("event") == "sync"]
+    members = [s["replicas"] for s in syncs]
+    assert [0, 1] in members and members[-1] == [0], (members, output[-3000:])
+    lost = members.index([0])  # from here on host 0 alone, its round's samples its own
+    assert members[lost:] == [[0]] * (len(members) - lost) and members[:lost] == [[0, 1]] * lost, members
+    assert [s["step"] for s in syncs] == list(range(ROUNDS_SYNC_EVERY, ROUNDS_STEPS + 1, ROUNDS_SYNC_EVERY))
+    got = torch.load(out / "model.pt")
+    want = run_on_ranks(_replay_rounds, 1, syncs, timeout=240)[0]
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
+
+
+def _replay_rounds(env, syncs):
+    return replay_rounds_run(env, syncs, "localsgd", replicas=2, steps=ROUNDS_STEPS, sync_every=ROUNDS_SYNC_EVERY)
