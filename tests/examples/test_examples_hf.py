@@ -15,13 +15,15 @@ pytest.importorskip("tokenizers")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_sequence_classification.py"
 
 
-@pytest.mark.timeout(240)
+# A hang guard, not a speed test: the example took 196 s on an idle 2-core machine of the slower
+# kind, and over 220 s beside a busy suite.
+@pytest.mark.timeout(560)
 def test_hf_sequence_classification_beats_chance():
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--nproc", "2", "--steps", "100"],
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = float(re.search(r"accuracy before training: ([\d.]+)%", proc.stdout).group(1))

@@ -32,6 +32,9 @@ from nanoddp.base.records import read_records
 from nanoddp.train.engines import ENGINE_REGISTRY
 
 pytest.importorskip("torchft")
+# The launches are made in the first test's setup: up to len(CASES) / AT_ONCE rounds of LAUNCH_TIMEOUT_S
+# on a loaded machine (a slow 2-core one took over 300 s for all eight), then the replays.
+pytestmark = pytest.mark.timeout(900)
 
 REPLICAS, STEPS = 2, 3
 ENGINES = ("nanoddp", "zero1", "zero2", "hsdp")
