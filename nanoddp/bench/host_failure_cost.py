@@ -134,7 +134,9 @@ def summarize(results: list[dict]) -> dict[str, Any]:
     for key, value in (("cost", summary["continue"]["median_cost_s"]), ("stall", summary["continue"]["median_stall_s"]),
                        ("extra", summary["continue"]["median_extra_s"])):  # fmt: skip
         # a cost at or below 0 (the killed run was lucky with the host's load) has no ratio
-        summary[f"continue_{key}_over_restart_cost"] = round(value / restart, 3) if value and restart > 0 else None
+        summary[f"continue_{key}_over_restart_cost"] = (
+            round(value / restart, 3) if value is not None and value > 0 and restart > 0 else None
+        )
     return summary
 
 
