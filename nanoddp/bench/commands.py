@@ -26,6 +26,7 @@ BENCHMARK_MODULES = (
     "nanoddp.bench.zero",
     "nanoddp.bench.train_cli",
     "nanoddp.bench.restarts",
+    "nanoddp.bench.continue_price",
     "nanoddp.bench.wan",
     # more benchmarks are registered here as they land
 )
