@@ -10,20 +10,23 @@ One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes
   its replica joins at a step boundary, takes its state from host 0's replica, without resuming
   from the snapshots OUT holds or waiting for the run's first full group (world size 2 again);
 - host 2, node rank 2 of a run of two hosts, grows it: its replica joins alike, and every step
-  after is split over three (world size 3 to the end).
+  after is split over three (world size 3);
+- two hosts lost in a row at 3 hosts: host 1 killed whole (hosts 0 and 2 go on, world size 2),
+  then host 2 (host 0 goes on alone to the end, world size 1).
 
 [Note: holding the running replicas] A host spends seconds starting (imports, data, model), while
 the running replicas' tiny steps take milliseconds: they would finish the run first. So they are
 held (SIGSTOP) while a host starts, until its replica has asked the quorum service for a group,
 as replicas in a long step (released any earlier, their steps of a few milliseconds could finish
-the run while the joiner is still making its Manager); the collective timeout is longer than a
-hold, so a replica held inside a collective does not time its peer out. A held process cannot
-send the heartbeats a busy replica sends, so a helper in host 0's namespace sends them for it
-(torchft's LighthouseClient, the replica's own id): the quorum service then sees what it sees of
-busy replicas, and the joiner, which asks first, waits for them (torchft forms no group of half
-the healthy replicas or fewer) instead of forming a group without them. A replica held while it
-was asking for a quorum would be grouped with the joiner without the other: such a hold is
-released and made again.
+the run while the joiner is still making its Manager); and likewise while a host is killed, so
+that the run cannot end before the kill, nor the others form a group without a held one. The
+collective timeout is longer than a hold, so a replica held inside a collective does not time
+its peer out. A held process cannot send the heartbeats a busy replica sends, so a helper in
+host 0's namespace sends them for it (torchft's LighthouseClient, the replica's own id): the
+quorum service then sees what it sees of busy replicas, and the joiner, which asks first, waits
+for them (torchft forms no group of half the healthy replicas or fewer) instead of forming a
+group without them. A replica held while it was asking for a quorum would be grouped with the
+joiner without the other: such a hold is released and made again.
 
 Every test but the last reads that one run; the reference for the weights and the losses is the
 single-process replay of its world-size schedule (`helpers.replay_continue_run`, the one-node
@@ -65,7 +68,8 @@ from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
 
-STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH = 40, 5, 3, 2, 2
+STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH = 50, 5, 3, 2, 2
+THREE_BEFORE_LOSS, TWO_BEFORE_LOSS = 2, 2  # steps of the grown run, then of the two left, before each loss
 PORT = 29510  # inside the namespaces this module made: nothing else listens there
 RUN_TIMEOUT_S = 180
 HELD_MAX_S = 60  # the collective timeout: a replica held mid-step (a long step) must not time out its peer
@@ -160,21 +164,30 @@ def run(tmp_path_factory):
             helper.stdin.flush()
             return helper.stdout.readline().strip()
 
-        def hold(pids: list[int], replicas: str, host: int) -> subprocess.Popen:
-            """Launch `host` while `pids` (replicas `replicas`) are held, their heartbeats sent for
-            them, until the new host's replica asks for a quorum; hold again while one of them was
-            asking when held (the module's note)."""
+        def start_again(host: int) -> subprocess.Popen:
+            started = launch(host)  # the same command, on that host
+            procs.append(started)
+            outputs.append(OutputReader(started))
+            assert tell("wait 0") == "ASKED"  # the new host's replica waits for a quorum
+            return started
+
+        def kill_host(host: int, launcher: subprocess.Popen) -> str:
+            """Every process of `host` SIGKILLed at once (the host is gone); its launcher's output."""
+            hosts.kill(host)
+            assert launcher.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(host)
+            procs.remove(launcher)
+            return outputs[[o.proc for o in outputs].index(launcher)].done()
+
+        def hold(pids: list[int], replicas: str, action):
+            """`action()` while `pids` (replicas `replicas`) are held, their heartbeats sent for them;
+            hold again while one of them was asking for a quorum when held (the module's note)."""
             for _ in range(HOLD_TRIES):
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)  # their last heartbeats were at most 0.1 s ago: the helper's
                 try:  # come well within the quorum service's heartbeat timeout (1 s)
                     assert tell(f"beat {replicas}").startswith("BEATING replica_"), "no heartbeat id"
                     if tell("count") == "COUNT 0":
-                        started = launch(host)  # the same command, on that host
-                        procs.append(started)
-                        outputs.append(OutputReader(started))
-                        assert tell("wait 0") == "ASKED"  # the new host's replica waits for a quorum
-                        return started
+                        return action()
                 finally:
                     for pid in pids:
                         os.kill(pid, signal.SIGCONT)
@@ -213,18 +226,25 @@ def run(tmp_path_factory):
             # host 0 alone, then held while host 1 starts again (the module's note)
             procs.remove(first)
             records_where(1, ALONE_BEFORE_HOLD)
-            again = hold([survivor], "0", 1)
+            again = hold([survivor], "0", lambda: start_again(1))
             rejoined = wait_for(lambda: replica_pid(psutil.Process(again.pid), 1), deadline)
 
             # both together again, then both held while host 2 grows the run
             records_where(2, BOTH_BEFORE_GROWTH, after=1)
-            grower = hold([survivor, rejoined], "0 1", 2)
+            grower = hold([survivor, rejoined], "0 1", lambda: start_again(2))
+            grown = wait_for(lambda: replica_pid(psutil.Process(grower.pid), 2), deadline)
+
+            # two hosts lost in a row: host 1 while hosts 0 and 2 are held, then host 2 while host 0 is
+            records_where(3, THREE_BEFORE_LOSS)
+            lost_in_a_row = [hold([survivor, grown], "0 2", lambda: kill_host(1, again))]
+            records_where(2, TWO_BEFORE_LOSS, after=3)
+            lost_in_a_row.append(hold([survivor], "0", lambda: kill_host(2, grower)))
             helper.stdin.close()
             for proc in [*procs, helper]:
                 with contextlib.suppress(subprocess.TimeoutExpired):  # the exit codes below say it
                     proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             wall_s = time.monotonic() - started
-            texts = [killed_output, *(output.done() for output in outputs[1:])]
+            texts = [killed_output, outputs[1].done(), *lost_in_a_row]
             left = {host: hosts.pids(host) for host in (0, 1, 2)}
         finally:
             for proc in [*procs, helper]:
@@ -236,7 +256,7 @@ def run(tmp_path_factory):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     names = ("host 1", "host 0", "host 1 again", "host 2")
     codes = [zero.returncode, again.returncode, grower.returncode]
-    assert codes == [0, 0, 0], "\n".join(f"--- {name}\n{text[-4000:]}" for name, text in
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL], "\n".join(f"--- {name}\n{text[-4000:]}" for name, text in
                                          zip(names, texts, strict=True))  # fmt: skip
     return {
         "records": read_records(out),
@@ -304,22 +324,35 @@ def test_a_host_lost_started_again_and_grown_equals_a_replay_bitwise(run, replay
     assert [r["loss"] for r in run["records"] if "event" not in r] == losses
 
 
-def test_the_survivor_went_on_alone_the_host_rejoined_and_a_third_grew_the_run(run):
+def _phases(history: list[int]) -> list[tuple[int, int]]:
+    """The world sizes in the order the run had them, each with its count of steps in a row."""
+    phases: list[tuple[int, int]] = []
+    for size in history:
+        if phases and phases[-1][0] == size:
+            phases[-1] = (size, phases[-1][1] + 1)
+        else:
+            phases.append((size, 1))
+    return phases
+
+
+def test_the_survivor_went_on_alone_the_host_rejoined_a_third_grew_the_run_and_two_were_lost(run):
     """World size 2, then 1 from the step the kill cost (no restart: the same process, no snapshot
     read, each step recorded once), then 2 again once host 1's replica joined, then 3 once host
-    2's did (node rank 2 of --nnodes 2, under --max-replicas 3)."""
+    2's did (node rank 2 of --nnodes 2, under --max-replicas 3); then 2 once host 1 was lost again,
+    and 1 to the end once host 2 was too (two hosts lost in a row at 3 hosts)."""
     records = run["records"]
     history = _history(records)
     assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
     changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
     history, changes = _without_late_replicas(records, history, changes)
-    alone = [i for i, size in enumerate(history) if size == 1]
-    grown = [i for i, size in enumerate(history) if size == 3]
-    assert history[:BOTH_BEFORE_KILL] == [2] * BOTH_BEFORE_KILL, history
-    assert alone and alone == list(range(alone[0], alone[-1] + 1)) and len(alone) >= ALONE_BEFORE_HOLD, history
-    assert history[alone[-1] + 1 : alone[-1] + 1 + BOTH_BEFORE_GROWTH] == [2] * BOTH_BEFORE_GROWTH, history
-    assert grown and grown == list(range(grown[0], STEPS)), history  # from the step it joined to the end
-    assert changes == [("rank_lost", 1, [1]), ("rank_joined", 2, [1]), ("rank_joined", 3, [2])], changes
+    phases = _phases(history)
+    assert [size for size, _ in phases] == [2, 1, 2, 3, 2, 1], phases
+    least = [BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH, THREE_BEFORE_LOSS, TWO_BEFORE_LOSS, 1]
+    assert all(count >= at_least for (_, count), at_least in zip(phases, least, strict=True)), phases
+    assert changes == [
+        ("rank_lost", 1, [1]), ("rank_joined", 2, [1]), ("rank_joined", 3, [2]),
+        ("rank_lost", 2, [1]), ("rank_lost", 1, [2]),
+    ], changes  # fmt: skip
     assert not any(r.get("event") == "resumed_from_snapshot" for r in records)
     said = [line for line in run["outputs"]["host 0"].splitlines() if line.startswith("nanoddp train: replica")]
     assert said == [], said  # host 0's launcher saw no replica of its own fail, and started none
