@@ -55,12 +55,12 @@ def _run(engine: str, mode: str, out: Path) -> dict[str, Any]:
     steps = [r for r in step_records(run.records) if r["step"] > WARMUP_STEPS]
     if run.returncode != 0 or not steps:
         raise ChildFailed(f"{engine} under --on-failure {mode} failed (exit {run.returncode}):\n{run.output[-3000:]}")
+    comm_s = [r["comm_time_s"] for r in steps if r.get("comm_time_s") is not None]  # none where not timed
     return {
         "engine": engine, "mode": mode, "steps": len(steps), "wall_s": round(run.wall_s, 2),
         "step_time_s": statistics.median(r["step_time_s"] for r in steps),
         "comm_bytes": statistics.median(r["comm_bytes"] for r in steps),
-        "comm_time_s": statistics.median(r["comm_time_s"] for r in steps if r.get("comm_time_s") is not None)
-        if any(r.get("comm_time_s") is not None for r in steps) else None,
+        "comm_time_s": statistics.median(comm_s) if comm_s else None,
     }  # fmt: skip
 
 

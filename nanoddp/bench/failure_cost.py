@@ -242,7 +242,8 @@ def interleaved_trials(trials: int, modes: Sequence[str], run: Callable[[str, bo
     """`trials` (clean, killed) pairs of `run(mode, kill, out)` per mode, the modes interleaved trial
     by trial (a change in the host's load between trials shifts every mode alike), each run in a
     directory of its own under `root`: one result per pair, its cost the killed run's wall time
-    less the clean one's, with what the killed run saw (`SEEN_KEYS`; None where it saw nothing)."""
+    less the clean one's, with what the killed run saw (`SEEN_KEYS`, every one of which `run` gives
+    for a killed run; None where it saw nothing)."""
     results: list[dict] = []
     for trial in range(trials):
         for mode in modes:
@@ -251,7 +252,7 @@ def interleaved_trials(trials: int, modes: Sequence[str], run: Callable[[str, bo
             results.append({
                 "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                 "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
-                **{key: killed.get(key) for key in SEEN_KEYS},
+                **{key: killed[key] for key in SEEN_KEYS},
             })  # fmt: skip
     return results
 

@@ -43,6 +43,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -225,12 +226,9 @@ def run(tmp_path_factory):
             listening = {host: hosts.listening(host) for host in (0, 1)}
             survivor = replica_pid(psutil.Process(zero.pid), 0)
             assert survivor is not None
-            hosts.kill(1)
-            assert first.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(1)
-            killed_output = outputs[0].done()
+            killed_output = kill_host(1, first)
 
             # host 0 alone, then held while host 1 starts again (the module's note)
-            procs.remove(first)
             records_where(1, ALONE_BEFORE_HOLD)
             again = hold([survivor], "0", lambda: start_again(1))
             rejoined = wait_for(lambda: replica_pid(psutil.Process(again.pid), 1), deadline)
@@ -333,13 +331,7 @@ def test_a_host_lost_started_again_and_grown_equals_a_replay_bitwise(run, replay
 
 def _phases(history: list[int]) -> list[tuple[int, int]]:
     """The world sizes in the order the run had them, each with its count of steps in a row."""
-    phases: list[tuple[int, int]] = []
-    for size in history:
-        if phases and phases[-1][0] == size:
-            phases[-1] = (size, phases[-1][1] + 1)
-        else:
-            phases.append((size, 1))
-    return phases
+    return [(size, len(list(steps))) for size, steps in itertools.groupby(history)]
 
 
 def test_the_survivor_went_on_alone_the_host_rejoined_a_third_grew_the_run_and_two_were_lost(run):
