@@ -431,32 +431,45 @@ def replay_engine_run(
 
 
 def replay_rounds_run(
-    env: DistEnv, syncs: list[dict], engine: str, *, replicas: int, steps: int, sync_every: int, compress: str = "fp32"
+    env: DistEnv,
+    syncs: list[dict],
+    engine: str,
+    *,
+    replicas: int,
+    steps: int,
+    sync_every: int,
+    compress: str = "fp32",
+    fragments: int = 1,
+    mix: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Run on one gloo rank: `--on-failure continue --engine localsgd|diloco` (`nanoddp.ft.rounds`)
     over the membership schedule its `sync` records give (`syncs`, in order), one model per
-    replica, written without `nanoddp.ft`: the `replicas` start together; in each round every
-    replica that the round's sync counted samples from trains its piece of each step's global
-    batch, split over the previous sync's quorum (its rank there), alone (the engine's clip, the
-    inner AdamW through the held wrapper, its own schedule); a joiner is a new replica loaded with
-    the state of the replica it healed from, as that one held it at the sync; at the sync each
-    member's contribution (LocalSGD: its weights; DiLoCo: last-sync weights minus its weights)
-    times its samples is added in rank order and divided by the samples summed, then taken
-    (LocalSGD: the weights; DiLoCo: the outer step on the last-sync weights, which the weights
-    become). With `compress` (diloco's `--pseudo-grad-dtype`) other than fp32, each member's
-    pseudo-gradient times its share of the samples is cast to the wire dtype (int8: quantized
-    with the replica's own error feedback, zeros for a new one) and the members' values are
-    added in rank order in fp32. Returns the final model's state (the same on every replica after
-    the last sync)."""
+    replica, written without `nanoddp.ft`: the `replicas` start together; before each sync every
+    replica that the sync counted samples from trains its piece of each step since the last sync,
+    split over the previous sync's quorum (its rank there), alone (the engine's clip, the inner
+    AdamW through the held wrapper, its own schedule); a joiner is a new replica loaded with the
+    state of the replica it healed from, as that one held it at the sync, then (DiLoCo) set back to
+    the last-synced weights; at the sync of a fragment (DiLoCo's `fragments`: contiguous runs of
+    the parameters, the wrapper's cut; one for LocalSGD) each member's contribution (LocalSGD: its
+    weights; DiLoCo: last-sync weights minus its weights, on that fragment) times the samples it
+    trained since that fragment's last sync is added in rank order and divided by the samples
+    summed, then taken (LocalSGD: the weights; DiLoCo: the outer step on the last-sync weights,
+    then weights = global + `mix` (local - global), no mix at the syncs after the last step). With
+    `compress` (diloco's `--pseudo-grad-dtype`) other than fp32, each member's pseudo-gradient
+    times its share of the samples is cast to the wire dtype (int8: quantized with the replica's
+    own error feedback for that fragment, zeros for a new one) and the members' values are added
+    in rank order in fp32. Returns the final model's state (the same on every replica after the
+    last syncs)."""
     from nanoddp.ft.global_batches import GlobalBatches, share
     from nanoddp.parallel.lowcomm.pseudo_grad_mean import WIRE_DTYPES
     from nanoddp.train.config import threads_per_rank
     from nanoddp.train.engines import build_engine
     from nanoddp.train.recipe import build_job
 
+    streaming = {"fragments": fragments, "mix": mix, "sync_delay": 0} if engine == "diloco" else {}
     config = TrainConfig(
         engine=engine, sync_every=sync_every, text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2,
-        d_ff=64, batch_size=12, warmup_steps=2, seed=0, steps=steps,
+        d_ff=64, batch_size=12, warmup_steps=2, seed=0, steps=steps, **streaming,
     )  # fmt: skip
     torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
 
@@ -468,18 +481,25 @@ def replay_rounds_run(
         return built, wrapper, job
 
     first = new_replica()
-    residuals: dict[int, torch.Tensor] = {}  # int8's error feedback, per replica (a new one: none yet)
+
+    def params_of(wrapper) -> list[torch.Tensor]:
+        return [p for g in wrapper.param_groups for p in g["params"]]
+
+    cut = first[1].fragments if engine == "diloco" else [range(len(params_of(first[1])))]
+    residuals: dict[tuple[int, int], torch.Tensor] = {}  # int8's error feedback, per (replica, fragment)
     train_set = first[2].train_set
     batches = GlobalBatches(len(train_set), 12, 0)
     members = {0: first, **{r: new_replica() for r in range(1, replicas)}}
+    trained = {r: [0] * len(cut) for r in members}  # per replica, per fragment: samples since its last sync
     order, at_step = list(range(replicas)), 0
     for sync in syncs:
         counted = dict(zip(sync["replicas"], sync["samples"], strict=True))
+        fragment = sync.get("fragment", 0)
         for rank, replica in enumerate(order):
             if counted.get(replica, 0) == 0:
-                continue  # lost in the round: its steps count for nothing
+                continue  # lost in the round (its steps count for nothing), or a joiner
             built, wrapper, job = members[replica]
-            for step in range(at_step, sync["step"]):
+            for step in range(at_step, sync["step"]):  # none at a second sync of one step (the final ones)
                 piece = batches.indices(step)[share(12, rank, len(order))]
                 wrapper.zero_grad(set_to_none=True)
                 batch = torch.utils.data.default_collate([train_set[i] for i in piece.tolist()])
@@ -487,64 +507,80 @@ def replay_rounds_run(
                 built.clip_grad_norm_(1.0)
                 wrapper.step()
                 job.scheduler.step()
-            assert counted[replica] == (sync["step"] - at_step) * len(piece), (sync, replica)
+                trained[replica] = [done + len(piece) for done in trained[replica]]
+            assert counted[replica] == trained[replica][fragment], (sync, replica, trained[replica])
         for replica, source in zip(sync["replicas"], sync["healed_from"], strict=True):
             if source >= 0:  # a joiner: the source's state as it held it at this sync
-                residuals.pop(replica, None)  # its error feedback starts again
+                for f in range(len(cut)):
+                    residuals.pop((replica, f), None)  # its error feedback starts again
                 members[replica] = joiner = new_replica()
                 joiner[0].module.load_state_dict(members[source][0].module.state_dict())
                 # a copy, as the heal's transfer is: torch's load_state_dict would share the tensors
                 joiner[1].load_state_dict(copy.deepcopy(members[source][1].state_dict()))
                 joiner[2].scheduler.load_state_dict(members[source][2].scheduler.state_dict())
+                trained[replica] = [0] * len(cut)
+                if engine == "diloco":  # its pseudo-gradients count its own steps alone
+                    with torch.no_grad():
+                        for p, synced in zip(params_of(joiner[1]), joiner[1].last_sync, strict=True):
+                            p.copy_(synced)
         total, mean = float(sum(sync["samples"])), None
         for replica, samples in zip(sync["replicas"], sync["samples"], strict=True):
             wrapper = members[replica][1]
-            params = [p for g in wrapper.param_groups for p in g["params"]]
+            params = [p for i, p in enumerate(params_of(wrapper)) if i in cut[fragment]]
             if engine == "localsgd":
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
             else:
-                flat = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(wrapper.last_sync, params, strict=True)])
+                synced = [wrapper.last_sync[i] for i in cut[fragment]]
+                flat = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(synced, params, strict=True)])
             if compress == "fp32":
                 mean = flat * float(samples) if mean is None else mean + flat * float(samples)
             elif total > 0:
-                sent = _sent_compressed(flat * (float(samples) / total), compress, residuals, replica)
+                sent = _sent_compressed(flat * (float(samples) / total), compress, residuals, (replica, fragment))
                 mean = sent if mean is None else mean + sent
+        final = sync["step"] >= steps
         if total > 0:
             assert mean is not None
             if compress == "fp32":
                 mean = mean / total
             elif compress != "int8":  # added in fp32, rounded to the wire dtype once (rank_order)
                 mean = mean.to(WIRE_DTYPES[compress]).to(torch.float32)
-            for replica in sync["replicas"]:
-                wrapper = members[replica][1]
-                params, offset = [p for g in wrapper.param_groups for p in g["params"]], 0
-                with torch.no_grad():
-                    for i, p in enumerate(params):
-                        piece_of_mean = mean[offset : offset + p.numel()].view_as(p)
+        for replica in sync["replicas"] if total > 0 or final else ():
+            wrapper = members[replica][1]
+            kept = 0.0 if final else mix
+            params, offset = params_of(wrapper), 0
+            with torch.no_grad():
+                if engine == "localsgd":
+                    for p in params if mean is not None else ():
+                        p.copy_(mean[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
-                        if engine == "localsgd":
-                            p.copy_(piece_of_mean)
-                        else:
-                            wrapper.last_sync[i].grad = piece_of_mean.clone()
-                    if engine == "diloco":
-                        wrapper.outer.step()
-                        for p, synced in zip(params, wrapper.last_sync, strict=True):
-                            p.copy_(synced)
-                            synced.grad = None
+                    continue
+                if mean is not None:
+                    for i in cut[fragment]:
+                        wrapper.last_sync[i].grad = mean[offset : offset + params[i].numel()].view_as(params[i]).clone()
+                        offset += params[i].numel()
+                    wrapper.outer.step()
+                for i in cut[fragment]:
+                    local = params[i].detach().clone()
+                    params[i].copy_(wrapper.last_sync[i])
+                    if kept:
+                        params[i].lerp_(local, kept)
+                    wrapper.last_sync[i].grad = None
+        for replica in sync["replicas"]:
+            trained[replica][fragment] = 0
         order, at_step = list(sync["replicas"]), sync["step"]
     return members[order[0]][0].module.state_dict()
 
 
-def _sent_compressed(x: torch.Tensor, compress: str, residuals: dict[int, torch.Tensor], replica: int) -> torch.Tensor:
+def _sent_compressed(x: torch.Tensor, compress: str, residuals: dict, key) -> torch.Tensor:
     """What one replica's `x` (N,) fp32 is once sent as `compress`, back in fp32 (int8: blockwise
-    absmax of x plus the replica's residual, which becomes what the rounding lost)."""
+    absmax of x plus the replica's residual under `key`, which becomes what the rounding lost)."""
     from nanoddp.parallel.lowcomm.pseudo_grad_mean import WIRE_DTYPES, dequantize_int8, quantize_int8
 
     if compress != "int8":
         return x.to(WIRE_DTYPES[compress]).to(torch.float32)
-    x = x + residuals.get(replica, torch.zeros_like(x))
+    x = x + residuals.get(key, torch.zeros_like(x))
     q, scales = quantize_int8(x)
-    residuals[replica] = x - dequantize_int8(q, scales)
+    residuals[key] = x - dequantize_int8(q, scales)
     return dequantize_int8(q, scales)
 
 

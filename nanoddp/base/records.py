@@ -53,10 +53,11 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "eval": ("step", "val_loss", "world_size", "eval_time_s"),
     "nonfinite_loss": ("step", "ranks", "action", "world_size"),
     "resumed_from_snapshot": ("step", "snapshot_step", "world_size"),
-    # localsgd/diloco under continue: per rank of the sync's quorum, its replica, the samples it
-    # trained since the last sync, the replica it healed from (-1: none) and its inner steps with a
-    # NaN or inf loss since the last sync (`nanoddp.ft.rounds`)
-    "sync": ("step", "world_size", "replicas", "samples", "healed_from", "nonfinite_steps"),
+    # localsgd/diloco under continue: the fragment synced (0: the whole model unless --fragments),
+    # and per rank of the sync's quorum its replica, the samples it trained since that fragment's
+    # last sync, the replica it healed from (-1: none) and its inner steps with a NaN or inf loss
+    # since the last sync (`nanoddp.ft.rounds`)
+    "sync": ("step", "fragment", "world_size", "replicas", "samples", "healed_from", "nonfinite_steps"),
 }
 
 

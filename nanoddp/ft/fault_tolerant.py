@@ -207,16 +207,17 @@ class FaultTolerant:
         came_to_take = self.env.replicas > 1 or self.env.grower
         return not self._members and not self._live.holds_state and self.world_size == 1 and came_to_take
 
-    def _run_boundary(self, step: int) -> bool:
-        """The boundary work at `step` on every member (see the module docstring); False if it
-        failed and must run again after the next quorum."""
-        if self._boundary is None and self._holders_checked == self.world.generation:
+    def _run_boundary(self, step: int, work: bool = True) -> bool:
+        """The boundary work at `step` on every member (see the module docstring; `work=False`:
+        only the check a new group needs); False if it failed and must run again after the next
+        quorum."""
+        if (self._boundary is None or not work) and self._holders_checked == self.world.generation:
             return True
         try:
             if self._holders_checked != self.world.generation:
                 self._check_holders(step)
                 step = self.manager.current_step()
-            if self._boundary is not None:
+            if work and self._boundary is not None:
                 self._boundary(step)
         except RunStopped as stop:  # the same on every member (e.g. StateLost): nothing to go on from
             stop.speaker = self.is_master

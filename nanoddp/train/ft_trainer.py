@@ -108,15 +108,14 @@ def check_continue(config: TrainConfig) -> None:
 
 
 def check_continue_rounds(config: TrainConfig) -> None:
-    """localsgd and diloco under continue: whole-model syncs (what `nanoddp.ft.rounds` averages,
-    in any `--pseudo-grad-dtype`), and the boundary work at syncs, where every replica holds the
-    synced state."""
-    streaming = {"fragments": (config.fragments, 1), "sync-delay": (config.sync_delay, 0), "mix": (config.mix, 0.0)}
-    named = [f"--{flag} {value}" for flag, (value, plain) in streaming.items() if value not in (None, plain)]
-    if named:
+    """localsgd and diloco under continue: syncs where their quorum is taken (`nanoddp.ft.rounds`:
+    any `--fragments`, `--mix` and `--pseudo-grad-dtype`, no `--sync-delay`), and the boundary
+    work at syncs of the whole round."""
+    if config.sync_delay:
         raise ValueError(
-            f"--on-failure continue --engine diloco syncs the whole model at once (--fragments 1 --sync-delay 0 "
-            f"--mix 0), got {' '.join(named)}: drop them, or use --on-failure restart"
+            f"--sync-delay {config.sync_delay} under --on-failure continue: each fragment's sync is where the "
+            "replicas present are agreed and a joiner heals, so it cannot run behind the inner steps; use "
+            "--sync-delay 0 (fragments still sync one at a time), or --on-failure restart to overlap it"
         )
     sync_every = filled(config.sync_every)
     for flag, every in (("--snapshot-every", config.snapshot_every), ("--eval-every", config.eval_every)):

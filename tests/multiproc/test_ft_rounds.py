@@ -1,11 +1,12 @@
 """`nanoddp train --on-failure continue --engine localsgd|diloco`: replicas lost and joined at syncs.
 
-One launch per engine (diloco's pseudo-gradients sent bf16): 3 replicas of a tiny GPT, a sync
-every 3 steps, 12 steps. Replica 2 is
-SIGKILLed from outside after step 4 (between the syncs of steps 3 and 6): the two others step on
-alone and the next sync averages over their samples (replica 2's since the sync of step 3 are
-lost); there its replacement heals from a peer (last-synced weights, outer state, inner AdamW and
-step count) and trains the rounds after it. A second launch (diloco, int8 pseudo-gradients with
+One launch per engine: 3 replicas of a tiny GPT, a round of 3 steps, 12 steps; localsgd syncs
+the whole model every 3 steps, diloco is Streaming DiLoCo (3 fragments, one syncing after every
+step, mix 0.5, pseudo-gradients sent bf16). Replica 2 is SIGKILLed from outside after step 4:
+the two others step on alone and the next sync averages over their samples (replica 2's since
+that fragment's last sync are lost); there its replacement heals from a peer (last-synced
+weights, outer state, inner AdamW and step count), starts from the last-synced weights of every
+fragment, and trains the rounds after it. A second launch (diloco, int8 pseudo-gradients with
 error feedback) loses replica 2 during a sync's all-reduce: the survivors retry it among
 themselves from the same pre-sync state (their error feedback included) and go on at world
 size 2; then a
@@ -49,6 +50,7 @@ REPLICAS, SYNC_EVERY, STEPS, KILL_AFTER = 3, 3, 12, 4
 
 
 COMPRESS = {"localsgd": "fp32", "diloco": "bf16"}  # the first launches' wire formats
+STREAMING = {"localsgd": (1, 0.0), "diloco": (3, 0.5)}  # the first launches' (fragments, mix)
 DURING_COMPRESS = "int8"  # the second launch's
 
 
@@ -57,7 +59,9 @@ def launched(request, tmp_path_factory):
     """The run of one engine; `--min-replicas 3` makes the survivors' next sync wait for the
     replacement (its start takes seconds on a loaded machine), so it joins there."""
     engine, out = request.param, tmp_path_factory.mktemp(request.param) / "run"
-    wire = ["--pseudo-grad-dtype", COMPRESS[engine]] if engine == "diloco" else []
+    fragments, mix = STREAMING[engine]
+    wire = ["--pseudo-grad-dtype", COMPRESS[engine], "--fragments", str(fragments), "--mix", str(mix)]
+    wire = wire if engine == "diloco" else []
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS), *wire,
                "--engine", engine, "--sync-every", str(SYNC_EVERY), "--steps", str(STEPS), "--max-restarts", "1",
                "--min-replicas", str(REPLICAS), "--no-warm-spare", "--snapshot-every", "0", "--eval-every", "0",
@@ -94,26 +98,43 @@ def _records(out) -> list[dict]:
 
 
 def _replay(env, syncs, engine):
-    return replay_rounds_run(
-        env, syncs, engine, replicas=REPLICAS, steps=STEPS, sync_every=SYNC_EVERY, compress=COMPRESS[engine]
-    )
+    fragments, mix = STREAMING[engine]
+    return replay_rounds_run(env, syncs, engine, replicas=REPLICAS, steps=STEPS, sync_every=SYNC_EVERY,
+                             compress=COMPRESS[engine], fragments=fragments, mix=mix)  # fmt: skip
+
+
+def _want_schedule(fragments: int, lost: int, healed: int) -> list[tuple]:
+    """(step, fragment, replicas, samples, healed_from) of every sync: fragment (k - 1) mod F after
+    step k SYNC_EVERY/F, every fragment after the last step; each replica trains 4 samples a step
+    (12 split over 3) and counts them for each fragment since its last sync; at sync `lost`
+    replica 2's replacement heals from `healed` and brings none, and counts from there."""
+    period = SYNC_EVERY // fragments
+    points = [(s, (s // period - 1) % fragments) for s in range(period, STEPS, period)]
+    points += [(STEPS, f) for f in range(fragments)]
+    since = {r: [0] * fragments for r in range(REPLICAS)}  # the step each count started at
+    schedule = []
+    for k, (step, fragment) in enumerate(points):
+        samples, sources = [4 * (step - since[r][fragment]) for r in range(REPLICAS)], [-1] * REPLICAS
+        if k == lost:
+            samples[2], sources[2], since[2] = 0, healed, [step] * fragments
+        schedule.append((step, fragment, list(range(REPLICAS)), samples, sources))
+        for r in range(REPLICAS):
+            since[r][fragment] = step
+    return schedule
 
 
 def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
     engine, out, run = launched
     records = run.records
     syncs = [r for r in records if r.get("event") == "sync"]
-    got_schedule = [(s["step"], s["replicas"], s["samples"], s["healed_from"]) for s in syncs]
-    # replica 2 is killed after step 3's record; on a fast machine the loss may land a round late
+    got_schedule = [(s["step"], s["fragment"], s["replicas"], s["samples"], s["healed_from"]) for s in syncs]
+    # replica 2 is killed after step 4's record; on a fast machine the loss may land a round late
     lost = next(k for k, s in enumerate(syncs) if 0 in s["samples"])
-    assert lost in (1, 2), got_schedule
+    fragments = STREAMING[engine][0]
+    assert syncs[lost]["step"] > KILL_AFTER and lost < len(syncs) - fragments, got_schedule  # not a final sync
     healed = syncs[lost]["healed_from"][2]
     assert healed in (0, 1), got_schedule
-    full = [-1, -1, -1]
-    want_schedule = [(step, [0, 1, 2], [12, 12, 12], full) for step in (3, 6, 9, 12)]
-    # replica 2's round is lost: the survivors' samples alone; its replacement healed from a peer
-    want_schedule[lost] = (want_schedule[lost][0], [0, 1, 2], [12, 12, 0], [-1, -1, healed])
-    assert got_schedule == want_schedule, got_schedule
+    assert got_schedule == _want_schedule(fragments, lost, healed), got_schedule
     assert [r["world_size"] for r in records if "event" not in r] == [REPLICAS] * STEPS
     changes = [
         (r["event"], r["step"], r["replicas"]) for r in records if r.get("event") in ("rank_lost", "rank_joined")

@@ -44,9 +44,23 @@ FAULTS = (
     Mutation(
         "ft rounds: a sync's contributions not weighted by the samples each replica trained",
         "nanoddp/ft/rounds.py",
-        "torch.mul(contribution, float(self.samples), out=flat[:numel])",
+        "torch.mul(contribution, float(samples), out=flat[:numel])",
         "torch.mul(contribution, 1.0, out=flat[:numel])",
         ("tests/multiproc/test_ft_rounds.py", "-k", "localsgd"),
+    ),
+    Mutation(
+        "ft rounds: a joiner keeps its source's unsynced fragments (counted twice in the next syncs)",
+        "nanoddp/ft/rounds.py",
+        "            self.wrapper.forget_local_progress()  # its pseudo-gradients count its own steps alone\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "diloco and lost_replica_and_its_joiner"),
+    ),
+    Mutation(
+        "ft rounds: a fragment's sync weighted by the samples since any sync, not since its own",
+        "nanoddp/ft/rounds.py",
+        "                self.samples[fragment] = 0  # type: ignore[index]\n",
+        "                self.samples = [0] * self.fragments\n",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "diloco and lost_replica_and_its_joiner"),
     ),
     Mutation(
         "ft launcher: a replica that stopped the run is replaced",

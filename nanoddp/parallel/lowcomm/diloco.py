@@ -135,30 +135,40 @@ class DiLoCo(PeriodicSync):
         params = self._params()
         return torch.cat([(self.last_sync[i] - params[i]).reshape(-1).float() for i in self.fragments[fragment]])
 
-    @torch.no_grad()
-    def sync_contribution(self) -> torch.Tensor:
-        """The whole model's pseudo-gradient (under `held` there is one fragment: `check_continue`)."""
-        return self._pseudo_grad(0)
+    def fragment_count(self) -> int:
+        return len(self.fragments)
 
     @torch.no_grad()
-    def take_mean(self, mean: torch.Tensor) -> None:
-        self._outer_step(0, mean)
+    def sync_contribution(self, fragment: int = 0) -> torch.Tensor:
+        return self._pseudo_grad(fragment)
 
     @torch.no_grad()
-    def _outer_step(self, fragment: int, mean: torch.Tensor) -> None:
-        """The outer step on fragment's mean pseudo-gradient; then local = global + mix (local - global)."""
+    def take_mean(self, mean: torch.Tensor | None, fragment: int = 0, keep_local: bool = True) -> None:
+        self._outer_step(fragment, mean, self.mix if keep_local else 0.0)
+
+    @torch.no_grad()
+    def forget_local_progress(self) -> None:
+        for p, synced in zip(self._params(), self.last_sync, strict=True):
+            p.copy_(synced)
+
+    @torch.no_grad()
+    def _outer_step(self, fragment: int, mean: torch.Tensor | None, mix: float | None = None) -> None:
+        """The outer step on fragment's mean pseudo-gradient (None: no step, nobody moved it); then
+        local = global + mix (local - global), `mix` the wrapper's unless given."""
+        mix = self.mix if mix is None else mix
         params, offset = self._params(), 0
-        for i in self.fragments[fragment]:
-            synced = self.last_sync[i]
-            synced.grad = mean[offset : offset + synced.numel()].view_as(synced).to(synced.dtype)
-            offset += synced.numel()
-        self.outer.step()
+        if mean is not None:
+            for i in self.fragments[fragment]:
+                synced = self.last_sync[i]
+                synced.grad = mean[offset : offset + synced.numel()].view_as(synced).to(synced.dtype)
+                offset += synced.numel()
+            self.outer.step()
         for i in self.fragments[fragment]:
             p, synced = params[i], self.last_sync[i]
-            local = p.detach().clone() if self.mix else None
+            local = p.detach().clone() if mix else None
             p.copy_(synced)
             if local is not None:
-                p.lerp_(local, self.mix)
+                p.lerp_(local, mix)
             synced.grad = None
 
     def replicas_equal(self) -> bool:

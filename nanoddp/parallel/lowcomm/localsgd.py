@@ -44,11 +44,13 @@ class LocalSGD(PeriodicSync):
     def _sync(self) -> int:
         return average_(self._params(), self.collectives, self.group)
 
-    def sync_contribution(self) -> torch.Tensor:
+    def sync_contribution(self, fragment: int = 0) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
 
     @torch.no_grad()
-    def take_mean(self, mean: torch.Tensor) -> None:
+    def take_mean(self, mean: torch.Tensor | None, fragment: int = 0, keep_local: bool = True) -> None:
+        if mean is None:  # nobody trained since the last sync: the replicas hold its weights still
+            return
         offset = 0
         for p in self._params():
             p.copy_(mean[offset : offset + p.numel()].view_as(p))

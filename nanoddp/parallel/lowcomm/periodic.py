@@ -60,13 +60,27 @@ class PeriodicSync(torch.optim.Optimizer):
         """Bring the replicas together (collective); returns the bytes this rank sent."""
         raise NotImplementedError
 
-    def sync_contribution(self) -> torch.Tensor:
-        """What this rank brings to a sync, as one new flat fp32 tensor (nothing is changed)."""
+    # -- held (`--on-failure continue`): the caller runs the syncs, one fragment at a time --
+    sync_delay = 0  # inner steps a sync runs behind them (DiLoCo's `sync_delay`)
+
+    def fragment_count(self) -> int:
+        """The parts of the model that sync separately (DiLoCo's `fragments`; here the whole model)."""
+        return 1
+
+    def sync_contribution(self, fragment: int = 0) -> torch.Tensor:
+        """What this rank brings to `fragment`'s sync, as one new flat fp32 tensor (nothing is changed)."""
         raise NotImplementedError
 
-    def take_mean(self, mean: torch.Tensor) -> None:
-        """Finish a sync with `mean`, the replicas' mean of `sync_contribution()`."""
+    def take_mean(self, mean: torch.Tensor | None, fragment: int = 0, keep_local: bool = True) -> None:
+        """Finish `fragment`'s sync with `mean`, the replicas' mean of `sync_contribution(fragment)`
+        (None: no replica trained since its last sync). `keep_local=False`: the replicas end equal
+        (DiLoCo's `mix` not applied)."""
         raise NotImplementedError
+
+    def forget_local_progress(self) -> None:
+        """A joiner that took a peer's state: drop the progress not synced yet (DiLoCo: back to the
+        last-synced weights), so that its next contributions are its own steps alone. LocalSGD's
+        contribution is the weights themselves, which the next sync replaces: nothing to drop."""
 
     def _after_step(self) -> int:
         """Run after each inner step (all ranks together); returns the bytes this rank sent.
