@@ -222,7 +222,7 @@ FAULTS = (
     Mutation(
         "streaming diloco: mix ignored (the fragment takes the global weights whatever alpha says)",
         "nanoddp/parallel/lowcomm/diloco.py",
-        "p.lerp_(local, self.mix)",
+        "p.lerp_(local, mix)",
         "p.lerp_(local, 0.0)",
         ("tests/multiproc/test_streaming_diloco.py", "-k", "torchft"),
     ),
