@@ -44,6 +44,8 @@ updates alone.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import math
 import time
@@ -56,7 +58,7 @@ from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.comm.transport.transport import sent_bytes
 from nanoddp.ft.fault_tolerant import FaultTolerant
 from nanoddp.ft.stopped import first_line
-from nanoddp.parallel.lowcomm.fragments import fragment_finishing
+from nanoddp.parallel.lowcomm.fragments import fragment_finishing, fragment_starting
 from nanoddp.parallel.lowcomm.periodic import PeriodicSync
 from nanoddp.parallel.lowcomm.pseudo_grad_mean import sum_in_rank_order
 
@@ -64,6 +66,27 @@ logger = logging.getLogger(__name__)
 # The slots each rank fills after the contribution: replica, samples, healed from, and the inner
 # steps whose loss was NaN or inf (their updates skipped under --on-nan skip) since the last sync.
 FACTS_PER_RANK = 4
+
+
+@dataclasses.dataclass
+class Taken:
+    """What a replica brings to one fragment's sync, taken once and sent again by every retry."""
+
+    contribution: torch.Tensor  # (N,) fp32: `PeriodicSync.sync_contribution(fragment)`
+    samples: int  # trained since the fragment's last sync
+    nonfinite_steps: int  # inner steps with a NaN or inf loss since the last sync
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A fragment's sum running behind the inner steps (`--sync-delay`), started at its quorum."""
+
+    fragment: int
+    taken: Taken
+    facts: torch.Tensor | None  # (world size, FACTS_PER_RANK): the start's, recorded there
+    total: float  # the samples summed over the members
+    future: concurrent.futures.Future | None  # the mean (None: nobody trained) or the error; None: failed
+    residual: torch.Tensor | None  # int8's error feedback before the sum: put back if it fails
 
 
 class FaultTolerantRounds(FaultTolerant):
@@ -81,17 +104,16 @@ class FaultTolerantRounds(FaultTolerant):
         kwargs["extra_state"] = (self._take_extra(take), self._put_extra(put))
         super().__init__(model, wrapper, **kwargs)
         self.wrapper = wrapper
-        if wrapper.sync_delay:
-            raise ValueError(
-                f"FaultTolerantRounds syncs a fragment where its quorum is taken, so it cannot run behind the "
-                f"inner steps: build the wrapper with sync_delay=0, got {wrapper.sync_delay}"
-            )
-        self.fragments = wrapper.fragment_count()
+        self.fragments, self.delay = wrapper.fragment_count(), wrapper.sync_delay
         self.samples = [0] * self.fragments  # per fragment: trained since its last committed sync
         self.nonfinite_steps = 0  # inner steps since the last committed sync whose loss was NaN or inf
         self._healed_from = -1
         self._residuals: dict[int, torch.Tensor] = {}  # int8's error feedback, per fragment (`_compressed_mean`)
         self._syncing: int | None = None  # the fragment whose sync is under way (a joiner's heal tells it)
+        self._in_flight: InFlight | None = None
+        self._taken: Taken | None = None  # what the sync under way sends, every try alike
+        # one worker: a fragment's sum behind the inner steps (at most one is in flight)
+        self._behind = concurrent.futures.ThreadPoolExecutor(1, "nanoddp-fragment-sum") if self.delay else None
         self._total_steps = 0
         self._sync_s: float | None = None
 
@@ -102,7 +124,7 @@ class FaultTolerantRounds(FaultTolerant):
         def put_and_note(state: Any) -> None:
             # what this process trained since the last sync was from a state it no longer holds
             self._healed_from, self._residuals = int(state["source"]), {}
-            self.samples = [0] * self.fragments
+            self.samples, self._taken = [0] * self.fragments, None
             self._syncing = state["fragment"]
             put(state["extra"])
             self.wrapper.forget_local_progress()  # its pseudo-gradients count its own steps alone
@@ -141,41 +163,78 @@ class FaultTolerantRounds(FaultTolerant):
         if self.step >= total_steps:
             self._final_syncs(0)
         else:
-            fragment = fragment_finishing(self.step, self.wrapper.sync_every, self.fragments)
-            if fragment is not None:
-                self._sync(fragment)
+            finishing = fragment_finishing(self.step, self.wrapper.sync_every, self.fragments)
+            starting = fragment_starting(self.step, self.wrapper.sync_every, self.fragments, self.delay)
+            if finishing is not None:  # with a delay: the sum started `delay` steps ago lands
+                in_flight, self._in_flight = self._in_flight, None
+                self._sync(finishing, in_flight)
+            if starting is not None and self.delay:
+                self._sync(starting)
         self._comm_s = self._sync_s
         self.last_record = self._step_record(self.step - 1, world_size)
         if self.is_master:
             self.metrics.write(self.last_record)
 
     def _final_syncs(self, first: int) -> None:
-        """After the last step: every fragment from `first` on syncs and takes the global weights."""
+        """After the last step: every fragment from `first` on syncs and takes the global weights.
+        A sum still in flight is waited for and dropped: the final syncs send every fragment's
+        progress afresh."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._landed(in_flight)
+            self._put_back(in_flight.fragment, in_flight.residual)  # its rounding was never sent
+            self.manager.should_commit()  # every member votes on it alike: the Manager's calls stay paired
         for fragment in range(first, self.fragments):
             self._sync(fragment)
 
-    def _sync(self, fragment: int | None) -> None:
+    def _starts_here(self) -> bool:
+        """Whether this step's sync is a start: a quorum and a sum left to run behind the inner steps."""
+        step = self.step
+        if not self.delay or step >= self._total_steps:
+            return False
+        return fragment_starting(step, self.wrapper.sync_every, self.fragments, self.delay) is not None
+
+    def _sync(self, fragment: int | None, in_flight: InFlight | None = None) -> None:
         """Quorum, weighted mean, commit, boundary: again among the survivors until all succeed.
         `fragment` None: the first quorum (a joiner learns there which fragment its peers sync).
-        After the last step it is one of the final syncs (module doc)."""
+        After the last step it is one of the final syncs (module doc). With `--sync-delay` a
+        sync at a start is the quorum and the sum left behind (`_start`), and the sync at the
+        finish `in_flight`'s landing, then its commit (or, failed, a retry among the survivors
+        of what was taken at the start)."""
         started = time.monotonic()
         self._syncing = fragment
+        self._taken = None if in_flight is None else in_flight.taken
+        mean: Any  # the mean and facts, (None, facts) when nobody trained, or False: the try failed
         while True:
-            self._quorum()
-            fragment = self._syncing  # a joiner's: its source's
+            if in_flight is not None:  # a finish's first try: the sum started at the start
+                residual, landed = in_flight.residual, self._landed(in_flight)
+                mean = False if landed is False else (landed, in_flight.facts)
+                record, in_flight = False, None  # recorded at the start
+            else:
+                self._quorum()
+                fragment = self._syncing  # a joiner's: its source's
+                if fragment is not None and self._starts_here():
+                    if not self._run_boundary(self.step, work=False):  # a new group's check failed
+                        continue
+                    if self._starts_here():  # (a group that held no state resumed elsewhere)
+                        self._start(fragment)
+                    break
+                residual = self._residual_copy(fragment)
+                mean, record = None, True
+                if fragment is not None:
+                    self._taken = self._taken or self._take(fragment)
+                    mean = self._average(fragment, self._taken)
             final = self.step >= self._total_steps
-            residual = self._residuals.get(fragment)  # type: ignore[arg-type]
-            residual = None if residual is None else residual.clone()
-            mean = None if fragment is None else self._average(fragment)
             committed = self.manager.should_commit()  # False on every member if any failed
             if mean is False or not committed:
-                if residual is not None:
-                    self._residuals[fragment] = residual  # type: ignore[index]  # the retry sends from the same state
+                self._put_back(fragment, residual)  # the retry sends from the same state
                 continue  # a lost member: the next quorum is among the survivors
             if isinstance(mean, tuple):
-                self._commit(fragment, *mean, final=final)  # type: ignore[arg-type]
+                self._commit(fragment, mean[0], mean[1], final=final, record=record)  # type: ignore[arg-type]
                 self.samples[fragment] = 0  # type: ignore[index]
-            self.nonfinite_steps, self._healed_from, self._same_failure = 0, -1, ((), 0)
+                assert self._taken is not None
+                self.nonfinite_steps -= self._taken.nonfinite_steps  # those after the take: the next sync's
+            self._healed_from, self._taken, self._same_failure = -1, None, ((), 0)
             # [Note: the Manager's step] torchft heals a member whose step is below the quorum's
             # highest: make it the inner steps synced (+1: 0 is a fresh run, which torchft heals
             # from replica rank 0), so a member that missed a commit its peers made is behind at
@@ -186,60 +245,147 @@ class FaultTolerantRounds(FaultTolerant):
                 break
         self._sync_s = (self._sync_s or 0.0) + time.monotonic() - started
 
+    def _take(self, fragment: int) -> Taken:
+        return Taken(self.wrapper.sync_contribution(fragment), self.samples[fragment], self.nonfinite_steps)
+
     @torch.no_grad()
-    def _average(self, fragment: int) -> tuple[torch.Tensor | None, torch.Tensor] | bool:
-        """The replicas' sample-weighted mean contribution to `fragment` (None when no one trained
-        since its last sync) and every rank's facts; False when the sync failed (a member was lost)."""
-        error = self.manager.errored()
-        if error is not None:  # the quorum or the heal failed
-            self._count_failure(f"the sync at step {self.step}", first_line(error.original_exception))
+    def _average(self, fragment: int, taken: Taken) -> tuple[torch.Tensor | None, torch.Tensor] | bool:
+        """The replicas' sample-weighted mean of what they took for `fragment` (None when no one
+        trained since its last sync) and every rank's facts; False when the sync failed (a member
+        was lost)."""
+        if not self._quorum_ok():
             return False
-        rank, world_size = self.rank, self.world_size
         compress = getattr(self.wrapper, "compress", "fp32")
-        samples = self.samples[fragment]
         try:
-            contribution = self.wrapper.sync_contribution(fragment)
-            numel = 0 if compress != "fp32" else contribution.numel()  # fp32: the facts ride along
-            flat = torch.zeros(numel + FACTS_PER_RANK * world_size, dtype=contribution.dtype)
-            if numel:
-                torch.mul(contribution, float(samples), out=flat[:numel])
-            at = numel + FACTS_PER_RANK * rank
-            mine = [self.env.replica, samples, self._healed_from, self.nonfinite_steps]
-            flat[at : at + FACTS_PER_RANK] = torch.tensor(mine)
-            all_reduce_in_rank_order(flat, self.group)
-            facts = flat[numel:].view(world_size, FACTS_PER_RANK)
-            total = float(facts[:, 1].sum())  # whole numbers: exact in any order
-            if total == 0:
-                return None, facts
-            if numel:
-                return flat[:numel].div_(total), facts
-            return self._compressed_mean(fragment, contribution, float(samples) / total, compress), facts
+            if compress == "fp32":  # the facts ride along with the contribution
+                numel = taken.contribution.numel()
+                flat = self._facts_in(taken, numel)
+                torch.mul(taken.contribution, float(taken.samples), out=flat[:numel])
+                all_reduce_in_rank_order(flat, self.group)
+                facts, total = self._facts_of(flat[numel:])
+                return (None if total == 0 else flat[:numel].div_(total)), facts
+            facts, total = self._exchange_facts(taken)
+            return self._mean(fragment, taken, total, self.group), facts
         except Exception as exc:  # a lost peer: gloo's error or timeout
             self._fail(exc, f"the sync at step {self.step}")
             return False
 
-    def _compressed_mean(self, fragment: int, contribution: torch.Tensor, share: float, compress: str) -> torch.Tensor:
-        """`--pseudo-grad-dtype bf16|fp16|int8`: each replica sends its contribution times its share
-        of the samples (the shares sum to 1, so the sum is the mean, and a narrow wire format
-        holds it as it holds `start_mean`'s divided values), summed in rank order. int8's error
-        feedback is this process's own, per fragment (`_residuals`): zeros at its start and after
-        a heal (what rounding lost belonged to a trajectory it left), put back when a sync fails."""
+    def _start(self, fragment: int) -> None:
+        """A start (`--sync-delay`), after its quorum: the facts (blocking: the samples' total,
+        recorded now), then the mean left to run behind the inner steps until the finish. A start
+        that fails is in flight all the same, as a failed one: every member steps on to the
+        finish in the start's group (the same split of the data), and there all vote, so the
+        retry is every survivor's (`_sync`), never some members' at the start and others' at the
+        finish."""
+        taken, residual = self._take(fragment), self._residual_copy(fragment)
+        self._in_flight = InFlight(fragment, taken, None, 0.0, None, residual)  # failed, unless it starts
+        if not self._quorum_ok():
+            return
+        try:
+            facts, total = self._exchange_facts(taken)
+        except Exception as exc:  # a lost peer
+            self._fail(exc, f"the start of the sync at step {self.step}")
+            return
+        self._record(fragment, facts)
+        self._healed_from = -1  # recorded: a retry at the finish heals nobody again
+        assert self._behind is not None
+        future = self._behind.submit(self._mean, fragment, taken, total, self.group)
+        self._in_flight = InFlight(fragment, taken, facts, total, future, residual)
+
+    def _landed(self, in_flight: InFlight) -> torch.Tensor | None | bool:
+        """The in-flight sum's mean once it lands; False if it failed (a member was lost), or
+        never started (the failure was counted at the start)."""
+        if in_flight.future is None:
+            return False
+        try:
+            return in_flight.future.result()
+        except Exception as exc:
+            self._fail(exc, f"the sync at step {self.step}")
+            return False
+
+    def _residual_copy(self, fragment: int | None) -> torch.Tensor | None:
+        """int8's error feedback for `fragment` before a try (None: none yet)."""
+        residual = self._residuals.get(fragment)  # type: ignore[arg-type]
+        return None if residual is None else residual.clone()
+
+    def _put_back(self, fragment: int | None, residual: torch.Tensor | None) -> None:
+        """A try that was never applied: its error feedback as it was before (none: none again)."""
+        if residual is None:
+            self._residuals.pop(fragment, None)  # type: ignore[arg-type]
+        else:
+            self._residuals[fragment] = residual  # type: ignore[index]
+
+    def _quorum_ok(self) -> bool:
+        error = self.manager.errored()
+        if error is not None:  # the quorum or the heal failed
+            self._count_failure(f"the sync at step {self.step}", first_line(error.original_exception))
+        return error is None
+
+    def _facts_in(self, taken: Taken, numel: int) -> torch.Tensor:
+        """A flat buffer of `numel` zeros, then every rank's facts: this rank's filled in."""
+        world_size = self.world_size
+        flat = torch.zeros(numel + FACTS_PER_RANK * world_size)
+        at = numel + FACTS_PER_RANK * self.rank
+        mine = [self.env.replica, taken.samples, self._healed_from, taken.nonfinite_steps]
+        flat[at : at + FACTS_PER_RANK] = torch.tensor(mine)
+        return flat
+
+    def _facts_of(self, flat: torch.Tensor) -> tuple[torch.Tensor, float]:
+        facts = flat.view(self.world_size, FACTS_PER_RANK)
+        return facts, float(facts[:, 1].sum())  # whole numbers: exact in any order
+
+    def _exchange_facts(self, taken: Taken) -> tuple[torch.Tensor, float]:
+        """Every rank's facts and the samples' total, by a small sum of their own (collective)."""
+        flat = self._facts_in(taken, 0)
+        all_reduce_in_rank_order(flat, self.group)
+        return self._facts_of(flat)
+
+    @torch.no_grad()
+    def _mean(self, fragment: int, taken: Taken, total: float, group: Any) -> torch.Tensor | None:
+        """The mean of the members' contributions over `group`, weighted by their samples out of
+        `total` (None when it is 0), sent in the wrapper's wire format (collective; runs behind
+        the inner steps at a start). fp32: each contribution times its samples, summed in rank
+        order, divided by the total. bf16|fp16|int8: each replica sends its contribution times
+        its share of the samples (the shares sum to 1, so the sum is the mean, and a narrow wire
+        format holds it as it holds `start_mean`'s divided values), summed in rank order. int8's
+        error feedback is this process's own, per fragment (`_residuals`): zeros at its start and
+        after a heal (what rounding lost belonged to a trajectory it left), put back when a sync
+        fails."""
+        if total == 0:
+            return None
+        compress = getattr(self.wrapper, "compress", "fp32")
+        if compress == "fp32":
+            flat = taken.contribution * float(taken.samples)
+            all_reduce_in_rank_order(flat, group)
+            return flat.div_(total)
         residual = None
         if compress == "int8":
-            residual = self._residuals.setdefault(fragment, torch.zeros_like(contribution))
-        return sum_in_rank_order(contribution.mul_(share), compress, self.group, residual)
+            residual = self._residuals.setdefault(fragment, torch.zeros_like(taken.contribution))
+        return sum_in_rank_order(taken.contribution * (float(taken.samples) / total), compress, group, residual)
 
-    def _commit(self, fragment: int, mean: torch.Tensor | None, facts: torch.Tensor, final: bool) -> None:
+    def _commit(self, fragment: int, mean: torch.Tensor | None, facts: torch.Tensor, final: bool, record: bool) -> None:
         if mean is not None or final:
             # after the last step every replica takes the global weights whole: no local share kept
             self.wrapper.take_mean(mean, fragment, keep_local=not final)
+        if record:
+            self._record(fragment, facts)
+        if self.is_master:
+            logger.info(
+                "sync at step %d%s: %d samples from replicas %s",
+                self.step, f" (fragment {fragment})" if self.fragments > 1 else "", int(facts[:, 1].sum()),
+                facts[:, 0].long().tolist(),
+            )  # fmt: skip
+
+    def _record(self, fragment: int, facts: torch.Tensor) -> None:
+        """The sync record (module doc), from the group's rank 0."""
         if self.is_master:
             replicas, samples, sources, nonfinite = (facts[:, i].long().tolist() for i in range(FACTS_PER_RANK))
             record = {"event": "sync", "step": self.step, "fragment": fragment, "world_size": self.world_size,
                       "replicas": replicas, "samples": samples, "healed_from": sources,
                       "nonfinite_steps": nonfinite}  # fmt: skip
             self.metrics.write(record)
-            logger.info(
-                "sync at step %d%s: %d samples from replicas %s",
-                self.step, f" (fragment {fragment})" if self.fragments > 1 else "", sum(samples), replicas,
-            )  # fmt: skip
+
+    def close(self) -> None:
+        if self._behind is not None:
+            self._behind.shutdown(wait=False, cancel_futures=True)
+        super().close()

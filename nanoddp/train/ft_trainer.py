@@ -108,15 +108,9 @@ def check_continue(config: TrainConfig) -> None:
 
 
 def check_continue_rounds(config: TrainConfig) -> None:
-    """localsgd and diloco under continue: syncs where their quorum is taken (`nanoddp.ft.rounds`:
-    any `--fragments`, `--mix` and `--pseudo-grad-dtype`, no `--sync-delay`), and the boundary
-    work at syncs of the whole round."""
-    if config.sync_delay:
-        raise ValueError(
-            f"--sync-delay {config.sync_delay} under --on-failure continue: each fragment's sync is where the "
-            "replicas present are agreed and a joiner heals, so it cannot run behind the inner steps; use "
-            "--sync-delay 0 (fragments still sync one at a time), or --on-failure restart to overlap it"
-        )
+    """localsgd and diloco under continue: a quorum per sync (`nanoddp.ft.rounds`: Streaming
+    DiLoCo's fragments, delay and mix, any `--pseudo-grad-dtype`), and the boundary work at the
+    syncs that end a round."""
     sync_every = filled(config.sync_every)
     for flag, every in (("--snapshot-every", config.snapshot_every), ("--eval-every", config.eval_every)):
         if every > 0 and every % sync_every:

@@ -36,7 +36,7 @@ a user's loop placed alike (replica ids, addresses), both replicas ending with t
 And `--engine localsgd` (the low-communication loop, a quorum per sync) across two hosts, the
 quorum service a Lighthouse on a third (`--lighthouse`), loses node 0 mid-run: host 1 goes on
 alone from the next sync, bitwise equal to the replay of its sync records
-(`helpers.replay_rounds_run`).
+(`rounds_replay.replay_rounds_run`).
 Skipped, with the reason, where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -58,11 +58,11 @@ from helpers import (
     FT_TINY_GPT,
     OutputReader,
     replay_continue_run,
-    replay_rounds_run,
     replica_pid,
     run_on_ranks,
     wait_for,
 )
+from rounds_replay import replay_rounds_run
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason

@@ -7,15 +7,16 @@ the two others step on alone and the next sync averages over their samples (repl
 that fragment's last sync are lost); there its replacement heals from a peer (last-synced
 weights, outer state, inner AdamW and step count), starts from the last-synced weights of every
 fragment, and trains the rounds after it. A second launch (diloco, int8 pseudo-gradients with
-error feedback) loses replica 2 during a sync's all-reduce: the survivors retry it among
-themselves from the same pre-sync state (their error feedback included) and go on at world
-size 2; then a
-grower (replica 3, a second launcher past the 3 replicas the run starts with, `--max-replicas 4`)
-joins at a sync, heals, and the rounds after it are split over three. References:
+error feedback, `--sync-delay 1`: each sync's quorum one step before its outer step, its sum
+running behind that step) loses replica 2 while a sum is on the wire: the survivors retry it
+among themselves at the outer step, from what they took at the quorum (their error feedback as
+it was), and go on at world size 2; then a grower (replica 3, a second launcher past the 3
+replicas the run starts with, `--max-replicas 4`) joins at a sync's quorum, heals, and the
+rounds after it are split over three. References:
 - the `sync` records (who was present, the samples each trained since the last sync, whom a
   joiner healed from) make the schedule described above, and the step records' world sizes are
   the quorum of each round's start;
-- `model.pt` equals, bitwise, `helpers.replay_rounds_run` of that schedule: one model per
+- `model.pt` equals, bitwise, `rounds_replay.replay_rounds_run` of that schedule: one model per
   replica in one process, without `nanoddp.ft`.
 """
 
@@ -28,21 +29,19 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from helpers import FT_TINY_GPT, replay_rounds_run, replica_pid, run_on_ranks, wait_for
+from helpers import FT_TINY_GPT, replica_pid, run_on_ranks, wait_for
+from rounds_replay import replay_rounds_run
 
 from nanoddp.base.processes import end_tree
 from nanoddp.bench.training_run import run_training
 from nanoddp.env import free_port
-from nanoddp.ft.supervisor import BEATS_PREFIX
 
 pytest.importorskip("torchft")
 
@@ -149,7 +148,9 @@ def test_a_lost_replica_and_its_joiner_equal_the_replay_bitwise(launched):
 
 
 # ---- lost during a sync, then a grower --------------------------------------------------------
-DURING_STEPS, DURING_SYNC = 15, 6  # replica 2 dies in the sync of step 6
+# --sync-delay 1: the sync whose outer step follows step 6 takes its quorum after step 5; replica 2
+# dies while its sum is on the wire, and the survivors retry it after step 6
+DURING_STEPS, DURING_DELAY, DURING_START, DURING_SYNC = 15, 1, 5, 6
 GROWER = 3  # the replica id of the growing launcher (--node-rank 3 of --nproc 1: past the 3 of the start)
 ABSENT = [f"absent_{i}" for i in range(4)]  # heartbeats of replicas that never ask (the fixture's note)
 HEARTBEAT_S = 2.5  # past the quorum service's heartbeat timeout (`quorum_service.HEARTBEAT_MS`)
@@ -157,10 +158,10 @@ HEARTBEAT_S = 2.5  # past the quorum service's heartbeat timeout (`quorum_servic
 
 @pytest.fixture(scope="module")
 def lost_during_a_sync(tmp_path_factory):
-    """diloco, 3 replicas, no replacement: replica 2 SIGKILLed once it has marked the quorum of the
-    sync of step DURING_SYNC (`FaultTolerant._beat`, which comes right before the sync's
-    all-reduce), while that all-reduce waits on a simulated 300 ms link. Once the survivors' retry
-    has committed, a grower launcher (`--nnodes 3 --nproc 1 --node-rank 3`: the same run of 3
+    """diloco, 3 replicas, no replacement: replica 2 SIGKILLed once the sync started after step
+    DURING_START is recorded (after its quorum and its facts, right before its sum goes behind the
+    inner steps), while that sum waits on a simulated 300 ms link. Once the survivors' retry after
+    step DURING_SYNC has committed, a grower launcher (`--nnodes 3 --nproc 1 --node-rank 3`: the same run of 3
     replicas, as seen from a host of one) joins it through the run's endpoint on loopback.
 
     [Note: the grower's sync] Its start takes seconds, the survivors' rounds milliseconds: they are
@@ -174,7 +175,7 @@ def lost_during_a_sync(tmp_path_factory):
     out = tmp_path_factory.mktemp("during") / "run"
     port = free_port()
     common = ["--on-failure", "continue", "--engine", "diloco", "--pseudo-grad-dtype", DURING_COMPRESS,
-              "--sync-every", str(SYNC_EVERY), "--steps",
+              "--sync-every", str(SYNC_EVERY), "--sync-delay", str(DURING_DELAY), "--steps",
               str(DURING_STEPS), "--max-restarts", "0", "--snapshot-every", "0", "--eval-every", "0", "--out", str(out),
               *FT_TINY_GPT, "--log-every", str(DURING_STEPS), "--collective-timeout", "60", "--max-replicas", "4",
               "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
@@ -188,13 +189,9 @@ def lost_during_a_sync(tmp_path_factory):
     def kill_in_the_sync_then_grow(proc) -> bool:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
         pid = wait_for(lambda: proc.poll() is None and replica_pid(launcher, 2), deadline)
-        (beats,) = Path(tempfile.gettempdir()).glob(f"{BEATS_PREFIX}{proc.pid}-*")  # the launcher's
-        beat = beats / "replica-2"
-        before = DURING_SYNC - SYNC_EVERY  # the sync before: its step record's time follows its quorum's mark
-        if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] == before):
+        started = lambda r: r.get("event") == "sync" and r["step"] == DURING_START  # noqa: E731
+        if not _wait_for_record(proc, out, deadline, started):
             return False
-        committed = next(r["time"] for r in _records(out) if "event" not in r and r["step"] == before)
-        wait_for(lambda: proc.poll() is not None or os.stat(beat).st_mtime > committed, deadline, 0.001)
         os.kill(pid, signal.SIGKILL)
         retried = lambda r: r.get("event") == "sync" and r["step"] == DURING_SYNC  # noqa: E731
         if not _wait_for_record(proc, out, deadline, retried):
@@ -257,14 +254,16 @@ def _asking(url: str) -> int:
 
 
 def test_a_replica_lost_during_a_sync_the_survivors_retry_it(lost_during_a_sync):
-    """The survivors' first try of the sync failed, the retry among them averaged their whole
-    round (nothing of the failed try applied), and model.pt equals the replay bitwise."""
+    """The sum started after step 5 failed at the outer step after step 6; the retry among the
+    survivors sent what they took after step 5 (nothing of the failed try applied), and model.pt
+    equals the replay bitwise."""
     out, run, _ = lost_during_a_sync
     assert f"the sync at step {DURING_SYNC} failed" in run.output, run.output[-3000:]
     syncs = [r for r in run.records if r.get("event") == "sync"]
-    assert [(s["step"], s["replicas"], s["samples"]) for s in syncs[:2]] == [
-        (3, [0, 1, 2], [12, 12, 12]),
-        (6, [0, 1], [12, 12]),  # pieces of 4 (split over 3), 3 steps each: the survivors' whole round
+    assert [(s["step"], s["replicas"], s["samples"]) for s in syncs[:3]] == [
+        (2, [0, 1, 2], [8, 8, 8]),  # pieces of 4 (split over 3), 2 steps: the quorum one step early
+        (DURING_START, [0, 1, 2], [8, 8, 8]),  # steps 4 and 5 since the outer step after step 3
+        (DURING_SYNC, [0, 1], [8, 8]),  # the retry: the survivors' samples as taken after step 5
     ], syncs
     got = torch.load(out / "model.pt")
     want = run_on_ranks(_replay_during, 1, syncs, timeout=240)[0]
@@ -273,23 +272,26 @@ def test_a_replica_lost_during_a_sync_the_survivors_retry_it(lost_during_a_sync)
 
 
 def test_a_grower_joins_at_a_sync_and_the_rounds_after_split_over_one_more(lost_during_a_sync):
-    """The grower (replica 3, past the run's 3) came to a run under way, joined at a sync with no
-    samples, healed from a survivor, and from the next round every step's global batch of 12 was
-    split over three (pieces of 4, 12 samples a round) where the survivors had split it over two
-    (pieces of 6, 18 a round); the step records' world sizes say the same. The model's bits: the
-    test above (the replay follows these records)."""
+    """The grower (replica 3, past the run's 3) came to a run under way, joined at a sync's quorum
+    with no samples, healed from a survivor, and from there every step's global batch of 12 was
+    split over three (pieces of 4, 8 samples between a quorum and the outer step before it) where
+    the survivors had split it over two (pieces of 6, 12); the step records' world sizes say the
+    same. The final sync, after step 15, drops the sum started after step 14 and sends steps
+    13-15 afresh. The model's bits: the test above (the replay follows these records)."""
     _, run, grower_output = lost_during_a_sync
     assert f"replicas {GROWER}..{GROWER} join it" in grower_output and "resum" not in grower_output.lower()
     syncs = [r for r in run.records if r.get("event") == "sync"]
-    assert [s["step"] for s in syncs] == list(range(SYNC_EVERY, DURING_STEPS + 1, SYNC_EVERY)), syncs
+    starts = list(range(SYNC_EVERY - DURING_DELAY, DURING_STEPS, SYNC_EVERY))  # 2, 5, 8, 11, 14
+    assert [s["step"] for s in syncs] == sorted([*starts, DURING_SYNC, DURING_STEPS]), syncs
     at = next(i for i, s in enumerate(syncs) if GROWER in s["replicas"])
     join = syncs[at]
-    assert DURING_SYNC < join["step"] < DURING_STEPS, syncs  # a round after it, split over three
-    assert all((s["replicas"], s["samples"]) == ([0, 1], [18, 18]) for s in syncs[2:at]), syncs
-    assert (join["replicas"], join["samples"], join["healed_from"][:2]) == ([0, 1, 3], [18, 18, 0], [-1, -1])
+    assert DURING_SYNC < join["step"] < DURING_STEPS - SYNC_EVERY, syncs  # a round after it, split over three
+    assert all((s["replicas"], s["samples"]) == ([0, 1], [12, 12]) for s in syncs[3:at]), syncs
+    assert (join["replicas"], join["samples"], join["healed_from"][:2]) == ([0, 1, 3], [12, 12, 0], [-1, -1])
     assert join["healed_from"][2] in (0, 1), join
     after = [(s["replicas"], s["samples"], s["healed_from"]) for s in syncs[at + 1 :]]
-    assert after == [([0, 1, 3], [12, 12, 12], [-1, -1, -1])] * len(after), after
+    full = ([0, 1, 3], [8, 8, 8], [-1, -1, -1])
+    assert after == [full] * (len(after) - 1) + [([0, 1, 3], [12, 12, 12], [-1, -1, -1])], after
     sizes = [r["world_size"] for r in run.records if "event" not in r]
     want = [3] * DURING_SYNC + [2] * (join["step"] - DURING_SYNC) + [3] * (DURING_STEPS - join["step"])
     assert sizes == want, sizes
@@ -298,6 +300,5 @@ def test_a_grower_joins_at_a_sync_and_the_rounds_after_split_over_one_more(lost_
 
 
 def _replay_during(env, syncs):
-    return replay_rounds_run(
-        env, syncs, "diloco", replicas=REPLICAS, steps=DURING_STEPS, sync_every=SYNC_EVERY, compress=DURING_COMPRESS
-    )
+    return replay_rounds_run(env, syncs, "diloco", replicas=REPLICAS, steps=DURING_STEPS, sync_every=SYNC_EVERY,
+                             compress=DURING_COMPRESS, sync_delay=DURING_DELAY)  # fmt: skip

@@ -44,8 +44,8 @@ FAULTS = (
     Mutation(
         "ft rounds: a sync's contributions not weighted by the samples each replica trained",
         "nanoddp/ft/rounds.py",
-        "torch.mul(contribution, float(samples), out=flat[:numel])",
-        "torch.mul(contribution, 1.0, out=flat[:numel])",
+        "torch.mul(taken.contribution, float(taken.samples), out=flat[:numel])",
+        "torch.mul(taken.contribution, 1.0, out=flat[:numel])",
         ("tests/multiproc/test_ft_rounds.py", "-k", "localsgd"),
     ),
     Mutation(
@@ -61,6 +61,13 @@ FAULTS = (
         "                self.samples[fragment] = 0  # type: ignore[index]\n",
         "                self.samples = [0] * self.fragments\n",
         ("tests/multiproc/test_ft_rounds.py", "-k", "diloco and lost_replica_and_its_joiner"),
+    ),
+    Mutation(
+        "ft rounds: a retry of a sum that failed behind the steps sends afresh, not what the start took",
+        "nanoddp/ft/rounds.py",
+        "        self._taken = None if in_flight is None else in_flight.taken\n",
+        "        self._taken = None\n",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "replica_lost_during_a_sync"),
     ),
     Mutation(
         "ft launcher: a replica that stopped the run is replaced",
