@@ -29,6 +29,9 @@ trial. Within the killed run: the survivors' wall time at the first sync after t
 `comm_time_s` its step record carries: the quorum without the lost replica, the weighted mean)
 less an ordinary sync's (the median of those before the kill), and the sync where the replacement
 joined; across the pair: the final validation loss of the killed run against the clean run's.
+`--cost-engine streaming` does the same for Streaming DiLoCo (`STREAMING_ARGS`: 2 fragments, a
+sync's quorum one step before its outer step, int8 pseudo-gradients), whose syncs come twice a
+round: a stall is at the first quorum or outer step after the kill.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ ROUNDS_ARGS = [
     "--batch-size", "12", "--text-max-bytes", "200000", "--log-every", "50", "--eval-every", "200",
     "--snapshot-every", "0", "--no-progress", "--max-restarts", "1", "--collective-timeout", "30",
 ]  # fmt: skip
-ROUNDS_KILL_AT_STEP = 105  # mid-round: between the syncs of steps 100 and 110
+STREAMING_ARGS = ["--fragments", "2", "--sync-delay", "1", "--pseudo-grad-dtype", "int8"]  # `--cost-engine streaming`
+ROUNDS_MODES = {"diloco": ROUNDS_ARGS, "streaming": [*ROUNDS_ARGS, *STREAMING_ARGS]}  # the rounds loop's runs
+ROUNDS_KILL_AT_STEP = 105  # mid-round: between the syncs of steps 100 and 110 (streaming: of 105 and 109)
 # What `_seen_at_syncs` reads inside a killed run of the rounds loop.
 SYNC_KEYS = ("sync_s", "stall_s", "extra_s", "join_sync_s", "join_step")
 
@@ -90,8 +95,8 @@ def _command(mode: str, out: Path) -> list[str]:
     """The run of `mode`: `nanoddp train`, or the torchft launcher with the same flags."""
     if mode == "torchft":
         return [sys.executable, "-m", TORCHFT_WORKER, *TRAIN_ARGS, "--on-failure", "continue", "--out", str(out)]
-    if mode == "diloco":  # `--cost-engine diloco`: the rounds loop under continue
-        return train_command(*ROUNDS_ARGS, "--on-failure", "continue", "--out", str(out))
+    if mode in ROUNDS_MODES:  # `--cost-engine diloco|streaming`: the rounds loop under continue
+        return train_command(*ROUNDS_MODES[mode], "--on-failure", "continue", "--out", str(out))
     return train_command(*TRAIN_ARGS, "--on-failure", mode, "--out", str(out))
 
 
@@ -104,7 +109,7 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
     """One run of `mode`; with `kill`, rank 1 is SIGKILLed once step KILL_AT_STEP (diloco:
     ROUNDS_KILL_AT_STEP) is logged."""
     start = time.monotonic()
-    kill_at = ROUNDS_KILL_AT_STEP if mode == "diloco" else KILL_AT_STEP
+    kill_at = ROUNDS_KILL_AT_STEP if mode in ROUNDS_MODES else KILL_AT_STEP
 
     def kill_rank_1(proc: Popen) -> tuple[float | None, float | None]:
         """(seconds after the start, wall clock) of the kill; (None, None) when the run ended first."""
@@ -122,7 +127,7 @@ def _run(mode: str, kill: bool, out: Path) -> dict:
         raise ChildFailed(f"mode {mode}: the run failed (exit {run.returncode}):\n{run.output[-3000:]}")
     if kill and killed_after is None:
         raise ChildFailed(f"mode {mode}: the run ended before step {kill_at} was logged; no kill")
-    seen_by = _seen_at_syncs if mode == "diloco" else seen_by_survivors
+    seen_by = _seen_at_syncs if mode in ROUNDS_MODES else seen_by_survivors
     seen = seen_by(run.records, killed_at) if killed_at is not None else {}
     evals = events(run.records, "eval")
     return {"wall_s": round(time.monotonic() - start, 2), "killed_after_s": killed_after,
@@ -186,14 +191,15 @@ def _seen_at_syncs(records: list[Record], killed_at: float) -> dict[str, Any]:
             "join_step": joined[0]["step"] if joined else None}  # fmt: skip
 
 
-def measure_rounds(trials: int) -> dict:
-    """`trials` (clean, killed) pairs of `--cost-engine diloco`; every run directory is removed."""
+def measure_rounds(trials: int, mode: str = "diloco") -> dict:
+    """`trials` (clean, killed) pairs of `--cost-engine diloco|streaming` (`mode`); every run
+    directory is removed."""
     results: list[dict] = []
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="nanoddp-cost-") as root:
         for trial in range(trials):
-            clean = _run("diloco", False, Path(root, f"diloco-{trial}-clean"))
-            killed = _run("diloco", True, Path(root, f"diloco-{trial}-killed"))
+            clean = _run(mode, False, Path(root, f"{mode}-{trial}-clean"))
+            killed = _run(mode, True, Path(root, f"{mode}-{trial}-killed"))
             gap = killed["val_loss"] / clean["val_loss"] - 1 if clean["val_loss"] and killed["val_loss"] else None
             results.append({
                 "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
@@ -204,7 +210,7 @@ def measure_rounds(trials: int) -> dict:
             })  # fmt: skip
     return {
         "meta": {
-            "train_args": ROUNDS_ARGS, "on_failure": "continue", "kill_at_step": ROUNDS_KILL_AT_STEP,
+            "train_args": ROUNDS_MODES[mode], "on_failure": "continue", "kill_at_step": ROUNDS_KILL_AT_STEP,
             "victim": "replica 1", "trials": trials, "cpus": os.cpu_count(), "load_average_before": load_before,
             "date": time.strftime("%Y-%m-%d"),
         },
@@ -227,10 +233,12 @@ def summarize_rounds(results: list[dict]) -> dict[str, Any]:
 def describe_rounds(report: dict) -> str:
     """Two lines: what the sync after the kill cost the survivors, and the loss it left."""
     s, trials = report["summary"], report["meta"]["trials"]
+    args = report["meta"]["train_args"]
+    run = "--engine diloco" + (" " + " ".join(args[args.index("--fragments") :]) if "--fragments" in args else "")
     if s["median_extra_s"] is None or s["median_val_loss_gap"] is None:
-        return f"--engine diloco under continue: no kill seen between two syncs in {trials} trial(s)"
+        return f"{run} under continue: no kill seen between two syncs in {trials} trial(s)"
     return (
-        f"--engine diloco under continue: a replica SIGKILLed mid-round adds {s['median_extra_s']:.2f} s to the "
+        f"{run} under continue: a replica SIGKILLed mid-round adds {s['median_extra_s']:.2f} s to the "
         f"survivors' next sync (median of {trials}, worst {s['max_extra_s']:.2f}; an ordinary sync "
         f"{s['median_sync_s']:.2f} s)\n"
         f"final validation loss, killed run / clean run - 1: {100 * s['median_val_loss_gap']:+.2f} % "

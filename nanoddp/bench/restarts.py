@@ -108,10 +108,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         help="(clean, killed) run pairs per failure mode for the cost of a failure (0: none)",
     )  # fmt: skip
     parser.add_argument(
-        "--cost-engine", choices=("ddp", "diloco"), default="ddp",
+        "--cost-engine", choices=("ddp", "diloco", "streaming"), default="ddp",
         help="ddp: the cost trials compare restart, continue and torchft on the default engine; diloco: a "
         "replica SIGKILLed mid-round under --on-failure continue --engine diloco (the next sync's stall, the "
-        "final validation loss against a clean run)",
+        "final validation loss against a clean run); streaming: the same with --fragments 2 --sync-delay 1 "
+        "--pseudo-grad-dtype int8",
     )  # fmt: skip
     parser.add_argument(
         "--hosts", type=count(0), default=0,
@@ -143,8 +144,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.hosts:
         report["host_failure_cost"] = host_failure_cost.measure(args.cost_trials, args.hosts)
         print(host_failure_cost.describe(report["host_failure_cost"]))
-    elif args.cost_trials and args.cost_engine == "diloco":
-        report["failure_cost_rounds"] = failure_cost.measure_rounds(args.cost_trials)
+    elif args.cost_trials and args.cost_engine != "ddp":
+        report["failure_cost_rounds"] = failure_cost.measure_rounds(args.cost_trials, args.cost_engine)
         print(failure_cost.describe_rounds(report["failure_cost_rounds"]))
     elif args.cost_trials:
         report["failure_cost"] = failure_cost.measure(args.cost_trials)

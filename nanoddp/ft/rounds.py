@@ -115,6 +115,8 @@ class FaultTolerantRounds(FaultTolerant):
         # one worker: a fragment's sum behind the inner steps (at most one is in flight)
         self._behind = concurrent.futures.ThreadPoolExecutor(1, "nanoddp-fragment-sum") if self.delay else None
         self._total_steps = 0
+        self._finals_done = 0  # the fragments whose final sync (after the last step) committed
+        self._heals = 0  # times this process took a peer's state
         self._sync_s: float | None = None
 
     def _take_extra(self, take: Callable[[], Any]) -> Callable[[], Any]:
@@ -125,7 +127,7 @@ class FaultTolerantRounds(FaultTolerant):
             # what this process trained since the last sync was from a state it no longer holds
             self._healed_from, self._residuals = int(state["source"]), {}
             self.samples, self._taken = [0] * self.fragments, None
-            self._syncing = state["fragment"]
+            self._syncing, self._heals = state["fragment"], self._heals + 1
             put(state["extra"])
             self.wrapper.forget_local_progress()  # its pseudo-gradients count its own steps alone
 
@@ -144,13 +146,16 @@ class FaultTolerantRounds(FaultTolerant):
         until `total_steps`, with a sync when one is due and every fragment's after the last."""
         self._total_steps = total_steps
         self._sync(None)
-        if self.step >= total_steps and self._syncing is not None:  # a joiner in the final syncs
-            self._final_syncs(self._syncing + 1)
+        if self.step >= total_steps:  # a joiner in the final syncs goes on with them
+            self._final_syncs()
         while self.step < total_steps:
-            step = self.step
+            step, heals = self.step, self._heals
             self._step_started, self._bytes_at_start, self._sync_s = time.monotonic(), sent_bytes(), None
             yield step
-            if self.step != step + 1:
+            # [Note: a straggler] A replica that came to a sync's quorum later than the join
+            # timeout was left out of it; its peers went on, and at their next quorum it is behind
+            # and heals from one of them: its step jumps to theirs (its round's samples are lost).
+            if self.step != step + 1 and self._heals == heals:
                 raise RuntimeError("call rounds.end_step() once in every iteration of rounds.steps()")
 
     def end_step(self, loss: float, samples: int, total_steps: int) -> None:
@@ -160,9 +165,7 @@ class FaultTolerantRounds(FaultTolerant):
         self.samples = [done + samples for done in self.samples]
         self.nonfinite_steps += not math.isfinite(loss)
         self._loss = loss
-        if self.step >= total_steps:
-            self._final_syncs(0)
-        else:
+        if self.step < total_steps:
             finishing = fragment_finishing(self.step, self.wrapper.sync_every, self.fragments)
             starting = fragment_starting(self.step, self.wrapper.sync_every, self.fragments, self.delay)
             if finishing is not None:  # with a delay: the sum started `delay` steps ago lands
@@ -170,22 +173,24 @@ class FaultTolerantRounds(FaultTolerant):
                 self._sync(finishing, in_flight)
             if starting is not None and self.delay:
                 self._sync(starting)
+        if self.step >= total_steps:  # the last step (or a straggler healed into the final syncs)
+            self._final_syncs()
         self._comm_s = self._sync_s
         self.last_record = self._step_record(self.step - 1, world_size)
         if self.is_master:
             self.metrics.write(self.last_record)
 
-    def _final_syncs(self, first: int) -> None:
-        """After the last step: every fragment from `first` on syncs and takes the global weights.
-        A sum still in flight is waited for and dropped: the final syncs send every fragment's
-        progress afresh."""
+    def _final_syncs(self) -> None:
+        """After the last step: every fragment not synced yet syncs and takes the global weights
+        (a joiner or a straggler healed into them goes on from its peers' fragment). A sum still
+        in flight is waited for and dropped: the final syncs send every fragment's progress afresh."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             self._landed(in_flight)
             self._put_back(in_flight.fragment, in_flight.residual)  # its rounding was never sent
             self.manager.should_commit()  # every member votes on it alike: the Manager's calls stay paired
-        for fragment in range(first, self.fragments):
-            self._sync(fragment)
+        while self._finals_done < self.fragments:
+            self._sync(self._finals_done)
 
     def _starts_here(self) -> bool:
         """Whether this step's sync is a start: a quorum and a sum left to run behind the inner steps."""
@@ -231,6 +236,8 @@ class FaultTolerantRounds(FaultTolerant):
                 continue  # a lost member: the next quorum is among the survivors
             if isinstance(mean, tuple):
                 self._commit(fragment, mean[0], mean[1], final=final, record=record)  # type: ignore[arg-type]
+                if final:
+                    self._finals_done = fragment + 1  # type: ignore[operator]
                 self.samples[fragment] = 0  # type: ignore[index]
                 assert self._taken is not None
                 self.nonfinite_steps -= self._taken.nonfinite_steps  # those after the take: the next sync's

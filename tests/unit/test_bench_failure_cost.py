@@ -72,19 +72,27 @@ def test_the_rounds_stall_is_read_at_the_first_sync_after_the_kill():
     assert summary["max_val_loss_gap"] == -0.02  # the worst: the largest in size
 
 
-ROUNDS_MEASURED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft" / "failure-cost-diloco-2026-11-29.json"
+BENCH_FT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "ft"
+ROUNDS_MEASURED = {
+    "diloco": "failure-cost-diloco-2026-11-29.json",
+    "streaming": "failure-cost-streaming-2026-11-30.json",
+}
 
 
-def test_the_summary_and_report_of_the_committed_rounds_measurement():
-    """The real records of `nanoddp bench restarts --cost-trials 2 --cost-engine diloco`: the
-    summary recomputed from them, and its two report lines."""
-    report = json.loads(ROUNDS_MEASURED.read_text())["failure_cost_rounds"]
+@pytest.mark.parametrize("engine", list(ROUNDS_MEASURED))
+def test_the_summary_and_report_of_the_committed_rounds_measurement(engine):
+    """The real records of `nanoddp bench restarts --cost-trials 2 --cost-engine diloco|streaming`:
+    the summary recomputed from them, and its two report lines, which name the run's flags."""
+    report = json.loads((BENCH_FT / ROUNDS_MEASURED[engine]).read_text())["failure_cost_rounds"]
+    streaming = "--fragments" in report["meta"]["train_args"]
+    assert streaming == (engine == "streaming")
     assert [r["trial"] for r in report["results"]] == list(range(report["meta"]["trials"]))
     assert summarize_rounds(report["results"]) == report["summary"]
     for r in report["results"]:
         assert r["val_loss_gap"] == round(r["killed_val_loss"] / r["clean_val_loss"] - 1, 5)
     stall, loss = describe_rounds(report).splitlines()
     assert f"adds {report['summary']['median_extra_s']:.2f} s" in stall
+    assert ("--fragments 2 --sync-delay 1 --pseudo-grad-dtype int8 under continue" in stall) == streaming
     assert f"{100 * report['summary']['max_val_loss_gap']:+.2f} %" in loss
 
 
