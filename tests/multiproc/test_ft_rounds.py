@@ -310,8 +310,8 @@ STRAGGLER_STEPS = 12
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
-    """localsgd, 3 replicas (a quorum may form with 2): replica 2 held (SIGSTOP) once step 4 is
-    recorded, so that it comes to the sync of step 6 later than the join timeout and the others
+    """localsgd, 3 replicas (a quorum may form with 2): replica 2 held (SIGSTOP) once the sync of
+    step 3 is recorded, so that it comes to the sync of step 6 later than the join timeout and the others
     sync without it; then they are held in turn until it asks for its quorum (the grower's note:
     the Lighthouse forms the next one with all three), and it meets them at the sync of step 9,
     behind: it heals there from a peer and goes on, the same process (its round's samples lost)."""
@@ -326,7 +326,9 @@ def straggler(tmp_path_factory):
     def hold_replica_2_past_a_sync(proc) -> bool:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 120
         pids = [wait_for(lambda r=r: proc.poll() is None and replica_pid(launcher, r), deadline) for r in range(3)]
-        if not _wait_for_record(proc, out, deadline, lambda r: "event" not in r and r["step"] >= 4):
+        # right after the sync of step 3 commits: replica 2 is then in the round's steps, not in a sync
+        first = lambda r: r.get("event") == "sync" and r["step"] == SYNC_EVERY  # noqa: E731
+        if not _wait_for_record(proc, out, deadline, first):
             return False
         os.kill(pids[2], signal.SIGSTOP)
         synced = lambda r: r.get("event") == "sync" and r["step"] == 2 * SYNC_EVERY  # noqa: E731
