@@ -216,7 +216,7 @@ class FaultTolerant:
         try:
             if self._holders_checked != self.world.generation:
                 self._check_holders(step)
-                step = self.manager.current_step()
+                step = self._steps_done()  # a resume from the newest snapshot moved it
             if work and self._boundary is not None:
                 self._boundary(step)
         except RunStopped as stop:  # the same on every member (e.g. StateLost): nothing to go on from
