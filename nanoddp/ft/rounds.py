@@ -17,7 +17,7 @@ Here the unit of agreement is the round (torchft's LocalSGD and DiLoCo with a Ma
    divided by the samples summed: the mean over the samples the replicas present trained. With
    `--pseudo-grad-dtype bf16|fp16|int8` (DiLoCo) the sample counts go first, in a small sum of
    their own, and each replica sends its contribution times its share of the samples in the
-   narrow format (`_compressed_mean`), summed in rank order all the same.
+   narrow format (`_mean`), summed in rank order all the same.
 4. The mean is applied (`take_mean`: LocalSGD's weights, DiLoCo's outer step) only once the
    Manager says the sync commits. A sync that fails (a member lost during it) changes nothing:
    the contributions are taken again from the same pre-sync state, after a new quorum among the
@@ -84,7 +84,6 @@ class InFlight:
     fragment: int
     taken: Taken
     facts: torch.Tensor | None  # (world size, FACTS_PER_RANK): the start's, recorded there
-    total: float  # the samples summed over the members
     future: concurrent.futures.Future | None  # the mean (None: nobody trained) or the error; None: failed
     residual: torch.Tensor | None  # int8's error feedback before the sum: put back if it fails
 
@@ -108,7 +107,7 @@ class FaultTolerantRounds(FaultTolerant):
         self.samples = [0] * self.fragments  # per fragment: trained since its last committed sync
         self.nonfinite_steps = 0  # inner steps since the last committed sync whose loss was NaN or inf
         self._healed_from = -1
-        self._residuals: dict[int, torch.Tensor] = {}  # int8's error feedback, per fragment (`_compressed_mean`)
+        self._residuals: dict[int, torch.Tensor] = {}  # int8's error feedback, per fragment (`_mean`)
         self._syncing: int | None = None  # the fragment whose sync is under way (a joiner's heal tells it)
         self._in_flight: InFlight | None = None
         self._taken: Taken | None = None  # what the sync under way sends, every try alike
@@ -167,12 +166,11 @@ class FaultTolerantRounds(FaultTolerant):
         self._loss = loss
         if self.step < total_steps:
             finishing = fragment_finishing(self.step, self.wrapper.sync_every, self.fragments)
-            starting = fragment_starting(self.step, self.wrapper.sync_every, self.fragments, self.delay)
             if finishing is not None:  # with a delay: the sum started `delay` steps ago lands
                 in_flight, self._in_flight = self._in_flight, None
                 self._sync(finishing, in_flight)
-            if starting is not None and self.delay:
-                self._sync(starting)
+            elif self._starts_here():  # never at a finish: a delay is below a fragment's period
+                self._sync(fragment_starting(self.step, self.wrapper.sync_every, self.fragments, self.delay))
         if self.step >= total_steps:  # the last step (or a straggler healed into the final syncs)
             self._final_syncs()
         self._comm_s = self._sync_s
@@ -285,7 +283,7 @@ class FaultTolerantRounds(FaultTolerant):
         retry is every survivor's (`_sync`), never some members' at the start and others' at the
         finish."""
         taken, residual = self._take(fragment), self._residual_copy(fragment)
-        self._in_flight = InFlight(fragment, taken, None, 0.0, None, residual)  # failed, unless it starts
+        self._in_flight = InFlight(fragment, taken, None, None, residual)  # failed, unless it starts
         if not self._quorum_ok():
             return
         try:
@@ -297,7 +295,7 @@ class FaultTolerantRounds(FaultTolerant):
         self._healed_from = -1  # recorded: a retry at the finish heals nobody again
         assert self._behind is not None
         future = self._behind.submit(self._mean, fragment, taken, total, self.group)
-        self._in_flight = InFlight(fragment, taken, facts, total, future, residual)
+        self._in_flight = InFlight(fragment, taken, facts, future, residual)
 
     def _landed(self, in_flight: InFlight) -> torch.Tensor | None | bool:
         """The in-flight sum's mean once it lands; False if it failed (a member was lost), or
