@@ -285,7 +285,13 @@ class FaultTolerant:
         close the group (see `ReplicaGroup.close`); the next quorum rebuilds it."""
         logger.info("%s failed: %s", what, first_line(exc))
         self._count_failure(what, first_line(exc))
-        self.manager.report_error(exc)
+        self.manager.report_error(exc)  # (torchft keeps the traceback as text)
+        # [Note: a failed collective's traceback] Its frames posted the call's sends and receives,
+        # and the traceback keeps them: gloo's buffers, hence the group's sockets, would stay open
+        # after the abort, and a peer waiting on this rank would wait out its whole timeout (a
+        # sum behind the inner steps fails on a worker thread and is reported later, at its
+        # finish: measured, 60 s of a survivor's). Once reported, the frames go.
+        exc.__traceback__ = None
         self.world.close()
 
     def _count_failure(self, what: str, line: str) -> None:

@@ -70,6 +70,13 @@ FAULTS = (
         ("tests/multiproc/test_ft_rounds.py", "-k", "replica_lost_during_a_sync"),
     ),
     Mutation(
+        "ft rounds: a failed collective's traceback kept (its peer waits out the collective timeout)",
+        "nanoddp/ft/fault_tolerant.py",
+        "        exc.__traceback__ = None\n",
+        "",
+        ("tests/multiproc/test_ft_rounds.py", "-k", "replica_lost_during_a_sync"),
+    ),
+    Mutation(
         "ft rounds: a straggler healed inside a sync is taken for a loop that skipped end_step (it crashes)",
         "nanoddp/ft/rounds.py",
         "            if self.step != step + 1 and self._heals == heals:\n",
