@@ -290,7 +290,7 @@ class FaultTolerant:
         # and the traceback keeps them: gloo's buffers, hence the group's sockets, would stay open
         # after the abort, and a peer waiting on this rank would wait out its whole timeout (a
         # sum behind the inner steps fails on a worker thread and is reported later, at its
-        # finish: measured, 60 s of a survivor's). Once reported, the frames go.
+        # finish, while its Future still holds the error). Once reported, the frames go.
         exc.__traceback__ = None
         self.world.close()
 
