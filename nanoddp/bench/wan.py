@@ -13,6 +13,11 @@ with the lowest final validation loss is kept (an engine at its best, not at one
 other); torch's DDP then runs at our DDP's best lr, the no-communication run at DiLoCo's. Every
 run stays in the JSON; the comparison is between the kept ones.
 
+With `--trials N`, a link's kept runs then run N - 1 times more, the engines interleaved trial by
+trial: sequential runs on a shared host differ by more than the few per cent a steps/s ratio is
+about, and interleaving shifts every engine alike. Times are medians over the trials, ratios the
+medians of each trial's own (`nanoddp.bench.wan_report`).
+
 The link (`--link`) is one of two:
 
 - `netns` (the default where this process may make network namespaces and qdiscs: root, `ip`,
@@ -242,6 +247,19 @@ def sweep(engines: tuple[str, ...], lrs: list[float] | None, run: Callable[[str,
     return runs
 
 
+def repeat_kept(runs: list[dict[str, Any]], trials: int, run: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trials 1 to `trials` - 1 of one link's kept runs (`best_runs` of `runs`, the sweep's, trial
+    0), interleaved: each kept engine once per trial at its kept lr, in the sweep's order on even
+    trials and reversed on odd ones, so that a change in the host's load shifts every engine alike
+    and no engine always runs right after the same one."""
+    kept = best_runs(runs)
+    again: list[dict[str, Any]] = []
+    for trial in range(1, trials):
+        for r in kept if trial % 2 == 0 else kept[::-1]:
+            again.append({**run(r["engine"], r["lr"], trial), "trial": trial})
+    return again
+
+
 def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Every run (shaped, then unshaped), compared; the report `--json` writes. `args.link` and
     `args.latency` are settled (`choose_link`, `link_latency`)."""
@@ -252,26 +270,28 @@ def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         shaped = link_environ(args.bandwidth, args.latency)
         for shaping in shapings:
 
-            def here(engine: str, lr: float | None, shaping: bool = shaping) -> dict[str, Any]:
+            def here(engine: str, lr: float | None, trial: int = 0, shaping: bool = shaping) -> dict[str, Any]:
                 link = shaped if shaping else {}
-                return run_one(engine, link, args, root / _dir(engine, shaping, lr), lr)
+                return run_one(engine, link, args, root / _dir(engine, shaping, lr, trial), lr)
 
-            runs += sweep(ENGINES["shaper"], args.lrs, here)
+            link_runs = sweep(ENGINES["shaper"], args.lrs, here)
+            runs += link_runs + repeat_kept(link_runs, args.trials, here)
     else:
         ports = itertools.count(RDZV_PORT)  # a fresh rendezvous port, hence store, for every run
         with NetnsHosts(2) as hosts:
             for shaping in shapings:
                 hosts.shape(parse_bandwidth(args.bandwidth, "--bandwidth") if shaping else None)
 
-                def on_hosts(engine: str, lr: float | None, shaping: bool = shaping) -> dict[str, Any]:
-                    out = root / _dir(engine, shaping, lr)
+                def on_hosts(engine: str, lr: float | None, trial: int = 0, shaping: bool = shaping) -> dict[str, Any]:
+                    out = root / _dir(engine, shaping, lr, trial)
                     return run_on_hosts(engine, args, out, hosts, next(ports), lr)
 
-                runs += sweep(ENGINES["netns"], args.lrs, on_hosts)
+                link_runs = sweep(ENGINES["netns"], args.lrs, on_hosts)
+                runs += link_runs + repeat_kept(link_runs, args.trials, on_hosts)
     meta = {
         "link": args.link, "bandwidth": args.bandwidth, "latency": args.latency, "steps": args.steps,
         "sync_every": args.sync_every, **{name: getattr(args, name) for name in DILOCO_FLAGS}, "lrs": args.lrs,
-        "eval_every": args.eval_every, "eval_samples": args.eval_samples, "seed": args.seed,
+        "eval_every": args.eval_every, "eval_samples": args.eval_samples, "seed": args.seed, "trials": args.trials,
         "train_args": args.train_args, "nproc": 2, "date": time.strftime("%Y-%m-%d"),
         "host_cpus": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]], "command": _command(args),
     }  # fmt: skip
@@ -282,8 +302,8 @@ def _name(shaped: bool) -> str:
     return "shaped" if shaped else "unshaped"
 
 
-def _dir(engine: str, shaped: bool, lr: float | None) -> str:
-    return f"{engine}-{_name(shaped)}" + ("" if lr is None else f"-lr{lr:g}")
+def _dir(engine: str, shaped: bool, lr: float | None, trial: int = 0) -> str:
+    return f"{engine}-{_name(shaped)}" + ("" if lr is None else f"-lr{lr:g}") + (f"-trial{trial}" if trial else "")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -295,6 +315,7 @@ def _command(args: argparse.Namespace) -> str:
         words += [] if getattr(args, name) is None else [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     words += [] if not args.lrs else ["--lrs", ",".join(f"{lr:g}" for lr in args.lrs)]
     words += ["--eval-samples", str(args.eval_samples), "--seed", str(args.seed)]
+    words += ["--trials", str(args.trials)] if args.trials > 1 else []
     words += (["--no-unshaped"] if args.no_unshaped else []) + (
         ["--train-args", args.train_args] if args.train_args else []
     )
@@ -359,6 +380,10 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated peak lrs, e.g. 1e-3,2e-3,4e-3: DDP and DiLoCo run at each and keep "
                              "the one with the lowest final val loss; torch's DDP and the no-sync run take their "
                              "twin's (default: every run at the model's lr, or --train-args' --lr)")  # fmt: skip
+    parser.add_argument("--trials", type=count(1), default=1,
+                        help="run each engine's kept run this many times, the engines interleaved trial by trial; "
+                             "times are medians over trials and the ratios medians of each trial's ratio (the "
+                             "losses and bytes are the first trial's)")  # fmt: skip
     parser.add_argument("--eval-every", type=count(1), default=50, help="validation loss every this many steps")
     parser.add_argument("--eval-samples", type=count(1), default=512, help="validation samples per evaluation")
     parser.add_argument("--seed", type=int, default=1337, help="the same seed for every run")

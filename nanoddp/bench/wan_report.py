@@ -9,6 +9,7 @@ that never syncs: the compute bound).
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from nanoddp.base.records import step_records
@@ -38,14 +39,43 @@ def time_to_reach(curve: list[list[float]], target: float) -> float | None:
 
 
 def best_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per engine and link, the run with the lowest final validation loss (of an `--lrs` sweep;
-    without one, the only run), in the order the runs came."""
+    """Per engine and link, the first trial's run with the lowest final validation loss (of an
+    `--lrs` sweep; without one, the only run), in the order the runs came."""
     kept: dict[tuple[str, bool], dict[str, Any]] = {}
-    for r in runs:
+    for r in first_trial(runs):
         key = (r["engine"], r["shaped"])
         if key not in kept or r["final_val_loss"] < kept[key]["final_val_loss"]:
             kept[key] = r
-    return [r for r in runs if kept[(r["engine"], r["shaped"])] is r]
+    return [r for r in runs if kept.get((r["engine"], r["shaped"])) is r]
+
+
+def first_trial(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sweep's runs: those of `--trials`' first trial (a report from before `--trials` has
+    only those)."""
+    return [r for r in runs if r.get("trial", 0) == 0]
+
+
+def trials_of(runs: list[dict[str, Any]], kept: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every trial of a kept run (the same engine, link and lr), in trial order."""
+    key = (kept["engine"], kept["shaped"], kept.get("lr"))  # reports from before `--lrs` have no lr
+    same = [r for r in runs if (r["engine"], r["shaped"], r.get("lr")) == key]
+    return sorted(same, key=lambda r: r.get("trial", 0))
+
+
+def median_time(trials: list[dict[str, Any]], key: str = "train_s") -> float:
+    """A kept run's time over its trials: the median (the one run's, without `--trials`)."""
+    return statistics.median(r[key] for r in trials)
+
+
+def median_reach(trials: list[dict[str, Any]], target: float) -> float | None:
+    """The median over trials of the training seconds to `target` (None: a trial never reached it)."""
+    reached = [time_to_reach(r["curve"], target) for r in trials]
+    return None if any(s is None for s in reached) else statistics.median(s for s in reached if s is not None)
+
+
+def paired_ratios(over: list[dict[str, Any]], under: list[dict[str, Any]]) -> list[float]:
+    """Trial by trial, `over`'s training time over `under`'s: runs of one trial ran side by side."""
+    return [a["train_s"] / b["train_s"] for a, b in zip(over, under, strict=True)]
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -54,7 +84,8 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     loss and to the loss both reach (the worse of the two finals), with their ratios (None: DiLoCo
     never reached it); where torch's DDP ran, its training time over DiLoCo's and over ours (the
     same steps: the steps/s ratios); where the no-communication run ran, DiLoCo's steps/s over its
-    own; after a sweep, the lr each engine was kept at."""
+    own; after a sweep, the lr each engine was kept at. Under `--trials` the times are medians over
+    the trials and each ratio the median of the trials' own (runs of one trial ran side by side)."""
     summary: dict[str, Any] = {}
     best = best_runs(runs)
     for shaped in (True, False):
@@ -62,12 +93,14 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         ddp, torch_ddp, diloco, nocomm = at.get("nanoddp"), at.get("torch"), at.get("diloco"), at.get("nocomm")
         if ddp is None or diloco is None:
             continue
+        timed = {engine: trials_of(runs, r) for engine, r in at.items()}
         target, common = ddp["final_val_loss"], max(ddp["final_val_loss"], diloco["final_val_loss"])
-        present = [r for r in (ddp, torch_ddp, diloco) if r is not None]
-        to_target = {r["engine"]: time_to_reach(r["curve"], target) for r in present}
-        to_common = {r["engine"]: time_to_reach(r["curve"], common) for r in present}
+        present = [e for e in ("nanoddp", "torch", "diloco") if e in at]
+        to_target = {e: median_reach(timed[e], target) for e in present}
+        to_common = {e: median_reach(timed[e], common) for e in present}
         name = "shaped" if shaped else "unshaped"
         summary[name] = {
+            "trials": len(timed["diloco"]),
             "val_loss_gap": diloco["final_val_loss"] / target - 1,  # at the same steps, hence samples
             "bytes_ratio": ddp["comm_bytes"] / diloco["comm_bytes"] if diloco["comm_bytes"] else None,
             "time_to_ddp_final_s": to_target,
@@ -75,13 +108,15 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "common_val_loss": common,
             "time_to_common_s": to_common,
             "time_to_common_speedup": _quotient(to_common["nanoddp"], to_common["diloco"]),
-            "train_time_speedup": ddp["train_s"] / diloco["train_s"],
+            "train_time_speedup": statistics.median(paired_ratios(timed["nanoddp"], timed["diloco"])),
         }
         if torch_ddp is not None:
-            summary[name]["torch_ddp_over_diloco"] = torch_ddp["train_s"] / diloco["train_s"]
-            summary[name]["torch_ddp_over_nanoddp"] = torch_ddp["train_s"] / ddp["train_s"]
+            summary[name]["torch_ddp_over_diloco"] = statistics.median(paired_ratios(timed["torch"], timed["diloco"]))
+            summary[name]["torch_ddp_over_nanoddp"] = statistics.median(paired_ratios(timed["torch"], timed["nanoddp"]))
         if nocomm is not None:  # the same steps: DiLoCo's steps/s over the compute bound's
-            summary[name]["diloco_over_nocomm"] = nocomm["train_s"] / diloco["train_s"]
+            by_trial = paired_ratios(timed["nocomm"], timed["diloco"])
+            summary[name]["diloco_over_nocomm"] = statistics.median(by_trial)
+            summary[name]["diloco_over_nocomm_range"] = [min(by_trial), max(by_trial)]
         if any(r.get("lr") is not None for r in at.values()):
             summary[name]["lr"] = {engine: r["lr"] for engine, r in at.items()}
     return summary
@@ -126,18 +161,19 @@ def format_markdown(report: dict[str, Any]) -> str:
     """The table (one row per run; after an `--lrs` sweep, with its lr, the kept ones in bold) and
     one line per link on the goals, derived from the runs' own figures (`compare`), so the text
     cannot drift from the data."""
-    meta, summary = report["meta"], compare(report["results"])
-    swept, kept = any(r.get("lr") is not None for r in report["results"]), best_runs(report["results"])
+    runs = report["results"]
+    meta, summary = report["meta"], compare(runs)
+    swept, kept = any(r.get("lr") is not None for r in runs), best_runs(runs)
     lr_head, lr_rule = ("| lr ", "|---") if swept else ("", "")
     rows = [f"| link | engine {lr_head}| steps | training time | wall time | bytes sent (rank 0) | final val loss "
             "| training time to DDP's final val loss |", f"|---|---{lr_rule}|---|---|---|---|---|---|"]  # fmt: skip
-    for r in report["results"]:
-        engine = _engine_name(r["engine"], meta)
+    for r in first_trial(runs):  # a kept run's row gives the medians over its trials
+        engine, trials = _engine_name(r["engine"], meta), trials_of(runs, r)
         ddp = next(k for k in kept if k["engine"] == "nanoddp" and k["shaped"] == r["shaped"])
-        reached = time_to_reach(r["curve"], ddp["final_val_loss"])
+        reached = median_reach(trials, ddp["final_val_loss"])
         lr = "" if not swept else f"**{_lr(r['lr'])}** | " if any(r is k for k in kept) else f"{_lr(r['lr'])} | "
         rows.append(f"| {_link_name(meta, r['shaped'])} | {engine} | {lr}{r['steps']:,} | "
-                    f"{_seconds(r['train_s'])} | {_seconds(r['wall_s'])} | {_mb(r['comm_bytes'])} | "
+                    f"{_timed(trials, 'train_s')} | {_timed(trials, 'wall_s')} | {_mb(r['comm_bytes'])} | "
                     f"{r['final_val_loss']:.4f} | {_seconds(reached)} |")  # fmt: skip
     lines = ["\n".join(rows), ""]
     for name, s in summary.items():
@@ -154,6 +190,14 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _timed(trials: list[dict[str, Any]], key: str) -> str:
+    """A time cell: the one run's, or the median over trials with their range."""
+    if len(trials) == 1:
+        return _seconds(trials[0][key])
+    times = [r[key] for r in trials]
+    return f"{_seconds(median_time(trials, key))} ({min(times):,.0f}–{max(times):,.0f} s, {len(times)} trials)"
+
+
 def _lr(lr: float | None) -> str:
     return "default" if lr is None else f"{lr:g}"
 
@@ -168,7 +212,11 @@ def _at_best(s: dict[str, Any]) -> str:
 def _against_nocomm(s: dict[str, Any]) -> str:
     if "diloco_over_nocomm" not in s:
         return ""
-    return f"; DiLoCo's steps/s is {s['diloco_over_nocomm']:.3f}× those of the same run with no communication"
+    text = f"; DiLoCo's steps/s is {s['diloco_over_nocomm']:.3f}× those of the same run with no communication"
+    if s.get("trials", 1) == 1:
+        return text
+    low, high = s["diloco_over_nocomm_range"]
+    return f"{text} (the median of {s['trials']} interleaved trials; {low:.3f}× to {high:.3f}×)"
 
 
 def _against_torch(s: dict[str, Any]) -> str:

@@ -113,3 +113,48 @@ def test_the_table_lists_every_run_and_bolds_the_kept_ones():
     assert "DiLoCo H=50, no sync | **0.002** |" in text
     assert "each at its best lr (DDP 0.002, DiLoCo 0.002)" in text
     assert "DiLoCo's steps/s is 0.980× those of the same run with no communication" in text
+
+
+def test_trials_rerun_the_kept_runs_interleaved_and_each_ratio_is_the_median_of_the_trials():
+    report = _report()
+    first, kept = report["results"], wan_report.best_runs(report["results"])
+    no_sync_ratio = {1: 0.90, 2: 0.95}  # planted: DiLoCo's steps/s over the no-sync run's, trials 1 and 2
+    calls = []
+
+    def again(engine, lr, trial):
+        calls.append((engine, lr, trial))
+        r = copy.deepcopy(next(k for k in kept if k["engine"] == engine))
+        if engine == "nocomm":
+            r["train_s"] = no_sync_ratio[trial] * next(k for k in kept if k["engine"] == "diloco")["train_s"]
+        return r
+
+    more = wan.repeat_kept(first, 3, again)
+    order = [(r["engine"], r["lr"]) for r in kept]
+    assert calls == [(*run, 1) for run in order[::-1]] + [(*run, 2) for run in order]  # reversed every other trial
+    assert [r["trial"] for r in more] == [1] * 4 + [2] * 4
+    report["results"] = first + more
+    assert wan_report.best_runs(report["results"]) == kept  # the sweep's runs stay the kept ones
+    s = wan_report.compare(report["results"])["shaped"]
+    assert s["trials"] == 3
+    assert s["diloco_over_nocomm"] == pytest.approx(0.95)  # of 0.98, 0.90, 0.95: not the first, nor the mean
+    assert s["diloco_over_nocomm_range"] == pytest.approx([0.90, 0.98])
+    text = wan_report.format_markdown(report)
+    rows = [line for line in text.splitlines() if line.startswith("| 100mbit veth (tbf) |")]
+    assert len(rows) == 6 and sum("3 trials)" in row for row in rows) == 4  # the kept rows, with their range
+    assert "0.950× those of the same run with no communication (the median of 3 interleaved trials; 0.900× to" in text
+
+
+def test_a_benchmark_with_trials_gives_every_run_a_directory_of_its_own(monkeypatch, tmp_path):
+    planted = {r["engine"]: r for r in wan_report.best_runs(_report()["results"])}
+    outs = []
+
+    def run_one(engine, link, args, out, lr):
+        outs.append(out)
+        return {**copy.deepcopy(planted[engine]), "engine": engine, "shaped": bool(link), "lr": lr}
+
+    monkeypatch.setattr(wan, "run_one", run_one)
+    report = wan.run_bench(_args(link="shaper", latency="20ms", trials=3), tmp_path)
+    assert len(outs) == len(set(outs)) == 9  # DDP, DiLoCo and the no-sync run, 3 trials each
+    assert [r.get("trial", 0) for r in report["results"]] == [0] * 3 + [1] * 3 + [2] * 3
+    assert report["meta"]["trials"] == 3 and report["summary"]["shaped"]["trials"] == 3
+    assert "--trials 3" in report["meta"]["command"]

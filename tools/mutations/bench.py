@@ -69,4 +69,18 @@ FAULTS = (
         '            engine_lrs = [r["lr"] for r in runs if r["engine"] == twin][-1:] or [None]\n',
         ("tests/unit/test_bench_wan_sweep.py", "-k", "twin"),
     ),
+    Mutation(
+        "bench wan: under --trials the no-sync ratio is the first trial's, not the median of the trials'",
+        "nanoddp/bench/wan_report.py",
+        '            summary[name]["diloco_over_nocomm"] = statistics.median(by_trial)\n',
+        '            summary[name]["diloco_over_nocomm"] = by_trial[0]\n',
+        ("tests/unit/test_bench_wan_sweep.py", "-k", "trials"),
+    ),
+    Mutation(
+        "bench wan: trials rerun the kept engines in one order every time",
+        "nanoddp/bench/wan.py",
+        "        for r in kept if trial % 2 == 0 else kept[::-1]:\n",
+        "        for r in kept:\n",
+        ("tests/unit/test_bench_wan_sweep.py", "-k", "trials"),
+    ),
 )
