@@ -61,6 +61,7 @@ from typing import Any
 from nanoddp.base.processes import child_run, end_tree, finish
 from nanoddp.bench.common import ChildFailed, add_output_args, write_json
 from nanoddp.bench.inputs import count
+from nanoddp.bench.machine import git_commit
 from nanoddp.bench.netns_hosts import NetnsHosts, shaping_unavailable_reason
 from nanoddp.bench.training_run import TrainingRun, run_training, train_command
 from nanoddp.bench.wan_report import best_runs, compare, format_markdown, plot, summarize
@@ -294,6 +295,7 @@ def run_bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "eval_every": args.eval_every, "eval_samples": args.eval_samples, "seed": args.seed, "trials": args.trials,
         "train_args": args.train_args, "nproc": 2, "date": time.strftime("%Y-%m-%d"),
         "host_cpus": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]], "command": _command(args),
+        "commit": git_commit(),
     }  # fmt: skip
     return {"meta": meta, "results": runs, "summary": compare(runs)}  # the table re-derives it from the runs
 
