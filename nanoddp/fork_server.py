@@ -47,7 +47,13 @@ from nanoddp.tempdirs import make_private_dir
 SCRATCH_PREFIX = "nanoddp-forkserver-"
 SESSION_WAIT_S = 10.0  # a forked child makes its session first thing; this only bounds a dead one
 
-_preloads: list[str] = []  # every module asked for in this process, in order: the server imports them all
+# Every worker that builds a torch optimizer imports torch._dynamo right then (torch._compile wraps
+# Optimizer.add_param_group to keep dynamo out of it): 2.5 s of CPU on a 2-core machine, in every
+# rank, restart and replacement, unless the server imported it first. So every server does.
+ALWAYS_PRELOAD = ("torch._dynamo",)
+
+# every module asked for in this process, in order: the server imports them all
+_preloads: list[str] = list(ALWAYS_PRELOAD)
 
 
 def preload(modules: Sequence[str]) -> None:

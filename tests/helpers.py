@@ -42,13 +42,12 @@ def _single_threaded(fn, env, *args):
 # Ranks fork from multiprocessing's fork server, which imports these once per test session
 # (conftest.py sets it up): a launch then costs a fraction of a second instead of an import of
 # torch per rank, which was most of the suite's time. `helpers` itself cannot be preloaded (the
-# server ignores our sys.path on Python 3.11), so what it imports is named instead; dynamo too,
-# which torch's DDP imports in every rank that wraps a model in it, and the nanoddp modules the
-# tests' ranks use (`import nanoddp` alone imports nothing: its names load on first use).
+# server ignores our sys.path on Python 3.11), so what it imports is named instead, and the
+# nanoddp modules the tests' ranks use (`import nanoddp` alone imports nothing: its names load on
+# first use). Every fork server imports dynamo too (`fork_server.ALWAYS_PRELOAD`).
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
-    "torch._dynamo",
     "torch.distributed.tensor",
     "nanoddp.fsdp",
     "nanoddp.parallel.ddp.wrapper",

@@ -147,4 +147,11 @@ FAULTS = (
         "            pass",
         ("tests/multiproc/test_launch.py", "-k", "forked_rank_sees"),
     ),
+    Mutation(
+        "launch: the fork server leaves dynamo for every rank to import at its optimizer",
+        "nanoddp/fork_server.py",
+        'ALWAYS_PRELOAD = ("torch._dynamo",)',
+        "ALWAYS_PRELOAD: tuple[str, ...] = ()",
+        ("tests/multiproc/test_launch.py", "-k", "optimizer_without"),
+    ),
 )
