@@ -1,7 +1,9 @@
 """`nanoddp run --on-failure continue`: a run that loses ranks ends bitwise equal to a replay.
 
 One launch of 3 replicas lives through, in order (the script below plants each failure itself):
-- step 3: replica 1 is SIGKILLed; the survivors redo step 3 at world size 2;
+- step 3: replica 1 is SIGKILLed; the survivors redo step 3 at world size 2 (each replacement
+  waits for the survivors' first step without it: forked from the launcher's warm server, it
+  could otherwise join the very quorum that leaves its predecessor out);
 - its replacement receives its state from a peer, joins, and is SIGKILLed in the step it joins
   (a failure during the join; two failures of replica 1 in a row);
 - the second replacement joins and the group is back to 3;
@@ -50,10 +52,26 @@ import os, signal, sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
+from nanoddp.base.records import read_records
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 
 env = ReplicaEnv.from_environ()
 out = Path(sys.argv[1])
+
+def wait_for_a_step_without_me():
+    # Hold a replacement until the survivors have committed a step without it (the loss it
+    # replaces recorded, then a step at world size 2): the schedule below. Forked from the
+    # launcher's warm server, it could otherwise join the very quorum that leaves its predecessor out.
+    while True:
+        records = read_records(out, missing_ok=True)
+        lost = [i for i, r in enumerate(records) if r.get("event") == "rank_lost" and env.replica in r["replicas"]]
+        if len(lost) >= env.attempt and any(r.get("world_size") == 2 and "event" not in r
+                                            for r in records[lost[env.attempt - 1]:]):
+            return
+        time.sleep(0.02)
+
+if env.attempt > 0:
+    wait_for_a_step_without_me()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: state a joiner must get
@@ -93,7 +111,7 @@ def run(tmp_path_factory):
     script = tmp / "loop.py"
     script.write_text(textwrap.dedent(SCRIPT))
     command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", str(REPLICAS)]
-    command += ["--max-restarts", "2", "--no-warm-spare"]  # cold replacements: the schedule the tests expect
+    command += ["--max-restarts", "2", "--no-warm-spare"]  # replacements forked when needed
     command += ["--collective-timeout", str(TIMEOUT_S), "--out", str(tmp), str(script), str(tmp)]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp)
