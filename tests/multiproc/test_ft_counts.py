@@ -7,7 +7,8 @@
   which never form a group, then by one more, which do. At 2 replicas half is the survivor of a
   failure alone; at 4, one of two pairs that could each form a group.
 - One `nanoddp train --on-failure continue` run of 2 replicas, replica 1 SIGKILLed after step 4
-  (its replacement starts cold, so a survivor allowed to go on alone would have seconds to):
+  (no warm spare: its replacement is forked when needed and builds its trainer first, so a
+  survivor allowed to go on alone would have time to):
   every step record says world size 2 (the survivor waited); each step's `comm_bytes` is what
   that step sent, the header and the gradient all-gather's float32 flat (torch's byte count of
   the parameters plus the loss), not a running total (what the snapshots and the joiner's
