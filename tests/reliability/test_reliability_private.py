@@ -34,21 +34,33 @@ def test_init_without_master_address_listens_on_loopback_only():
     assert proc.stdout.strip() == "['127.0.0.1']", proc.stdout  # the store (and gloo): nothing on *:port
 
 
-def _intrude(stop: threading.Event, connections: list) -> None:
-    """As soon as the pool's socket exists: one connection that never says a word, one that
-    answers the challenge with garbage."""
-    pattern = os.path.join(tempfile.gettempdir(), f"nanoddp-nb-{os.getpid()}-*", "sock")
+def _connect_when_listening(pattern: str, stop: threading.Event) -> socket.socket | None:
+    """A connection to the pool's socket as soon as it listens. The file exists from bind(), a
+    moment before listen(): a connect in between is refused (a CI run failed on it), so retry."""
     while not stop.is_set():
         found = glob.glob(pattern)
         if found:
-            for payload in (None, b"\0\0\0\x04junk"):
-                sock = socket.socket(socket.AF_UNIX)
+            sock = socket.socket(socket.AF_UNIX)
+            try:
                 sock.connect(found[0])
-                if payload:
-                    sock.sendall(payload)
-                connections.append(sock)
-            return
+                return sock
+            except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
         time.sleep(0.005)
+    return None
+
+
+def _intrude(stop: threading.Event, connections: list) -> None:
+    """As soon as the pool's socket listens: one connection that never says a word, one that
+    answers the challenge with garbage."""
+    pattern = os.path.join(tempfile.gettempdir(), f"nanoddp-nb-{os.getpid()}-*", "sock")
+    for payload in (None, b"\0\0\0\x04junk"):
+        sock = _connect_when_listening(pattern, stop)
+        if sock is None:
+            return
+        if payload:
+            sock.sendall(payload)
+        connections.append(sock)
 
 
 @pytest.mark.timeout(240)
