@@ -150,11 +150,14 @@ def _losing_run(engine: str, steps: int, out: Path) -> list[str]:
 
 
 def _lose_and_regain(out: Path, command: list[str]) -> str:
-    """Run `command`; SIGKILL replica 1 once a snapshot exists; once the two others have
-    committed a step without it, hold them (SIGSTOP) until its replacement connects to the quorum
-    service the launcher runs (its Manager is up; a socket it merely listens on says less: its own
-    default group opens one first), so that it joins while the run has steps left whatever the
-    machine's load; return the output of the run, which must end well."""
+    """Run `command`; SIGKILL replica 1 once a snapshot exists, its replacement held back (the
+    launcher's fork server stopped: a replacement forked from its warm imports could join the very
+    quorum that leaves replica 1 out, and the run would never step at world size 2); once the two
+    others have committed a step without it, hold them (SIGSTOP) and let the replacement come,
+    until it connects to the quorum service the launcher runs (its Manager is up; a socket it
+    merely listens on says less: its own default group opens one first), so that it joins while
+    the run has steps left whatever the machine's load; return the output of the run, which must
+    end well."""
     import os
     import signal
     import time
@@ -166,13 +169,25 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
         first = wait_for(lambda: _has_snapshot(out) and replica_pid(launcher, 1), deadline)
+        servers = [p.pid for p in launcher.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        assert len(servers) == 1, launcher.children()  # what forks the replacement
+        server = servers[0]
+        os.kill(server, signal.SIGSTOP)
+        held = [server]
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: "rank_lost" in _events(out), deadline)
-        lost_at = len(_records(out))
-        wait_for(lambda: len(_records(out)) > lost_at + 1, deadline)  # steps at world size 2
-        held = [pid for pid in (replica_pid(launcher, 0), replica_pid(launcher, 2)) if pid is not None]
-        for pid in held:
+
+        def a_step_at_world_size_2() -> bool:
+            records = _records(out)
+            lost = [i for i, r in enumerate(records) if r.get("event") == "rank_lost"]
+            return bool(lost) and any(r.get("world_size") == 2 and "event" not in r for r in records[lost[0] :])
+
+        wait_for(a_step_at_world_size_2, deadline)
+        survivors = [pid for pid in (replica_pid(launcher, 0), replica_pid(launcher, 2)) if pid is not None]
+        for pid in survivors:
             os.kill(pid, signal.SIGSTOP)
+        held += survivors
+        os.kill(server, signal.SIGCONT)
+        held.remove(server)
 
         quorum_ports = {c.laddr.port for c in launcher.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
