@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from multiprocessing import forkserver, reduction, util
+from multiprocessing import forkserver, process, reduction, util
 from typing import IO, Any
 
 from nanoddp.base.processes import POLL_S, die_with_launcher
@@ -67,11 +67,19 @@ def start(modules: Sequence[str] = ()) -> None:
     given; one that runs already stays, with what it imported."""
     preload(modules)
     mp.set_forkserver_preload(list(_preloads))
+    config = process.current_process()._config  # multiprocessing's record of its temp dir, "tempdir"
+    if forkserver._forkserver._forkserver_pid is None:  # no server of ours yet: its dir is ours too,
+        config.pop("tempdir", None)  # not one a Process of the process that forked us recorded
     previous, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
     try:
         forkserver.ensure_running()
     finally:
         tempfile.tempdir = previous
+    # Recorded by the short path, the dir is this process's descriptor; a Process copies the
+    # record, so in a child it named another descriptor or none, and a rank's own
+    # `multiprocessing.Manager()` or fork server failed (NotADirectoryError). Record the real path.
+    if config.get("tempdir", "").startswith("/proc/self/fd/"):
+        config["tempdir"] = os.path.realpath(config["tempdir"])
 
 
 @functools.cache  # made at the first start, once per process

@@ -4,6 +4,7 @@ either start method (the suite's other tests fork their ranks from the fork serv
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -167,6 +168,18 @@ def test_a_forked_rank_builds_an_optimizer_without_importing_torch_modules():
     """torch imports dynamo at an optimizer's first parameter group: 2.5 s of CPU in every rank,
     restart and replacement, unless the fork server imported it first (every one does)."""
     assert run_on_ranks(_torch_modules_an_optimizer_imports, 1) == [[]]
+
+
+def _a_manager_in_the_rank(env) -> dict[int, int]:
+    with multiprocessing.Manager() as manager:  # its server listens in multiprocessing's temp dir
+        return dict(manager.dict({env.rank: env.world_size}))
+
+
+def test_a_forked_rank_runs_a_multiprocessing_manager_of_its_own():
+    """A rank's Process copies multiprocessing's record of its temp dir from the launcher; were
+    that the short /proc/self/fd path the fork server's socket needs, it would name another
+    descriptor in the rank, and a Manager (or a fork server of the rank's own) fail."""
+    assert run_on_ranks(_a_manager_in_the_rank, 2) == [{0: 2}, {1: 2}]
 
 
 def test_launch_rejects_bad_nprocs_and_start_methods():

@@ -154,4 +154,11 @@ FAULTS = (
         "ALWAYS_PRELOAD: tuple[str, ...] = ()",
         ("tests/multiproc/test_launch.py", "-k", "optimizer_without"),
     ),
+    Mutation(
+        "launch: a rank inherits multiprocessing's temp dir as the launcher's descriptor path",
+        "nanoddp/fork_server.py",
+        'config["tempdir"] = os.path.realpath(config["tempdir"])',
+        'config["tempdir"] = config["tempdir"]',
+        ("tests/multiproc/test_launch.py", "-k", "manager_of_its_own"),
+    ),
 )
