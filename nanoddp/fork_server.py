@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import forkserver, process, reduction, util
@@ -137,17 +138,28 @@ def _run_module(module: str, argv: list[str], view: LauncherView, launcher_pid: 
 
 class ForkedModule:
     """`subprocess.Popen([sys.executable, "-m", module, *argv], env=environ, stdin=PIPE or the
-    launcher's, stdout=PIPE, stderr=PIPE, start_new_session=True)`, forked from the fork server:
-    the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()` and `returncode`. `module` has
-    a `main(argv) -> int | None`."""
+    launcher's, stdout=PIPE, stderr=PIPE or STDOUT, text=text, start_new_session=True)`, forked
+    from the fork server: the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()`,
+    `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
 
-    def __init__(self, module: str, argv: Sequence[str], environ: dict[str, str], stdin_pipe: bool) -> None:
+    def __init__(
+        self,
+        module: str,
+        argv: Sequence[str],
+        environ: dict[str, str],
+        stdin_pipe: bool,
+        *,
+        stderr_to_stdout: bool = False,
+        text: bool = False,
+    ) -> None:
         ours: list[int] = []  # the ends this process keeps
         theirs: dict[int, int] = {}  # the child's ends, by the stream they become
-        for target in (1, 2):
+        for target in (1,) if stderr_to_stdout else (1, 2):
             read, write = os.pipe()
             ours.append(read)
             theirs[target] = write
+        if stderr_to_stdout:
+            theirs[2] = theirs[1]
         stdin_write = None
         if stdin_pipe:
             theirs[0], stdin_write = os.pipe()
@@ -160,12 +172,14 @@ class ForkedModule:
             )  # fmt: skip
             self._process.start()
         finally:
-            for fd in theirs.values():
+            for fd in set(theirs.values()):
                 if fd != 0:  # the pipes' child ends: the child holds its copies (EOF comes with its exit)
                     os.close(fd)
         self.pid: int = self._process.pid  # type: ignore[assignment]  (started)
-        self.stdout: IO[bytes] = os.fdopen(ours[0], "rb")
-        self.stderr: IO[bytes] = os.fdopen(ours[1], "rb")
+        mode = "r" if text else "rb"
+        self.stdout: IO[Any] = os.fdopen(ours[0], mode)
+        self.stderr: IO[Any] | None = None if stderr_to_stdout else os.fdopen(ours[1], mode)
+        self._read: dict[str, Any] = {}  # what `communicate` has read, by stream
         self.stdin: IO[bytes] | None = None if stdin_write is None else os.fdopen(stdin_write, "wb")
         self._wait_for_its_session()
 
@@ -193,6 +207,27 @@ class ForkedModule:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """As Popen's: all of stdout and stderr (None for one not piped), once the child has
+        exited; past `timeout`, TimeoutExpired, and a later call goes on where this one stopped."""
+        streams = {"out": self.stdout, "err": self.stderr}
+        if not self._read:  # one reader per stream, so that neither pipe fills while we wait
+            for name, stream in streams.items():
+                if stream is not None:
+                    thread = threading.Thread(target=lambda n=name, s=stream: self._read.update({n: s.read()}),
+                                              daemon=True)  # fmt: skip
+                    thread.start()
+                    self._read[f"{name}-reader"] = thread
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for name in streams:
+            thread = self._read.get(f"{name}-reader")
+            if thread is not None:
+                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                if thread.is_alive():
+                    raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return self._read.get("out"), self._read.get("err")
 
 
 def python_module(command: Sequence[str]) -> str | None:

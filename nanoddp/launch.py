@@ -119,9 +119,10 @@ def launch(
     process: no CUDA state, no threads, and `__main__` imported anew; and it sees this process's
     environment variables, working directory and standard streams as they are at this call, not
     as they were when the server started, and `OMP_NUM_THREADS` as at this call sets its
-    thread count; it can use multiprocessing itself (a Manager, processes of its own). What differs: torch was imported with the environment of the server's start,
-    so another variable torch reads only at import changed since then takes effect through
-    `start_method="spawn"`, which starts each rank as a fresh interpreter.
+    thread count; it can use multiprocessing itself (a Manager, processes of its own). What
+    differs: torch was imported with the environment of the server's start, so another variable
+    torch reads only at import changed since then takes effect through `start_method="spawn"`,
+    which starts each rank as a fresh interpreter.
 
     Rendezvous is a `file://` store in a private temp dir, so no port is ever fixed. Raises
     `LaunchError` naming the first rank that failed, and `TimeoutError` if the whole job outlives

@@ -53,6 +53,9 @@ FORKSERVER_PRELOAD = [
     "nanoddp.parallel.ddp.wrapper",
     "nanoddp.parallel.zero.stage1",
     "nanoddp.train.trainer",
+    "nanoddp.cli",  # and the launchers the tests fork (`run_training(..., forked=True)`)
+    "nanoddp.train.launcher.cli",
+    "nanoddp.ft.supervisor",
     "nbformat",
     "jupyter_client",
     "nbclient",

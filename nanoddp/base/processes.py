@@ -25,8 +25,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import psutil
 
@@ -253,13 +253,23 @@ def end_tree(proc: subprocess.Popen) -> None:
 # --- a child with a deadline -----------------------------------------------------------------
 
 
+def _popen(argv: Sequence[str], env: dict[str, str] | None) -> subprocess.Popen:
+    return subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
 @contextlib.contextmanager
-def child_run(argv: Sequence[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+def child_run(
+    argv: Sequence[str],
+    env: dict[str, str] | None = None,
+    start: Callable[[Sequence[str], dict[str, str] | None], Any] | None = None,
+) -> Iterator[Any]:
     """Start `argv` in a session of its own, its stdout and stderr in one text pipe; on leaving
     the block, however it is left, end it and everything it started (a no-op for a child that
-    finished cleanly). Nothing else ends it: Ctrl-C in the terminal reaches only us."""
-    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    finished cleanly). Nothing else ends it: Ctrl-C in the terminal reaches only us. `start`, if
+    given, makes the child in place of that Popen: one with Popen's `pid`, `poll`, `wait`,
+    `communicate` and `stdout`, started as the Popen would be (`nanoddp.fork_server.ForkedModule`)."""
+    proc = (start or _popen)(argv, env)
     try:
         yield proc
     finally:

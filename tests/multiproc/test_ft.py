@@ -382,7 +382,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     # sums), so the steps left after the kill last seconds of wall time on any machine, while
     # the replacement's start and heal are what a loaded machine slows down
     slow_link = dict(os.environ, NANODDP_LINK_LATENCY="20ms")
-    run = run_training(command, out, timeout_s=120, during=kill_replica_1, env=slow_link)
+    run = run_training(command, out, timeout_s=120, during=kill_replica_1, env=slow_link, forked=True)
     listening, output = run.acted, run.output
     assert listening is not None and run.returncode == 0, output[-5000:]
     assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # private to this machine

@@ -139,7 +139,7 @@ def two_replicas(tmp_path_factory):
             time.sleep(0.01)
         return False
 
-    run = run_training(command, out, timeout_s=200, during=kill_replica_1)
+    run = run_training(command, out, timeout_s=200, during=kill_replica_1, forked=True)
     assert run.acted and run.returncode == 0, run.output[-5000:]
     return {"records": run.records, "snapshots": sorted(p.name for p in (out / "snapshots").iterdir())}
 

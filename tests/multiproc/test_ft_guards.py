@@ -49,7 +49,7 @@ def _command(out: Path, steps: int, *flags: str) -> list[str]:
 
 
 def _run(out: Path, steps: int, *flags: str) -> tuple[int, str]:
-    run = run_training(_command(out, steps, *flags), out, timeout_s=RUN_TIMEOUT_S)
+    run = run_training(_command(out, steps, *flags), out, timeout_s=RUN_TIMEOUT_S, forked=True)
     return run.returncode, run.output
 
 

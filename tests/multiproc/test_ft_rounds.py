@@ -77,7 +77,7 @@ def launched(request, tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
         return True
 
-    run = run_training(command, out, timeout_s=180, during=kill_replica_2)
+    run = run_training(command, out, timeout_s=180, during=kill_replica_2, forked=True)
     assert run.acted and run.returncode == 0, run.output[-5000:]
     return engine, out, run
 
@@ -220,7 +220,7 @@ def lost_during_a_sync(tmp_path_factory):
             return _wait_for_record(proc, out, deadline, joined)
 
     try:
-        run = run_training(command, out, timeout_s=240, during=kill_in_the_sync_then_grow, env=slow_link)
+        run = run_training(command, out, timeout_s=240, during=kill_in_the_sync_then_grow, env=slow_link, forked=True)
         assert run.acted and run.returncode == 0, run.output[-5000:]
         assert grown[0].wait(timeout=60) == 0, grower_log.read_text()[-5000:]
     finally:
@@ -357,7 +357,7 @@ def straggler(tmp_path_factory):
                 os.kill(pid, signal.SIGCONT)
         return True
 
-    run = run_training(command, out, timeout_s=180, during=hold_replica_2_past_a_sync)
+    run = run_training(command, out, timeout_s=180, during=hold_replica_2_past_a_sync, forked=True)
     assert run.acted and run.returncode == 0, run.output[-5000:]
     return out, run
 

@@ -209,7 +209,7 @@ def test_nanoddp_train_end_to_end_through_torchrun(tmp_path):
         "--out",
         str(out),
     ]
-    run = run_training(cmd, out, timeout_s=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_training(cmd, out, timeout_s=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, forked=True)
     assert run.returncode == 0, run.output[-3000:]
     assert "step 20 | loss" in run.output
     records = run.records

@@ -33,3 +33,19 @@ def test_past_its_deadline_the_tree_is_ended_and_its_records_read(tmp_path):
     assert run.records == read_records(tmp_path) == [{**dict.fromkeys(STEP_FIELDS), "step": 1, "loss": 2.0,
                                                       "world_size": 1}]  # fmt: skip
     assert not psutil.pid_exists(run.acted) or psutil.Process(run.acted).status() == psutil.STATUS_ZOMBIE
+
+
+def test_forked_from_the_fork_server_the_same(tmp_path, monkeypatch):
+    """`forked=True` (the tests' launches): the child forked from this process's fork server, and
+    everything above holds as for a fresh interpreter."""
+    (tmp_path / "stand_in_training.py").write_text(f"import sys\n\ndef main(argv):\n    exec({CHILD!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # where the forked child finds the module
+
+    def first_line_pid(proc) -> int:
+        return int(proc.stdout.readline().split()[1])
+
+    command = [sys.executable, "-m", "stand_in_training", str(tmp_path)]
+    run = run_training(command, tmp_path, timeout_s=3, during=first_line_pid, forked=True)
+    assert run.returncode == -signal.SIGKILL and "(killed after 3s)" in run.output, run.output
+    assert run.records == [{**dict.fromkeys(STEP_FIELDS), "step": 1, "loss": 2.0, "world_size": 1}]
+    assert not psutil.pid_exists(run.acted) or psutil.Process(run.acted).status() == psutil.STATUS_ZOMBIE
