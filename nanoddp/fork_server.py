@@ -66,6 +66,14 @@ def preload(modules: Sequence[str]) -> None:
 def start(modules: Sequence[str] = ()) -> None:
     """Start this process's fork server with `modules` imported, and every module `preload` was
     given; one that runs already stays, with what it imported."""
+    with _starting:  # one thread at a time: tempfile.tempdir is the process's
+        _start(modules)
+
+
+_starting = threading.Lock()
+
+
+def _start(modules: Sequence[str]) -> None:
     preload(modules)
     mp.set_forkserver_preload(list(_preloads))
     config = process.current_process()._config  # multiprocessing's record of its temp dir, "tempdir"

@@ -19,9 +19,8 @@ Failures and healing are tests/multiproc/test_ft.py's, test_ft_sharded.py's and 
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replay_engine_run, run_on_ranks
 
 from nanoddp.base.records import read_records
+from nanoddp.bench.training_run import TrainingRun, run_training
 from nanoddp.train.engines import ENGINE_REGISTRY
 
 pytest.importorskip("torchft")
@@ -55,38 +55,20 @@ def _flags(options: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """Every case's finished run, `AT_ONCE` at a time: {case: (run directory, exit code, output)};
-    a launch past `LAUNCH_TIMEOUT_S` is killed (its exit code then says so)."""
+    a launch past `LAUNCH_TIMEOUT_S` is ended (its exit code then says so)."""
     root = tmp_path_factory.mktemp("engines")
-    waiting, running, done = list(CASES), {}, {}
-    try:
-        while waiting or running:
-            while waiting and len(running) < AT_ONCE:
-                case = waiting.pop(0)
-                running[case] = (_start(case, root / case), time.monotonic() + LAUNCH_TIMEOUT_S)
-            for case, (proc, deadline) in list(running.items()):
-                if proc.poll() is None and time.monotonic() > deadline:
-                    proc.kill()  # the launcher's replicas die with it
-                    proc.wait()
-                if proc.poll() is not None:
-                    del running[case]
-                    done[case] = (root / case / "run", proc.returncode, (root / case / "output.txt").read_text())
-            time.sleep(0.1)
-    finally:
-        for proc, _ in running.values():
-            proc.kill()
-            proc.wait()
-    return done
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        runs = dict(zip(CASES, pool.map(lambda case: _run(case, root / case / "run"), CASES), strict=True))
+    return {case: (root / case / "run", run.returncode, run.output) for case, run in runs.items()}
 
 
-def _start(case: str, directory: Path) -> subprocess.Popen:
-    """Launch `case` with its output in a file (an unread pipe would stall it)."""
+def _run(case: str, out: Path) -> TrainingRun:
+    """Launch `case`, forked from the fork server (its launcher's imports shared)."""
     engine, options = CASES[case]
-    directory.mkdir()
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", str(REPLICAS),
                "--engine", engine, "--steps", str(STEPS), "--snapshot-every", "0", "--eval-every", "0",
-               "--no-warm-spare", "--out", str(directory / "run"), *FT_TINY_GPT, *_flags(options)]  # fmt: skip
-    with open(directory / "output.txt", "w") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+               "--no-warm-spare", "--out", str(out), *FT_TINY_GPT, *_flags(options)]  # fmt: skip
+    return run_training(command, out, timeout_s=LAUNCH_TIMEOUT_S, forked=True)
 
 
 def _finished(launched, case: str) -> tuple[Path, str]:
