@@ -286,8 +286,8 @@ def test_a_collective_that_fails_the_same_way_stops_in_one_line(tmp_path):
     )
     command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", "2",
                "--max-restarts", "1", "--collective-timeout", "10", str(script)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = done.stdout + done.stderr
+    done = run_training(command, tmp_path / "none", timeout_s=RUN_TIMEOUT_S, forked=True)
+    output = done.output
     assert done.returncode == STOPPED, output[-5000:]
     assert output.count("step 1 failed 3 times in a row the same way, with no replica lost") == 1, output[-5000:]
     assert "NANODDP_LINK_BANDWIDTH must be a number and a unit" in output and "Traceback" not in output
@@ -325,8 +325,8 @@ def test_a_replacement_that_stops_alone_ends_no_holder(tmp_path):
     )
     command = [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nproc", "3",
                "--max-restarts", "1", "--no-warm-spare", "--collective-timeout", "10", str(script)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = done.stdout + done.stderr
+    done = run_training(command, tmp_path / "none", timeout_s=RUN_TIMEOUT_S, forked=True)
+    output = done.output
     assert done.returncode == 0, output[-5000:]
     assert output.count("replica 2 stopped the run while the others went on without it; no restarts left") == 1
     assert "did not finish with the others" not in output, output[-5000:]

@@ -26,6 +26,7 @@ import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replay_engine_run, replica_pid, run_on_ranks, wait_for
 
 from nanoddp.base.records import events, read_records
+from nanoddp.bench.training_run import TrainingRun, run_training
 
 pytest.importorskip("torchft")
 
@@ -33,11 +34,11 @@ TINY_GPT = FT_TINY_GPT
 STEPS, EVERY = 6, 3
 
 
-def _train(out: Path, *flags: str, on_failure: str = "continue", nproc: int = 3) -> subprocess.CompletedProcess:
+def _train(out: Path, *flags: str, on_failure: str = "continue", nproc: int = 3) -> TrainingRun:
     command = [sys.executable, "-m", "nanoddp", "train", "--on-failure", on_failure, "--nproc", str(nproc)]
     command += ["--steps", str(STEPS), "--snapshot-every", str(EVERY), "--eval-every", str(EVERY)]
-    done = subprocess.run([*command, "--out", str(out), *TINY_GPT, *flags], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    done = run_training([*command, "--out", str(out), *TINY_GPT, *flags], out, timeout_s=120, forked=True)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.output[-5000:]}"
     return done
 
 
@@ -80,7 +81,7 @@ def test_continue_resumed_from_its_snapshot_equals_the_uninterrupted_run_bitwise
     (out / "snapshots" / "step-00000006.pt").unlink()
     (out / "model.pt").unlink()
     done = _train(out, "--engine", "zero1", "--resume", "auto")
-    output = done.stdout + done.stderr
+    output = done.output
     assert "resumed from" in output and "(step 3)" in output, output[-3000:]
     _assert_same_model(out / "model.pt", plain / "model.pt")
     steps = [r["step"] for r in _records(out) if "event" not in r]
