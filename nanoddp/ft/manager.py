@@ -64,8 +64,17 @@ def _manager_server_bound_to(torchft: Any, address: str) -> Iterator[None]:
 
 
 def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
-    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo."""
+    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo.
+    And a group rebuild that failed (a peer in the quorum died: its store is gone) is logged with
+    a traceback and the C++ frames in the message; the replica says what it means at the step
+    boundary ("no group across the replicas"), so the log keeps the message's first line only."""
+    first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+    if PG_CONFIGURE_FAILED in first:
+        record.msg, record.args, record.exc_info, record.exc_text = first, (), None, None
     return "flight recorder" not in record.getMessage()
+
+
+PG_CONFIGURE_FAILED = "got exception in pg configure"  # torchft.manager's words
 
 
 def make_manager(
