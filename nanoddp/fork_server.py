@@ -27,7 +27,6 @@ this process connects to the server).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import io
@@ -149,7 +148,7 @@ class ForkedModule:
     """`subprocess.Popen([sys.executable, "-m", module, *argv], env=environ, stdin=PIPE or the
     launcher's, stdout=PIPE, stderr=PIPE or STDOUT, text=text, start_new_session=True)`, forked
     from the fork server: the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()`,
-    `send_signal()`, `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
+    `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
 
     def __init__(
         self,
@@ -217,12 +216,6 @@ class ForkedModule:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         return self._process.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        """As Popen's: `sig` to the child alone, if it has not exited."""
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen's: all of stdout and stderr (None for one not piped), once the child has
