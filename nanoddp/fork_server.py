@@ -187,8 +187,7 @@ class ForkedModule:
         mode = "r" if text else "rb"
         self.stdout: IO[Any] = os.fdopen(ours[0], mode)
         self.stderr: IO[Any] | None = None if stderr_to_stdout else os.fdopen(ours[1], mode)
-        self._readers: dict[str, threading.Thread] = {}  # `communicate`'s, by stream
-        self._read: dict[str, Any] = {}  # what they read
+        self._read: dict[str, Any] = {}  # what `communicate` has read, by stream
         self.stdin: IO[bytes] | None = None if stdin_write is None else os.fdopen(stdin_write, "wb")
         self._wait_for_its_session()
 
@@ -220,18 +219,21 @@ class ForkedModule:
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen's: all of stdout and stderr (None for one not piped), once the child has
         exited; past `timeout`, TimeoutExpired, and a later call goes on where this one stopped."""
-        if not self._readers:  # one reader per stream, so that neither pipe fills while we wait
-            for name, stream in (("out", self.stdout), ("err", self.stderr)):
+        streams = {"out": self.stdout, "err": self.stderr}
+        if not self._read:  # one reader per stream, so that neither pipe fills while we wait
+            for name, stream in streams.items():
                 if stream is not None:
-                    reader = threading.Thread(target=lambda n=name, s=stream: self._read.update({n: s.read()}),
+                    thread = threading.Thread(target=lambda n=name, s=stream: self._read.update({n: s.read()}),
                                               daemon=True)  # fmt: skip
-                    reader.start()
-                    self._readers[name] = reader
+                    thread.start()
+                    self._read[f"{name}-reader"] = thread
         deadline = None if timeout is None else time.monotonic() + timeout
-        for reader in self._readers.values():
-            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if reader.is_alive():
-                raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        for name in streams:
+            thread = self._read.get(f"{name}-reader")
+            if thread is not None:
+                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                if thread.is_alive():
+                    raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         return self._read.get("out"), self._read.get("err")
 
