@@ -34,7 +34,7 @@ def torchft_modules() -> Any:
         import torchft.process_group
     except ImportError as exc:
         raise ImportError("fault tolerance needs torchft: pip install 'nanoddp[ft]' (torchft==0.2.0)") from exc
-    logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_warning)
+    logging.getLogger("torchft.manager").addFilter(_quiet_manager_log)
     # torchft's PGTransport reads a pickle through a read-only buffer and uses a deprecated pytree
     # check: two warnings per transfer that say nothing about this run.
     warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.pg_transport")
@@ -63,15 +63,18 @@ def _manager_server_bound_to(torchft: Any, address: str) -> Iterator[None]:
         torchft.manager.ManagerServer = original
 
 
-def _no_flight_recorder_warning(record: logging.LogRecord) -> bool:
-    """torchft warns at every rebuild that nccl's flight recorder cannot be reset: noise on gloo.
-    And a group rebuild that failed (a peer in the quorum died: its store is gone) is logged with
-    a traceback and the C++ frames in the message; the replica says what it means at the step
-    boundary ("no group across the replicas"), so the log keeps the message's first line only."""
-    first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+def _quiet_manager_log(record: logging.LogRecord) -> bool:
+    """torchft's Manager log as a replica shows it. Its warning at every rebuild that nccl's
+    flight recorder cannot be reset is noise on gloo: dropped. A group rebuild that failed (a peer
+    in the quorum died: its store is gone) is logged with a traceback and the C++ frames in the
+    message; the replica says what it means at the step boundary ("no group across the
+    replicas"), so the log keeps the message's first line only."""
+    message = record.getMessage()
+    first = message.splitlines()[0] if message else ""
     if PG_CONFIGURE_FAILED in first:
+        message = first
         record.msg, record.args, record.exc_info, record.exc_text = first, (), None, None
-    return "flight recorder" not in record.getMessage()
+    return "flight recorder" not in message
 
 
 PG_CONFIGURE_FAILED = "got exception in pg configure"  # torchft.manager's words
