@@ -189,3 +189,19 @@ def config_from_args(cls: type[T], args: argparse.Namespace, config_file: str | 
 def to_dict(config: Any) -> dict[str, Any]:
     """A JSON-friendly dict of a config (tuples become lists)."""
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def to_argv(config: Any) -> list[str]:
+    """Flags that reproduce `config` (fields left at their default are omitted): the inverse of
+    `config_from_args`, for a child process that parses its own."""
+    argv: list[str] = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value == field.default or value is None:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -4,8 +4,10 @@
 of CPU importing torch and nanoddp before its first step, and so does every restart's and every
 replacement's. multiprocessing's fork server is a fresh interpreter, started once per launcher,
 that imports the modules it is told to preload and then forks a child per request: a child
-starts in milliseconds, its imports done. (Not a fork of the launcher itself: its threads, a
-rendezvous store's or a copier's, would be copied mid-state.)
+starts in milliseconds, its imports done. A launcher that has computed nothing and started no
+thread yet can fork the server from itself instead (`start_as_fork`), and save that interpreter's
+imports too; later, its threads (a rendezvous store's, a copier's) would be copied mid-state, and
+libgomp's thread pool, made at the first parallel torch op, does not survive a fork.
 
 What a forked child lacks, and gets here:
 
@@ -27,6 +29,7 @@ this process connects to the server).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import io
@@ -39,10 +42,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing import forkserver, process, reduction, util
+from multiprocessing import forkserver, process, reduction, resource_tracker, util
 from typing import IO, Any
 
-from nanoddp.base.processes import POLL_S, die_with_launcher
+from nanoddp.base.processes import POLL_S, WATCHER_PREFIX, die_with_launcher, die_with_parent
 from nanoddp.tempdirs import make_private_dir
 
 SCRATCH_PREFIX = "nanoddp-forkserver-"
@@ -71,6 +74,63 @@ def start(modules: Sequence[str] = ()) -> None:
 
 
 _starting = threading.Lock()
+_tempdir_outside_start: str | None = None  # tempfile's dir, while `_start` swaps it
+_spawnv_passfds = util.spawnv_passfds  # how multiprocessing starts a server, which `start_as_fork` swaps
+
+
+def start_as_fork(modules: Sequence[str] = ()) -> None:
+    """`start`, with the server a fork of this process instead of a fresh interpreter: this
+    process's imports (torch's included, seconds of CPU) are the server's too.
+
+    Call it only while this process is as clean as a fresh server: before its first torch
+    computation (libgomp's thread pool, made at the first parallel op, does not survive a fork,
+    and the ranks would hang at theirs) and before it starts a thread (a fork copies another
+    thread's locks, not the thread). With a thread running already it starts a fresh server,
+    as `start` does (`die_with`'s watcher, which only waits in select, does not count). The
+    server sees this process's environment at this call: set what the ranks must inherit first."""
+    with _starting:
+        others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+        if any(not t.name.startswith(WATCHER_PREFIX) for t in others):
+            _start(modules)
+            return
+        resource_tracker.ensure_running()  # its own small interpreter, as with `start`
+        util.spawnv_passfds = _fork_server_here
+        try:
+            _start(modules)
+        finally:
+            util.spawnv_passfds = _spawnv_passfds
+
+
+def _fork_server_here(_path: str, _args: list[str], passfds: Sequence[int]) -> int:
+    """In place of multiprocessing's spawn of `python -c "...forkserver import main; main(...)"`:
+    fork, and run that `main` in the child with this process's imports, with the descriptors a
+    spawned server would have (its standard streams and `passfds`, the listener and the
+    liveness pipe)."""
+    listener_fd, alive_r = passfds
+    preloads = list(forkserver._forkserver._preload_modules)
+    launcher = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        keep = {0, 1, 2, *passfds}
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        # What the start holds or swapped at the fork, copied: its locks held (a rank's own start
+        # would wait forever), multiprocessing's spawn, tempfile's dir and our private dir by a
+        # descriptor just closed.
+        forkserver._forkserver._lock = threading.Lock()
+        util.spawnv_passfds = _spawnv_passfds
+        global _starting
+        _starting = threading.Lock()
+        tempfile.tempdir = _tempdir_outside_start
+        _private_socket_dir.cache_clear()
+        die_with_parent(launcher)  # a spawned one waits for its liveness pipe, past a SIGKILLed launcher
+        forkserver.main(listener_fd, alive_r, preloads)
+    finally:
+        os._exit(0)  # as a server ends: none of the launcher's exit handlers, which are not ours
 
 
 def _start(modules: Sequence[str]) -> None:
@@ -79,16 +139,18 @@ def _start(modules: Sequence[str]) -> None:
     config = process.current_process()._config  # multiprocessing's record of its temp dir, "tempdir"
     if forkserver._forkserver._forkserver_pid is None:  # no server of ours yet: its dir is ours too,
         config.pop("tempdir", None)  # not one a Process of the process that forked us recorded
-    previous, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
+    global _tempdir_outside_start
+    _tempdir_outside_start, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
     try:
         forkserver.ensure_running()
     finally:
-        tempfile.tempdir = previous
-    # Recorded by the short path, the dir is this process's descriptor; a Process copies the
-    # record, so in a child it named another descriptor or none, and a rank's own
-    # `multiprocessing.Manager()` or fork server failed (NotADirectoryError). Record the real path.
+        tempfile.tempdir = _tempdir_outside_start
+    # Forget the dir: recorded by the short path, it is this process's descriptor, and a Process
+    # copies the record (in a child it named another descriptor or none: a rank's own
+    # `multiprocessing.Manager()` or fork server failed, NotADirectoryError); by its real path it
+    # can be too deep for a socket of the rank's. The next use makes one as multiprocessing does.
     if config.get("tempdir", "").startswith("/proc/self/fd/"):
-        config["tempdir"] = os.path.realpath(config["tempdir"])
+        del config["tempdir"]
 
 
 @functools.cache  # made at the first start, once per process

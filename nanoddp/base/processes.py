@@ -52,6 +52,9 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+WATCHER_PREFIX = "nanoddp-die-with-"  # `die_with`'s thread: blocked in select, it holds no lock
+
+
 def die_with(pid: int) -> None:
     """SIGKILL this process as soon as process `pid` ends, whichever process is our parent.
 
@@ -72,7 +75,7 @@ def die_with(pid: int) -> None:
         select.select([pidfd], [], [])
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, name=f"nanoddp-die-with-{pid}", daemon=True).start()
+    threading.Thread(target=watch, name=f"{WATCHER_PREFIX}{pid}", daemon=True).start()
 
 
 def name_this_process(name: str) -> None:

@@ -226,7 +226,8 @@ def check_torchft(config: TrainConfig) -> None:
 
 def launch(argv: list[str]) -> int:
     """The launcher: `nanoddp train`'s checks and flags, torchft's step loop on each replica."""
-    from nanoddp.train.launcher.cli import add_launch_args, add_train_args, config_to_argv, prepare_launch
+    from nanoddp.dataclass_cli import to_argv
+    from nanoddp.train.launcher.cli import add_launch_args, add_train_args, prepare_launch
 
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", description=__doc__.split("\n\n")[0])
     add_train_args(parser)
@@ -241,7 +242,7 @@ def launch(argv: list[str]) -> int:
     if config.snapshot_every:  # torchft heals a replica from a peer; a restart is not its path
         print(f"torchft ddp: no snapshots are written (--snapshot-every {config.snapshot_every})", file=sys.stderr)
     Path(filled(config.out)).mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", WORKER_MODULE, *config_to_argv(config)]
+    command = [sys.executable, "-m", WORKER_MODULE, *to_argv(config)]
     launch = Launch(
         command,
         nproc,

@@ -4,7 +4,7 @@ either start method (the suite's other tests fork their ranks from the fork serv
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import json
 import os
 import signal
 import subprocess
@@ -170,18 +170,6 @@ def test_a_forked_rank_builds_an_optimizer_without_importing_torch_modules():
     assert run_on_ranks(_torch_modules_an_optimizer_imports, 1) == [[]]
 
 
-def _a_manager_in_the_rank(env) -> dict[int, int]:
-    with multiprocessing.Manager() as manager:  # its server listens in multiprocessing's temp dir
-        return dict(manager.dict({env.rank: env.world_size}))
-
-
-def test_a_forked_rank_runs_a_multiprocessing_manager_of_its_own():
-    """A rank's Process copies multiprocessing's record of its temp dir from the launcher; were
-    that the short /proc/self/fd path the fork server's socket needs, it would name another
-    descriptor in the rank, and a Manager (or a fork server of the rank's own) fail."""
-    assert run_on_ranks(_a_manager_in_the_rank, 2) == [{0: 2}, {1: 2}]
-
-
 def test_launch_rejects_bad_nprocs_and_start_methods():
     with pytest.raises(ValueError, match="nprocs must be >= 1, got 0"):
         run_on_ranks(_sleep_forever, 0)
@@ -229,3 +217,59 @@ def test_the_ranks_end_with_a_sigkilled_launcher(tmp_path, start_method):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+SERVER_FORKED_FROM_HERE = """
+import fcntl, json, multiprocessing, os, sys, tempfile, threading
+import torch
+import nanoddp
+from multiprocessing import forkserver
+from nanoddp import fork_server
+
+def rank(env):
+    torch.set_num_threads(2)  # an OpenMP pool of the rank's own
+    big = torch.ones(256, 256)
+    tempfile.tempdir = None  # the rank's temp dir is the default one, not the launcher's deep one
+    with multiprocessing.Manager() as manager:  # its socket in multiprocessing's temp dir, as its Process recorded it
+        first = dict(manager.dict({env.rank: 1}))
+    fork_server.start()  # a fork server of the rank's own, and a Manager forked from it
+    with multiprocessing.get_context("forkserver").Manager() as manager:
+        return [(big @ big).sum().item(), torch.get_num_threads(), first, dict(manager.dict({env.rank: 2}))]
+
+if __name__ == "__main__":
+    lock = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held by this process: never by the server
+    tempfile.tempdir = sys.argv[3]  # too deep for a socket's path
+    if sys.argv[2] == "with-a-thread":
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    fork_server.start_as_fork(["nanoddp.launch"])
+    torch.set_num_threads(2)
+    (torch.ones(512, 512) @ torch.ones(512, 512)).sum()  # this process's OpenMP pool, made after the fork
+    results = nanoddp.launch(rank, 2, backend="gloo", start_method="forkserver", timeout=120)
+    server = forkserver._forkserver._forkserver_pid
+    held = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
+    print(json.dumps({"results": results, "server": open(f"/proc/{server}/cmdline").read(),
+                      "launcher": open("/proc/self/cmdline").read(), "held": held}))
+"""
+
+
+def test_a_server_forked_from_its_launcher_runs_ranks_that_compute(tmp_path):
+    """`fork_server.start_as_fork`: in a launcher that has run nothing yet, the server is a fork
+    of it (no second torch import) holding none of its descriptors but its streams and the
+    server's own; its ranks compute with OpenMP threads, though the launcher made its own pool
+    after the fork, and start Managers and a fork server of their own: multiprocessing's record of
+    its temp dir, which a rank's Process copies, names no descriptor of the launcher's (the
+    server's socket dir is reached by one) and no dir too deep for a socket. With a thread running
+    it starts a fresh interpreter instead, and the rest holds the same."""
+    script = tmp_path / "launcher.py"
+    script.write_text(SERVER_FORKED_FROM_HERE)
+    lock, deep = tmp_path / "lock", tmp_path / ("d" * 80)
+    deep.mkdir()
+    for mode in ("clean", "with-a-thread"):
+        done = subprocess.run([sys.executable, str(script), str(lock), mode, str(deep)], capture_output=True,
+                              text=True, timeout=240, start_new_session=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen = json.loads(done.stdout.splitlines()[-1])
+        assert seen["results"] == [[256.0**3, 2, {"0": 1}, {"0": 2}], [256.0**3, 2, {"1": 1}, {"1": 2}]], seen
+        assert (seen["server"] == seen["launcher"]) == (mode == "clean"), seen
+        assert str(lock) not in seen["held"], seen

@@ -157,8 +157,15 @@ FAULTS = (
     Mutation(
         "launch: a rank inherits multiprocessing's temp dir as the launcher's descriptor path",
         "nanoddp/fork_server.py",
-        'config["tempdir"] = os.path.realpath(config["tempdir"])',
+        'del config["tempdir"]',
         'config["tempdir"] = config["tempdir"]',
-        ("tests/multiproc/test_launch.py", "-k", "manager_of_its_own"),
+        ("tests/multiproc/test_launch.py", "-k", "forked_from_its_launcher"),
+    ),
+    Mutation(
+        "fork server: one forked from its launcher keeps the launcher's descriptors (a run dir's lock)",
+        "nanoddp/fork_server.py",
+        "            if fd not in keep:",
+        "            if fd in ():",
+        ("tests/multiproc/test_launch.py", "-k", "forked_from_its_launcher"),
     ),
 )

@@ -77,6 +77,20 @@ class AgentJob:
     interpreter importing torch ([Note: workers forked from a server] in `nanoddp.fork_server`)."""
 
 
+def _set_worker_environ() -> None:
+    """What every worker inherits from the agent's process (its fork server's, for forked ones)."""
+    torchrun.prepare_torchrun_launch()
+    os.environ[AGENT_PID_VAR] = str(os.getpid())
+
+
+def start_worker_server() -> None:
+    """`nanoddp train`'s workers' fork server, forked from this launcher before its first torch
+    computation (`fork_server.start_as_fork`), with the environment they inherit set first; the
+    agent's `fork_server.start` later finds it running."""
+    _set_worker_environ()
+    fork_server.start_as_fork(WORKER_PRELOAD)
+
+
 def run_torchrun_agent(job: AgentJob) -> int:
     """Run torchrun's agent for `job` here; return the exit code: 0, 1 on a failure, 128 + signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -84,8 +98,7 @@ def run_torchrun_agent(job: AgentJob) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
-    torchrun.prepare_torchrun_launch()
-    os.environ[AGENT_PID_VAR] = str(os.getpid())
+    _set_worker_environ()
     if not job.verbose:
         _quiet_torchrun_logs()  # its warnings on a stop or a failure: the job's one line instead
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
