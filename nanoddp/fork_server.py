@@ -249,7 +249,8 @@ class ForkedModule:
         mode = "r" if text else "rb"
         self.stdout: IO[Any] = os.fdopen(ours[0], mode)
         self.stderr: IO[Any] | None = None if stderr_to_stdout else os.fdopen(ours[1], mode)
-        self._read: dict[str, Any] = {}  # what `communicate` has read, by stream
+        self._readers: dict[str, threading.Thread] = {}  # `communicate`'s, by stream
+        self._read: dict[str, Any] = {}  # what they read
         self.stdin: IO[bytes] | None = None if stdin_write is None else os.fdopen(stdin_write, "wb")
         self._wait_for_its_session()
 
@@ -281,21 +282,18 @@ class ForkedModule:
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen's: all of stdout and stderr (None for one not piped), once the child has
         exited; past `timeout`, TimeoutExpired, and a later call goes on where this one stopped."""
-        streams = {"out": self.stdout, "err": self.stderr}
-        if not self._read:  # one reader per stream, so that neither pipe fills while we wait
-            for name, stream in streams.items():
+        if not self._readers:  # one reader per stream, so that neither pipe fills while we wait
+            for name, stream in (("out", self.stdout), ("err", self.stderr)):
                 if stream is not None:
-                    thread = threading.Thread(target=lambda n=name, s=stream: self._read.update({n: s.read()}),
+                    reader = threading.Thread(target=lambda n=name, s=stream: self._read.update({n: s.read()}),
                                               daemon=True)  # fmt: skip
-                    thread.start()
-                    self._read[f"{name}-reader"] = thread
+                    reader.start()
+                    self._readers[name] = reader
         deadline = None if timeout is None else time.monotonic() + timeout
-        for name in streams:
-            thread = self._read.get(f"{name}-reader")
-            if thread is not None:
-                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-                if thread.is_alive():
-                    raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        for reader in self._readers.values():
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         return self._read.get("out"), self._read.get("err")
 

@@ -21,7 +21,6 @@ from typing import Any
 from nanoddp import fork_server
 from nanoddp.base.processes import child_run, finish
 from nanoddp.base.records import Record, read_records
-from nanoddp.fork_server import ForkedModule, python_module
 
 
 @dataclass(frozen=True)
@@ -75,11 +74,11 @@ def run_training(
     return TrainingRun(proc.returncode, output, read_records(out, missing_ok=True), time.monotonic() - started, acted)
 
 
-def _fork(argv: Sequence[str], env: dict[str, str] | None) -> ForkedModule:
-    module = python_module(argv)
+def _fork(argv: Sequence[str], env: dict[str, str] | None) -> fork_server.ForkedModule:
+    module = fork_server.python_module(argv)
     if module is None:
         raise ValueError(f"forked=True runs `python -m MODULE ...`, got {list(argv)[:3]}")
     module = "nanoddp.cli" if module == "nanoddp" else module  # what nanoddp/__main__.py runs
     fork_server.start([module])
-    return ForkedModule(module, argv[3:], dict(os.environ) if env is None else env, stdin_pipe=False,
-                        stderr_to_stdout=True, text=True)  # fmt: skip
+    return fork_server.ForkedModule(module, argv[3:], dict(os.environ) if env is None else env, stdin_pipe=False,
+                                    stderr_to_stdout=True, text=True)  # fmt: skip
