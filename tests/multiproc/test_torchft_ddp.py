@@ -16,14 +16,15 @@ a replica that trained on its own piece alone, or a missed average, is far outsi
 
 from __future__ import annotations
 
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from nanoddp.base.records import read_records, step_records
+from nanoddp.bench.training_run import run_training
 
 STEPS = 5
 JOB = [
@@ -43,19 +44,12 @@ def runs(tmp_path_factory):
         "torchft": [sys.executable, "-m", "nanoddp.bench.torchft_ddp"],
         "continue": [sys.executable, "-m", "nanoddp", "train"],
     }
-    procs = {
-        name: subprocess.Popen([*command, *JOB, "--out", str(root / name)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-        for name, command in commands.items()
-    }  # fmt: skip
-    try:
-        outputs = {name: proc.communicate(timeout=240)[0] for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name}:\n{outputs[name][-5000:]}"
+    with ThreadPoolExecutor(len(commands)) as pool:  # forked from the fork server: imports shared
+        done = {name: pool.submit(run_training, [*command, *JOB, "--out", str(root / name)], root / name,
+                                  timeout_s=240, forked=True)
+                for name, command in commands.items()}  # fmt: skip
+    for name, run in done.items():
+        assert run.result().returncode == 0, f"{name}:\n{run.result().output[-5000:]}"
     return {name: root / name for name in commands}
 
 

@@ -5,7 +5,6 @@ validation shards (every FSDP forward all-gathers, so every rank must run as man
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from helpers import FLAGS, TINY, run_on_ranks, train_tiny, trainer_params
 
+from nanoddp.bench.training_run import TrainingRun, run_training
 from nanoddp.env import DistEnv
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.trainer import Trainer
@@ -81,10 +81,10 @@ def test_sharded_engines_match_one_process_and_resume_bitwise(tmp_path):
         torch.testing.assert_close(results[f"{engine}-val"], reference.evaluate(), rtol=1e-4, atol=1e-5)
 
 
-def _nanoddp_train(out, *flags: str) -> subprocess.CompletedProcess:
+def _nanoddp_train(out, *flags: str) -> TrainingRun:
     cmd = [sys.executable, "-m", "nanoddp", "train", *FLAGS, "--engine", "fsdp", "--nproc", "2", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=400, env=env)
+    return run_training([*cmd, *flags], out, timeout_s=400, env=env, forked=True)
 
 
 @pytest.mark.timeout(900)
@@ -92,16 +92,16 @@ def test_cli_resumes_a_sharded_run_whose_snapshot_keeps_the_model_in_rank_files(
     """`nanoddp train` checks a snapshot against the model before any worker starts: for a sharded
     run the shapes come from the manifest's layout (the model itself is in the rank files)."""
     first = _nanoddp_train(tmp_path, "--steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, first.output[-3000:]
     assert (
         snapshot.load(snapshot.snapshot_path(tmp_path / "snapshots", 2))["objects"]["model"]["kind"] == "sharded_module"
     )
     again = _nanoddp_train(tmp_path, "--steps", "4", "--resume", "auto")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from" in again.stderr and "step 2" in again.stderr
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resuming from" in again.output and "step 2" in again.output
     bigger = _nanoddp_train(tmp_path, "--steps", "6", "--resume", "auto", "--d-model", "64")
-    assert bigger.returncode == 2, bigger.stderr[-3000:]  # refused in the launcher, named
-    assert "does not fit this model" in bigger.stderr or "different configuration" in bigger.stderr
+    assert bigger.returncode == 2, bigger.output[-3000:]  # refused in the launcher, named
+    assert "does not fit this model" in bigger.output or "different configuration" in bigger.output
 
 
 # ---- the cross-replica phase of a fault-tolerant step, engine by engine -----------------------
