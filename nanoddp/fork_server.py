@@ -210,7 +210,7 @@ class ForkedModule:
     """`subprocess.Popen([sys.executable, "-m", module, *argv], env=environ, stdin=PIPE or the
     launcher's, stdout=PIPE, stderr=PIPE or STDOUT, text=text, start_new_session=True)`, forked
     from the fork server: the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()`,
-    `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
+    `send_signal()`, `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
 
     def __init__(
         self,
@@ -278,6 +278,12 @@ class ForkedModule:
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
         return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        """As Popen's: `sig` to the child alone, if it has not exited."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen's: all of stdout and stderr (None for one not piped), once the child has

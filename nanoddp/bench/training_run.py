@@ -66,7 +66,7 @@ def run_training(
     (`--no-progress`, a `--log-every` of a few steps)."""
     started = time.monotonic()
     acted = None
-    with child_run(argv, env=env, start=_fork if forked else None) as proc:
+    with child_run(argv, env=env, start=forked_child if forked else None) as proc:
         if during is not None:
             acted = during(proc)
         output = finish(proc, timeout_s)
@@ -74,7 +74,10 @@ def run_training(
     return TrainingRun(proc.returncode, output, read_records(out, missing_ok=True), time.monotonic() - started, acted)
 
 
-def _fork(argv: Sequence[str], env: dict[str, str] | None) -> fork_server.ForkedModule:
+def forked_child(argv: Sequence[str], env: dict[str, str] | None = None) -> fork_server.ForkedModule:
+    """`argv`, a `python -m MODULE ...`, forked from this process's fork server (see `forked`
+    above), as `base.processes.child_run` starts a child: a session of its own, stdout and stderr
+    in one text pipe."""
     module = fork_server.python_module(argv)
     if module is None:
         raise ValueError(f"forked=True runs `python -m MODULE ...`, got {list(argv)[:3]}")

@@ -21,7 +21,9 @@ import psutil
 import pytest
 import torch
 
+from nanoddp.bench.training_run import forked_child
 from nanoddp.env import free_port
+from nanoddp.fork_server import ForkedModule
 from nanoddp.train.checkpoint import rundir, snapshot
 from nanoddp.train.launcher.agent import train_workers
 
@@ -33,14 +35,13 @@ TRAIN_ARGS = [
 RUN_TIMEOUT_S = 240
 
 
-def _nanoddp_train(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+def _nanoddp_train(*args: str) -> ForkedModule:
+    """The launcher in a session of its own, its output in one text pipe; forked from the fork
+    server, as `run_training(forked=True)` forks it (its imports shared)."""
+    return forked_child([sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, *args])
 
 
-def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
+def _finish(proc: subprocess.Popen | ForkedModule, timeout: float = RUN_TIMEOUT_S) -> str:
     """Wait for the launcher; on timeout kill its whole session (agent and workers) and fail."""
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -51,7 +52,7 @@ def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
     return output
 
 
-def _finish_together(procs: list[subprocess.Popen], timeout: float = RUN_TIMEOUT_S) -> list[str]:
+def _finish_together(procs: list[ForkedModule], timeout: float = RUN_TIMEOUT_S) -> list[str]:
     """Wait for launchers that make one job: the moment one fails, or time runs out, kill every
     one's session and fail with all their outputs (waiting on them one by one would spend the whole
     timeout on a node left waiting for a peer that already exited, and hide that peer's output)."""
@@ -80,7 +81,7 @@ def _finish_together(procs: list[subprocess.Popen], timeout: float = RUN_TIMEOUT
     return outputs
 
 
-def _workers(launcher: subprocess.Popen) -> list[psutil.Process]:
+def _workers(launcher: ForkedModule) -> list[psutil.Process]:
     return list(train_workers(psutil.Process(launcher.pid)).values())
 
 
@@ -123,7 +124,7 @@ def test_sigkilled_worker_is_restarted_bitwise_and_leaves_no_temp_dir(tmp_path):
     assert left == [], left
 
 
-def _wait_for_snapshot(proc: subprocess.Popen, path: Path) -> None:
+def _wait_for_snapshot(proc: ForkedModule, path: Path) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not path.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before the signal"
