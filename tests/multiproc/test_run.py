@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nanoddp.bench.training_run import forked_child
 from nanoddp.comm.transport.watchdog import HANG_EXIT_CODE
 from nanoddp.run.command import main as run_main
 
@@ -83,15 +84,9 @@ def _write(tmp_path: Path, name: str) -> Path:
 
 
 def nanoddp_run(args: list[str], timeout: float) -> tuple[int, str]:
-    """`python -m nanoddp.run ARGS` in its own session; past `timeout`, kill every descendant."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanoddp.run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    """`python -m nanoddp.run ARGS` in its own session, forked from the fork server (its imports
+    shared); past `timeout`, kill every descendant."""
+    proc = forked_child([sys.executable, "-m", "nanoddp.run", *args], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
