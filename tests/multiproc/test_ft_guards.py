@@ -25,9 +25,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ import torch
 from helpers import FT_TINY_GPT, replay_continue_run, replica_pid, wait_for
 
 from nanoddp.base.records import read_records
-from nanoddp.bench.training_run import run_training
+from nanoddp.bench.training_run import TrainingRun, run_training
 
 pytest.importorskip("torchft")
 
@@ -68,25 +68,23 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 def _killing(out: Path, command: list[str], act) -> tuple[int, str]:
-    """Run `command` (output to a file: an unread pipe would stall it), call `act(launcher)` while
-    it runs, and return its exit code and output; nothing is left running."""
+    """Run `command`, call `act(launcher, stopped)` while it runs, and return its exit code and
+    output; nothing is left running, and a replica `act` held (SIGSTOP, its pid in `stopped`)
+    and did not get to kill runs again."""
     import psutil
 
-    log = out.parent / "output.txt"
-    with open(log, "w") as output:
-        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     stopped: list[int] = []
-    try:
-        act(psutil.Process(proc.pid), stopped)
-        proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        for pid in stopped:
-            if psutil.pid_exists(pid):  # a held replica the test did not get to kill
-                os.kill(pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, log.read_text()
+
+    def during(proc) -> None:
+        try:
+            act(psutil.Process(proc.pid), stopped)
+        finally:
+            for pid in stopped:
+                if psutil.pid_exists(pid):
+                    os.kill(pid, signal.SIGCONT)
+
+    run = run_training(command, out, timeout_s=RUN_TIMEOUT_S, during=during, forked=True)
+    return run.returncode, run.output
 
 
 def _both(launcher) -> list[int] | None:
@@ -190,21 +188,14 @@ def nan_runs(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     rounds = ["--engine", "localsgd", "--sync-every", "2", "--snapshot-every", "2"]  # snapshots at syncs
     runs = {"stop": ["--on-nan", "stop"], "skip": ["--on-nan", "skip"], "rounds-skip": ["--on-nan", "skip", *rounds]}
     outs = {name: root / name / "run" for name in runs}
-    procs = {}
-    for name, out in outs.items():
-        out.parent.mkdir()
-        with open(out.parent / "output.txt", "w") as output:
-            procs[name] = subprocess.Popen(_command(out, 4, *NAN_LR, *runs[name]), stdout=output,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return {p: (outs[p], procs[p].returncode, (outs[p].parent / "output.txt").read_text()) for p in outs}
+
+    def launch(name: str) -> TrainingRun:
+        return run_training(_command(outs[name], 4, *NAN_LR, *runs[name]), outs[name], timeout_s=RUN_TIMEOUT_S,
+                            forked=True)  # fmt: skip
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = dict(zip(runs, pool.map(launch, runs), strict=True))
+    return {name: (outs[name], run.returncode, run.output) for name, run in done.items()}
 
 
 def test_on_nan_stop_under_continue(nan_runs):
@@ -349,23 +340,19 @@ def test_a_bad_link_setting_is_refused_before_any_worker(tmp_path):
     script = tmp_path / "never.py"
     script.write_text("raise SystemExit('a worker started')\n")
     environ = {**os.environ, "NANODDP_LINK_BANDWIDTH": "100mbit", "NANODDP_LINK_LATENCY": "20 parsecs"}
-    procs, outs = {}, {}
-    for name, argv in BAD_LINK_LAUNCHES.items():
-        argv = [str(script) if a == "SCRIPT" else a for a in argv]
-        out = outs[name] = tmp_path / name
-        extra = ["--out", str(out)] if argv[0] == "train" else []
+    outs = {name: tmp_path / name for name in BAD_LINK_LAUNCHES}
+
+    def launch(name: str) -> TrainingRun:
+        argv = [str(script) if a == "SCRIPT" else a for a in BAD_LINK_LAUNCHES[name]]
+        extra = ["--out", str(outs[name])] if argv[0] == "train" else []
         command = [sys.executable, "-m", "nanoddp", *argv[:-1], *extra, argv[-1]] if argv[0] == "run" else None
         command = command or [sys.executable, "-m", "nanoddp", *argv, "--nproc", "2", *extra, *FT_TINY_GPT]
-        procs[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
-    try:
-        said = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for name, (stdout, stderr) in said.items():
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        assert procs[name].returncode == 2, (name, stderr[-3000:])
+        return run_training(command, outs[name], timeout_s=120, env=environ, forked=True)
+
+    with ThreadPoolExecutor(len(BAD_LINK_LAUNCHES)) as pool:
+        said = dict(zip(BAD_LINK_LAUNCHES, pool.map(launch, BAD_LINK_LAUNCHES), strict=True))
+    for name, run in said.items():  # stdout and stderr together: the one line is all there is
+        lines = [line for line in run.output.splitlines() if line.strip()]
+        assert run.returncode == 2, (name, run.output[-3000:])
         assert len(lines) == 1 and lines[0].startswith("nanoddp: error: NANODDP_LINK_LATENCY must be"), (name, lines)
-        assert not outs[name].exists() and "a worker started" not in stdout + stderr, name
+        assert not outs[name].exists() and "a worker started" not in run.output, name
