@@ -186,6 +186,7 @@ class LauncherView:
         """Child side: become what a spawned child of the launcher would be."""
         os.environ.clear()
         os.environ.update(self.environ)
+        tempfile.tempdir = None  # read from TMPDIR at its first use, maybe in the server long ago: again
         os.chdir(self.cwd)
         for target, stream in self.streams.items():
             fd = stream.detach()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,14 +130,15 @@ def _what_the_rank_sees(env):
     sys.stdout.flush()
     sys.stderr.write(f"rank {env.rank} on stderr\n")
     sys.stderr.flush()
-    return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd(), torch.get_num_threads()
+    return os.environ.get("NANODDP_TEST_SEEN"), os.getcwd(), torch.get_num_threads(), tempfile.gettempdir()
 
 
 def test_a_forked_rank_sees_the_launchers_environment_directory_and_streams_of_now(tmp_path, capfd, monkeypatch):
     """The fork server started long before (with another test's environment, directory and
     captured streams); its ranks must still see the launcher's as they are at the call, exactly
-    as spawned ranks do, and take their thread count from OMP_NUM_THREADS as it is now (torch
-    read it when the server imported torch)."""
+    as spawned ranks do (TMPDIR included, though the server's tempfile has read it already), and
+    take their thread count from OMP_NUM_THREADS as it is now (torch read it when the server
+    imported torch)."""
     # The server as a session's first launch starts it, OMP_NUM_THREADS unset: torch's default
     # there is the cores (2 or more), which also cap the setting, so the ranks' 1 comes from here.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -148,8 +150,9 @@ def test_a_forked_rank_sees_the_launchers_environment_directory_and_streams_of_n
         monkeypatch.chdir(work)
         monkeypatch.setenv("NANODDP_TEST_SEEN", start_method)
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setenv("TMPDIR", str(work))  # tempfile read it in the server long ago (dynamo's import)
         seen[start_method] = _launch(_what_the_rank_sees, 2, start_method=start_method, timeout=120)
-        assert seen[start_method] == [(start_method, str(work), 1)] * 2
+        assert seen[start_method] == [(start_method, str(work), 1, str(work))] * 2
         out, err = capfd.readouterr()
         assert sorted(out.splitlines()) == ["rank 0 on stdout", "rank 1 on stdout"], start_method
         assert sorted(line for line in err.splitlines() if line.startswith("rank")) == [

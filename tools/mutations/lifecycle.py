@@ -162,6 +162,13 @@ FAULTS = (
         ("tests/multiproc/test_launch.py", "-k", "forked_from_its_launcher"),
     ),
     Mutation(
+        "launch: a forked rank's temp dir is the one the fork server's TMPDIR named",
+        "nanoddp/fork_server.py",
+        "        tempfile.tempdir = None  # read from TMPDIR",
+        "        pass  # read from TMPDIR",
+        ("tests/multiproc/test_launch.py", "-k", "forked_rank_sees"),
+    ),
+    Mutation(
         "fork server: one forked from its launcher keeps the launcher's descriptors (a run dir's lock)",
         "nanoddp/fork_server.py",
         "            if fd not in keep:",
