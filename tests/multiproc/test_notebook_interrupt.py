@@ -5,12 +5,15 @@ SIGINT reaches a worker's main thread only between bytecodes: a rank blocked in 
 through one leave messages posted. Either way the pool must come back usable by itself: every
 rank idle, the process group rebuilt, the next cell's collectives right, the variables kept.
 
-Each scenario gets its own kernel and pool (a stuck pool must not leak into the next check),
-so the test is slow-ish.
+The scenarios take turns on one kernel and pool (a kernel and two workers cost seconds of CPU
+each to start): each must leave the pool recovered, which is its check, and the next starts
+from there, its group one generation further. One that fails ends the pool, so that a stuck one
+does not leak into the next check: that one starts a fresh kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -160,9 +163,52 @@ def _pool_in_kernel(tmp_path):
     assert not leftover, f"worker processes {leftover} outlived the kernel"
 
 
-def _check_recovered(kc, pids: list[int]) -> None:
-    """Every rank idle in a rebuilt group, collectives and the old DDP right, same processes;
-    then %dist_shutdown leaves no worker behind."""
+class _Pools:
+    """The kernel and pool the scenarios share (`_pool_in_kernel`), made when one asks for it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._factory, self._stack = tmp_path_factory, contextlib.ExitStack()
+        self._current: tuple | None = None
+        self.generation = 1  # of the pool's process group: each rebuild adds one
+
+    @contextmanager
+    def take(self):
+        """The pool for one scenario; if the scenario fails, the pool ends with it."""
+        if self._current is None:
+            self._current, self.generation = self._stack.enter_context(_pool_in_kernel(self._factory.mktemp("k"))), 1
+        try:
+            yield self._current
+        except BaseException:
+            self.close(shut_down=False)
+            raise
+
+    def close(self, shut_down: bool = True) -> None:
+        """End the pool, through %dist_shutdown if it is well (no worker may be left)."""
+        if self._current is None:
+            return
+        _, kc, pids = self._current
+        self._current = None
+        try:
+            if shut_down:
+                _ok(kc, "%dist_shutdown")
+                deadline = time.monotonic() + 30
+                while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
+        finally:
+            self._stack.close()
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    shared = _Pools(tmp_path_factory)
+    yield shared
+    shared.close()
+
+
+def _check_recovered(kc, pids: list[int], generation: int) -> None:
+    """Every rank idle in a group rebuilt as `generation`, collectives and the old DDP right,
+    the same processes."""
     status = _ok(kc, "%dist_status")  # each worker's own account of itself
     for rank in range(WORLD_SIZE):
         assert re.search(rf"^{rank}\s+{pids[rank]}\s+cpu\s+idle\s+\d+ MiB$", status, re.M), status
@@ -170,41 +216,38 @@ def _check_recovered(kc, pids: list[int]) -> None:
     for rank in range(WORLD_SIZE):
         assert f"[rank {rank}] sums 3.0 3.0 True kept by rank {rank}\n" in after, after
         assert f"[rank {rank}] ddp ok\n" in after, after
-    expected = ", ".join(f"rank {r} generation 2 (rebuilt)" for r in range(WORLD_SIZE))
+    expected = ", ".join(f"rank {r} generation {generation} (rebuilt)" for r in range(WORLD_SIZE))
     assert f"process group: {expected}" in status, status
     same = _ok(kc, "%%distributed\nimport os\nos.getpid()")  # the same processes, not restarted
     assert sorted(int(p) for p in re.findall(r"\[rank \d\] (\d+)\n", same)) == sorted(pids)
-    _ok(kc, "%dist_shutdown")
-    deadline = time.monotonic() + 30
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_stop_button_mid_collective_rebuilds_the_group(tmp_path, case):
+def test_stop_button_mid_collective_rebuilds_the_group(pools, case):
     cell, announcing = CASES[case]
-    with _pool_in_kernel(tmp_path) as (km, kc, pids):
+    with pools.take() as (km, kc, pids):
         inside = lambda t: all(f"[rank {r}] in collective" in t for r in announcing)  # noqa: E731
         msg_id, _ = run_cell(kc, cell, until=inside)
         time.sleep(1.0)  # let rank 0 settle into its blocking wait (the case SIGINT cannot reach)
         km.interrupt_kernel()
         reply = finish_cell_until_idle(kc, msg_id, timeout=120)  # then the next cell is never aborted
         assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
-        _check_recovered(kc, pids)
-        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
+        pools.generation += 1
+        _check_recovered(kc, pids, pools.generation)
+        assert f"process group rebuilt (generation {pools.generation})" in reply["evalue"], reply["evalue"]
 
 
 @pytest.mark.timeout(600)
-def test_cell_timeout_in_a_collective_on_a_subset_rebuilds_the_group(tmp_path):
+def test_cell_timeout_in_a_collective_on_a_subset_rebuilds_the_group(pools):
     """No stop button: the cell timeout stops a collective that only rank 0 joined (%%rank)."""
-    with _pool_in_kernel(tmp_path) as (_, kc, pids):
+    with pools.take() as (_, kc, pids):
         reply, text = run_cell(kc, "%%rank [0] --timeout 3\ncomm.all_reduce(big)")
         assert reply["status"] == "error" and reply["ename"] == "DistributedCellError", (reply, text)
         assert "cell timed out after 3.0s" in reply["evalue"], reply["evalue"]
-        assert "process group rebuilt (generation 2)" in reply["evalue"], reply["evalue"]
-        _check_recovered(kc, pids)
+        pools.generation += 1
+        assert f"process group rebuilt (generation {pools.generation})" in reply["evalue"], reply["evalue"]
+        _check_recovered(kc, pids, pools.generation)
 
 
 # ----------------------------------------------------------------------------- the mechanism alone
