@@ -74,7 +74,6 @@ def start(modules: Sequence[str] = ()) -> None:
 
 
 _starting = threading.Lock()
-_tempdir_outside_start: str | None = None  # tempfile's dir, while `_start` swaps it
 _spawnv_passfds = util.spawnv_passfds  # how multiprocessing starts a server, which `start_as_fork` swaps
 
 
@@ -119,13 +118,13 @@ def _fork_server_here(_path: str, _args: list[str], passfds: Sequence[int]) -> i
                 with contextlib.suppress(OSError):
                     os.close(fd)
         # What the start holds or swapped at the fork, copied: its locks held (a rank's own start
-        # would wait forever), multiprocessing's spawn, tempfile's dir and our private dir by a
-        # descriptor just closed.
+        # would wait forever), multiprocessing's spawn, tempfile's dir (read from TMPDIR at its
+        # first use, as in a spawned server) and our private dir by a descriptor just closed.
         forkserver._forkserver._lock = threading.Lock()
         util.spawnv_passfds = _spawnv_passfds
         global _starting
         _starting = threading.Lock()
-        tempfile.tempdir = _tempdir_outside_start
+        tempfile.tempdir = None
         _private_socket_dir.cache_clear()
         die_with_parent(launcher)  # a spawned one waits for its liveness pipe, past a SIGKILLed launcher
         forkserver.main(listener_fd, alive_r, preloads)
@@ -139,12 +138,11 @@ def _start(modules: Sequence[str]) -> None:
     config = process.current_process()._config  # multiprocessing's record of its temp dir, "tempdir"
     if forkserver._forkserver._forkserver_pid is None:  # no server of ours yet: its dir is ours too,
         config.pop("tempdir", None)  # not one a Process of the process that forked us recorded
-    global _tempdir_outside_start
-    _tempdir_outside_start, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
+    previous, tempfile.tempdir = tempfile.tempdir, _private_socket_dir()
     try:
         forkserver.ensure_running()
     finally:
-        tempfile.tempdir = _tempdir_outside_start
+        tempfile.tempdir = previous
     # Forget the dir: recorded by the short path, it is this process's descriptor, and a Process
     # copies the record (in a child it named another descriptor or none: a rank's own
     # `multiprocessing.Manager()` or fork server failed, NotADirectoryError); by its real path it

@@ -122,6 +122,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _left_after(pids: list[int], wait_s: float) -> list[int]:
+    """The processes of `pids` still there after waiting up to `wait_s` for them all to end."""
+    deadline = time.monotonic() + wait_s
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if not _gone(p)]
+
+
 def _ok(kc, code: str, timeout: float = 120) -> str:
     """Run a cell that must succeed. A request that reaches ipykernel while it still drops the
     queue after the previous cell's error comes back "aborted", not run: send it again."""
@@ -154,10 +162,7 @@ def _pool_in_kernel(tmp_path):
         kc.stop_channels()
         os.kill(km.provisioner.pid, signal.SIGKILL)  # the workers follow their kernel
         km.shutdown_kernel(now=True)
-        deadline = time.monotonic() + 30
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leftover = [p for p in pids if not _gone(p)]
+        leftover = _left_after(pids, 30)
         for pid in leftover:  # do not leave them to the next test, whatever failed above
             os.kill(pid, signal.SIGKILL)
     assert not leftover, f"worker processes {leftover} outlived the kernel"
@@ -191,10 +196,7 @@ class _Pools:
         try:
             if shut_down:
                 _ok(kc, "%dist_shutdown")
-                deadline = time.monotonic() + 30
-                while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert all(_gone(p) for p in pids), "workers left after %dist_shutdown"
+                assert not _left_after(pids, 30), "workers left after %dist_shutdown"
         finally:
             self._stack.close()
 
