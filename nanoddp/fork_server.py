@@ -36,12 +36,13 @@ import io
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import forkserver, process, reduction, resource_tracker, util
 from typing import IO, Any
 
@@ -196,10 +197,14 @@ class LauncherView:
             sys.stdout.reconfigure(line_buffering=True)
 
 
-def _run_module(module: str, argv: list[str], view: LauncherView, launcher_pid: int) -> None:
+def _run_module(
+    module: str, argv: list[str], view: LauncherView, launcher_pid: int, enter: Callable[[], None] | None
+) -> None:
     """The forked child of `ForkedModule`: `python -m module *argv` in a session of its own."""
     os.setsid()
     die_with_launcher(launcher_pid)
+    if enter is not None:
+        enter()
     view.take_on()
     sys.argv = [module, *argv]
     sys.exit(importlib.import_module(module).main(argv) or 0)
@@ -209,7 +214,11 @@ class ForkedModule:
     """`subprocess.Popen([sys.executable, "-m", module, *argv], env=environ, stdin=PIPE or the
     launcher's, stdout=PIPE, stderr=PIPE or STDOUT, text=text, start_new_session=True)`, forked
     from the fork server: the same `pid`, `stdin`/`stdout`/`stderr`, `poll()`, `wait()`,
-    `send_signal()`, `communicate()` and `returncode`. `module` has a `main(argv) -> int | None`."""
+    `send_signal()`, `terminate()`, `kill()`, `communicate()` and `returncode`. `module` has a
+    `main(argv) -> int | None`.
+
+    `enter`, a picklable callable, is the child's first act after its session: what a command
+    prefix such as `ip netns exec NAME` would have done before the program (`NetnsHosts.fork`)."""
 
     def __init__(
         self,
@@ -220,6 +229,7 @@ class ForkedModule:
         *,
         stderr_to_stdout: bool = False,
         text: bool = False,
+        enter: Callable[[], None] | None = None,
     ) -> None:
         ours: list[int] = []  # the ends this process keeps
         theirs: dict[int, int] = {}  # the child's ends, by the stream they become
@@ -236,7 +246,7 @@ class ForkedModule:
             theirs[0] = 0
         try:
             self._process = mp.get_context("forkserver").Process(
-                target=_run_module, args=(module, list(argv), LauncherView.now(environ, theirs), os.getpid()),
+                target=_run_module, args=(module, list(argv), LauncherView.now(environ, theirs), os.getpid(), enter),
                 name=module, daemon=False,
             )  # fmt: skip
             self._process.start()
@@ -283,6 +293,12 @@ class ForkedModule:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """As Popen's: all of stdout and stderr (None for one not piped), once the child has

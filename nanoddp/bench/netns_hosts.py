@@ -2,9 +2,11 @@
 
 Multi-node means separate addresses, so a multi-node feature is tested (and benchmarked) where
 every node is a network namespace with `lo` up and one address on a veth pair whose other end is
-a port of one bridge, as machines on a switch. Processes run inside a host with `ip netns exec`;
-the filesystem, the process table and the hostname stay shared (the hostname resolving to
-127.0.0.1 everywhere, as in many containers). Killing a host is SIGKILL to every process in its
+a port of one bridge, as machines on a switch. Processes run inside a host with `ip netns exec`
+(`command`, `popen`), or are forked from this process's fork server and enter the host's network
+as their first act (`fork`: the same program without a fresh interpreter's imports). The
+filesystem, the process table and the hostname stay shared (the hostname resolving to 127.0.0.1
+everywhere, as in many containers). Killing a host is SIGKILL to every process in its
 namespace (`ip netns pids`), the closest thing to pulling its power cord.
 
 The fabric is private to the process that makes it: names carry its pid and a random token, and
@@ -24,6 +26,8 @@ netem, which not every kernel has (this one does not); tbf's own `latency` is th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import ipaddress
 import logging
 import os
@@ -39,10 +43,14 @@ from typing import Any
 
 import psutil
 
+from nanoddp.bench.training_run import forked_child
+from nanoddp.fork_server import ForkedModule
+
 logger = logging.getLogger(__name__)
 
 NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
 KILL_WAIT_S = 10.0
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) into a network namespace
 THIS_HOSTS_NETWORK = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -158,6 +166,16 @@ class NetnsHosts:
         """Start `argv` inside host `host` (subprocess.Popen's keyword arguments)."""
         return subprocess.Popen(self.command(host, argv), **kwargs)
 
+    def fork(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None) -> ForkedModule:
+        """`popen(host, argv, env=env, stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True)`
+        for an argv `python -m MODULE ...`, forked from this process's fork server instead
+        (`bench.training_run.forked_child`: no imports of its own, seconds of CPU each on a small
+        machine); the child enters the host's network before anything else, without
+        `THIS_HOSTS_NETWORK` in its environment, as `command` runs it."""
+        environ = {name: value for name, value in (os.environ if env is None else env).items()
+                   if name not in THIS_HOSTS_NETWORK}  # fmt: skip
+        return forked_child(argv, environ, enter=functools.partial(enter_netns, self.names[host]))
+
     def pids(self, host: int) -> list[int]:
         """Every process whose network is host `host`'s."""
         return _netns_pids(self.names[host])
@@ -186,6 +204,21 @@ class NetnsHosts:
             subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into namespace `name`'s network, as `ip netns exec` does before it runs its
+    program. (Its other step, a /sys of the namespace's own, matters to nothing here: interfaces,
+    addresses and routes are read through netlink and sockets, which follow the network.) A socket
+    opened before stays in the network it was opened in."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # os.setns arrives with Python 3.12
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"cannot enter the network of namespace {name}: {os.strerror(code)}")
+    finally:
+        os.close(fd)
 
 
 def _listening_addresses(table: str) -> set[str]:

@@ -74,14 +74,16 @@ def run_training(
     return TrainingRun(proc.returncode, output, read_records(out, missing_ok=True), time.monotonic() - started, acted)
 
 
-def forked_child(argv: Sequence[str], env: dict[str, str] | None = None) -> fork_server.ForkedModule:
+def forked_child(
+    argv: Sequence[str], env: dict[str, str] | None = None, enter: Callable[[], None] | None = None
+) -> fork_server.ForkedModule:
     """`argv`, a `python -m MODULE ...`, forked from this process's fork server (see `forked`
     above), as `base.processes.child_run` starts a child: a session of its own, stdout and stderr
-    in one text pipe."""
+    in one text pipe; `enter` is the child's first act (`fork_server.ForkedModule`)."""
     module = fork_server.python_module(argv)
     if module is None:
         raise ValueError(f"forked=True runs `python -m MODULE ...`, got {list(argv)[:3]}")
     module = "nanoddp.cli" if module == "nanoddp" else module  # what nanoddp/__main__.py runs
     fork_server.start([module])
     return fork_server.ForkedModule(module, argv[3:], dict(os.environ) if env is None else env, stdin_pipe=False,
-                                    stderr_to_stdout=True, text=True)  # fmt: skip
+                                    stderr_to_stdout=True, text=True, enter=enter)  # fmt: skip

@@ -66,6 +66,7 @@ from rounds_replay import replay_rounds_run
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
+from nanoddp.fork_server import ForkedModule
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
@@ -152,11 +153,10 @@ def run(tmp_path_factory):
                  "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
                  "--collective-timeout", str(HELD_MAX_S)]  # fmt: skip
 
-        def launch(host: int) -> subprocess.Popen:
-            argv = hosts.command(host, [*train, "--node-rank", str(host)])
-            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        def launch(host: int) -> ForkedModule:
+            return hosts.fork(host, [*train, "--node-rank", str(host)])
 
-        procs: list[subprocess.Popen] = []
+        procs: list[ForkedModule] = []
         outputs: list[OutputReader] = []
         helper = hosts.popen(0, [sys.executable, "-c", HEARTBEATS, f"http://{endpoint}"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, RUST_LOG="error"))  # fmt: skip
@@ -166,14 +166,14 @@ def run(tmp_path_factory):
             helper.stdin.flush()
             return helper.stdout.readline().strip()
 
-        def start_again(host: int) -> subprocess.Popen:
+        def start_again(host: int) -> ForkedModule:
             started = launch(host)  # the same command, on that host
             procs.append(started)
             outputs.append(OutputReader(started))
             assert tell("wait 0") == "ASKED"  # the new host's replica waits for a quorum
             return started
 
-        def kill_host(host: int, launcher: subprocess.Popen) -> str:
+        def kill_host(host: int, launcher: ForkedModule) -> str:
             """Every process of `host` SIGKILLed at once (the host is gone); its launcher's output."""
             hosts.kill(host)
             assert launcher.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(host)
@@ -446,10 +446,9 @@ def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
     with NetnsHosts(2) as hosts:
         endpoint = f"{hosts.addresses[0]}:{PORT + 1}"
         procs = [
-            hosts.popen(host, [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nnodes", "2",
-                               "--node-rank", str(host), "--nproc", "1", "--rdzv-endpoint", endpoint,
-                               "--collective-timeout", "5", str(script)],
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            hosts.fork(host, [sys.executable, "-m", "nanoddp", "run", "--on-failure", "continue", "--nnodes", "2",
+                              "--node-rank", str(host), "--nproc", "1", "--rdzv-endpoint", endpoint,
+                              "--collective-timeout", "5", str(script)])
             for host in (1, 0)
         ]  # fmt: skip
         try:
@@ -468,7 +467,7 @@ def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
 
 # ---- the low-communication loop across hosts, losing node 0 -----------------------------------
 ROUNDS_STEPS, ROUNDS_SYNC_EVERY, ROUNDS_KILL_AFTER = 200, 10, 20
-ROUNDS_RUN_S = 240  # the run's start on a loaded machine (two launchers importing torch) takes most of it
+ROUNDS_RUN_S = 240  # 200 steps of two replicas on a loaded machine, with start-up
 
 
 @pytest.mark.timeout(ROUNDS_RUN_S + 120)  # + the replay
@@ -492,8 +491,7 @@ def test_localsgd_across_hosts_goes_on_without_node_0_and_equals_the_replay(tmp_
                  "--lighthouse", lighthouse, "--min-replicas", "1", "--max-restarts", "0", "--engine", "localsgd",
                  "--sync-every", str(ROUNDS_SYNC_EVERY), "--steps", str(ROUNDS_STEPS), "--snapshot-every", "0",
                  "--eval-every", "0", "--out", str(out), *FT_TINY_GPT]  # fmt: skip
-        procs = {host: hosts.popen(host, [*train, "--node-rank", str(host)], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True) for host in (1, 0)}  # fmt: skip
+        procs = {host: hosts.fork(host, [*train, "--node-rank", str(host)]) for host in (1, 0)}
         outputs = {host: OutputReader(proc) for host, proc in procs.items()}
         try:
             deadline = time.monotonic() + ROUNDS_RUN_S

@@ -34,6 +34,8 @@ from helpers import OutputReader
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
+from nanoddp.bench.training_run import forked_child
+from nanoddp.fork_server import ForkedModule
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
 
@@ -54,22 +56,20 @@ def hosts() -> Iterator[NetnsHosts]:
         yield fabric
 
 
-def _train(hosts: NetnsHosts | None, host: int, *args: str) -> subprocess.Popen:
-    """`nanoddp train TRAIN_ARGS ARGS` inside `host` (None: on this machine, as one host)."""
+def _train(hosts: NetnsHosts | None, host: int, *args: str) -> ForkedModule:
+    """`nanoddp train TRAIN_ARGS ARGS` inside `host` (None: on this machine, as one host), forked
+    from the tests' fork server."""
     argv = [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, *args]
-    command = argv if hosts is None else hosts.command(host, argv)
-    return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    return forked_child(argv) if hosts is None else hosts.fork(host, argv)
 
 
-def _node(hosts: NetnsHosts, host: int, nnodes: int, out: Path, *extra: str) -> subprocess.Popen:
+def _node(hosts: NetnsHosts, host: int, nnodes: int, out: Path, *extra: str) -> ForkedModule:
     endpoint = f"{hosts.addresses[0]}:{PORT}"
     return _train(hosts, host, "--nproc", "1", "--nnodes", str(nnodes), "--node-rank", str(host),
                   "--rdzv-endpoint", endpoint, "--rdzv-id", "netns", "--out", str(out), *extra)  # fmt: skip
 
 
-def _finish_all(hosts: NetnsHosts | None, procs: list[subprocess.Popen]) -> list[str]:
+def _finish_all(hosts: NetnsHosts | None, procs: list[ForkedModule]) -> list[str]:
     """Wait for launchers that make one job; on a failure or timeout kill every host's processes
     (and every launcher) and fail with all outputs."""
     outputs = [OutputReader(proc) for proc in procs]
@@ -88,7 +88,7 @@ def _finish_all(hosts: NetnsHosts | None, procs: list[subprocess.Popen]) -> list
     return texts
 
 
-def _kill_everything(hosts: NetnsHosts | None, procs: list[subprocess.Popen]) -> None:
+def _kill_everything(hosts: NetnsHosts | None, procs: list[ForkedModule]) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in psutil.Process(proc.pid).children(recursive=True):
@@ -164,7 +164,7 @@ def test_hosts_reads_routes_and_ownership_from_the_interfaces(hosts):
 # ---- training across hosts ---------------------------------------------------------------------
 
 
-def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
+def _wait_for(path: Path, procs: list[ForkedModule]) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not path.exists():
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
@@ -219,10 +219,8 @@ def test_nanoddp_run_script_across_hosts_with_the_static_backend(hosts, tmp_path
     script.write_text(SCRIPT)
     endpoint = f"{hosts.addresses[0]}:{PORT + 1}"
     procs = [
-        subprocess.Popen(hosts.command(host, [sys.executable, "-m", "nanoddp", "run", "--nproc", "1", "--nnodes", "2",
-                                              "--node-rank", str(host), "--rdzv-backend", "static",
-                                              "--rdzv-endpoint", endpoint, str(script)]),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        hosts.fork(host, [sys.executable, "-m", "nanoddp", "run", "--nproc", "1", "--nnodes", "2", "--node-rank",
+                          str(host), "--rdzv-backend", "static", "--rdzv-endpoint", endpoint, str(script)])
         for host in (1, 0)
     ]  # fmt: skip
     outputs = _finish_all(hosts, procs)
@@ -252,9 +250,7 @@ def test_nodes_that_cannot_meet_are_one_line_naming_the_endpoint(hosts, tmp_path
     ]
     refused = [
         _train(hosts, 2, *node, "--rdzv-endpoint", nowhere, "--out", str(tmp_path / "c")),
-        subprocess.Popen(hosts.command(2, [sys.executable, "-m", "nanoddp", "run", *node, "--rdzv-endpoint", nowhere,
-                                           "-m", "json.tool"]),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        hosts.fork(2, [sys.executable, "-m", "nanoddp", "run", *node, "--rdzv-endpoint", nowhere, "-m", "json.tool"]),
     ]  # fmt: skip
     try:
         outputs = [proc.communicate(timeout=200)[0] for proc in [*waiting, *refused]]
