@@ -78,13 +78,15 @@ RUN_TIMEOUT_S = 240  # the hung host costs the collective timeout (HELD_MAX_S) o
 HELD_MAX_S = 60  # the collective timeout: a replica held mid-step (a long step) must not time out its peer
 HOLD_TRIES = 20  # holds of both replicas until one finds neither asking for a quorum (the module's note)
 
-# Sends held replicas' heartbeats (the module's note), reading commands on stdin once it reaches the
-# quorum service: `beat K..` beats every 0.1 s for replica K's newest id the Lighthouse lists (the
+# Sends held replicas' heartbeats (the module's note). Says IMPORTED once its imports are done (the
+# launchers start after it), READY once it reaches the quorum service, then reads commands on stdin:
+# `beat K..` beats every 0.1 s for replica K's newest id the Lighthouse lists (the
 # held process's); `count` says how many replicas ask for a quorum now; `wait N` says ASKED once more
 # than N do (or GAVE UP at 120 s); `rest` stops beating. EOF ends it.
 HEARTBEATS = r"""
 import datetime, re, sys, threading, time, urllib.request
 from torchft.coordination import LighthouseClient
+print("IMPORTED", flush=True)
 url, deadline = sys.argv[1], time.monotonic() + 120
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 status = lambda: opener.open(url + "/status", timeout=10).read().decode()
@@ -205,6 +207,8 @@ def run(tmp_path_factory):
         try:
             started = time.monotonic()
             deadline = started + RUN_TIMEOUT_S
+            # the helper's imports take seconds on a busy machine; a forked launcher starts at once
+            assert helper.stdout.readline().strip() == "IMPORTED"
             for host in (1, 0):  # host 1 first: it reads the quorum service before host 0's replica forms a group
                 procs.append(launch(host))
                 outputs.append(OutputReader(procs[-1]))
@@ -215,7 +219,8 @@ def run(tmp_path_factory):
                 """Wait for `count` step records at `world_size` past the last at world size `after`."""
 
                 def enough():
-                    assert all(p.poll() is None for p in procs), "a launcher ended early"
+                    ended = [i for i, p in enumerate(procs) if p.poll() is not None]
+                    assert not ended, "a launcher ended early:\n" + "\n".join(outputs[i].done()[-3000:] for i in ended)
                     sizes = [r["world_size"] for r in _step_records(out)]
                     since = max((i + 1 for i, size in enumerate(sizes) if size == after), default=0)
                     return sizes[since:].count(world_size) >= count
