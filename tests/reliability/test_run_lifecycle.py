@@ -2,8 +2,9 @@
 line and exit 128 + signal, a SIGKILLed launcher takes them along (its temp dir is swept by the
 next start), and a rank that finished while the others run on is named after a grace period.
 
-Each test starts `python -m nanoddp.run` in its own session with a private TMPDIR, reads the
-workers' pids from the files the script writes, and kills every process it started in a
+Each test starts `python -m nanoddp.run` in its own session with a private TMPDIR (forked from the
+tests' fork server, `run_training`'s `forked_child`; its workers are torchrun's fresh interpreters),
+reads the workers' pids from the files the script writes, and kills every process it started in a
 `finally`, whatever the outcome."""
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from nanoddp.bench.training_run import forked_child
 
 START_TIMEOUT_S = 180  # two workers importing torch and joining the group, on a loaded machine
 STOP_TIMEOUT_S = 60
@@ -46,7 +49,8 @@ while True:
 
 
 class Launch:
-    """`python -m nanoddp.run --nproc 2 ARGS loop.py PIDDIR [MODE]`, its output in files."""
+    """`python -m nanoddp.run --nproc 2 ARGS loop.py PIDDIR [MODE]`, its output (stdout and stderr:
+    the script prints nothing) read line by line as it comes."""
 
     def __init__(self, tmp_path: Path, args: list[str], mode: str = "loop", name: str = "run"):
         self.tmp = tmp_path / "tmp"
@@ -55,20 +59,21 @@ class Launch:
         self.pid_dir.mkdir()
         script = tmp_path / "loop.py"
         script.write_text(textwrap.dedent(LOOP))
-        self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nanoddp.run", "--nproc", "2", *args, str(script), str(self.pid_dir), mode],
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(self.tmp)},
-            )
+        self.proc = forked_child(
+            [sys.executable, "-m", "nanoddp.run", "--nproc", "2", *args, str(script), str(self.pid_dir), mode],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(self.tmp)},
+        )
+        self._lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
         self.workers: list[psutil.Process] = []
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
 
     @property
     def stderr(self) -> str:
-        return self.err_path.read_text()
+        return "".join(self._lines)
 
     def wait_for_workers(self) -> list[psutil.Process]:
         """Both workers' processes, once each has joined the group and written its pid."""
