@@ -218,7 +218,9 @@ class ForkedModule:
     `main(argv) -> int | None`.
 
     `enter`, a picklable callable, is the child's first act after its session: what a command
-    prefix such as `ip netns exec NAME` would have done before the program (`NetnsHosts.fork`)."""
+    prefix such as `ip netns exec NAME` would have done before the program (`NetnsHosts.fork`).
+    `output_pipes=False` is Popen's `stdout=None, stderr=None`: the child writes where this
+    process writes, and `stdout` and `stderr` are None."""
 
     def __init__(
         self,
@@ -230,18 +232,25 @@ class ForkedModule:
         stderr_to_stdout: bool = False,
         text: bool = False,
         enter: Callable[[], None] | None = None,
+        output_pipes: bool = True,
     ) -> None:
         ours: list[int] = []  # the ends this process keeps
         theirs: dict[int, int] = {}  # the child's ends, by the stream they become
-        for target in (1,) if stderr_to_stdout else (1, 2):
+        made: set[int] = set()  # the pipes' child ends, closed here once the child has its copies
+        for target in ((1,) if stderr_to_stdout else (1, 2)) if output_pipes else ():
             read, write = os.pipe()
             ours.append(read)
             theirs[target] = write
-        if stderr_to_stdout:
+            made.add(write)
+        if stderr_to_stdout and output_pipes:
             theirs[2] = theirs[1]
+        for target in () if output_pipes else (1, 2):  # Popen's stdout=None: what the launcher writes to
+            if _is_open(target):
+                theirs[target] = target
         stdin_write = None
         if stdin_pipe:
             theirs[0], stdin_write = os.pipe()
+            made.add(theirs[0])
         elif _is_open(0):  # a replica reads what the launcher reads
             theirs[0] = 0
         try:
@@ -251,13 +260,12 @@ class ForkedModule:
             )  # fmt: skip
             self._process.start()
         finally:
-            for fd in set(theirs.values()):
-                if fd != 0:  # the pipes' child ends: the child holds its copies (EOF comes with its exit)
-                    os.close(fd)
+            for fd in made:  # the child holds its copies (EOF comes with its exit)
+                os.close(fd)
         self.pid: int = self._process.pid  # type: ignore[assignment]  (started)
         mode = "r" if text else "rb"
-        self.stdout: IO[Any] = os.fdopen(ours[0], mode)
-        self.stderr: IO[Any] | None = None if stderr_to_stdout else os.fdopen(ours[1], mode)
+        self.stdout: IO[Any] | None = os.fdopen(ours[0], mode) if ours else None
+        self.stderr: IO[Any] | None = os.fdopen(ours[1], mode) if len(ours) > 1 else None
         self._readers: dict[str, threading.Thread] = {}  # `communicate`'s, by stream
         self._read: dict[str, Any] = {}  # what they read
         self.stdin: IO[bytes] | None = None if stdin_write is None else os.fdopen(stdin_write, "wb")

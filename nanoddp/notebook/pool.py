@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
@@ -45,7 +44,7 @@ from nanoddp.notebook.handshake import (
     wait_ready,
 )
 from nanoddp.notebook.outcome import DROP, CellOutcome, Sink
-from nanoddp.notebook.worker_processes import WorkerHandle, catch_sigint, spawn_worker
+from nanoddp.notebook.worker_processes import WorkerHandle, catch_sigint, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,6 @@ class WorkerPool:
         # sends nothing would block every worker behind it. Each is authenticated on its own
         # thread with a deadline instead (handshake.authenticate).
         self._listener = Listener(address, family="AF_UNIX")
-        use_pdeathsig = threading.current_thread() is threading.main_thread()
         try:
             for rank in range(self.num_processes):
                 settings = {
@@ -117,10 +115,8 @@ class WorkerPool:
                     "init_method": f"file://{os.path.join(self._dir, 'store')}",
                     "address": address,
                     "authkey": authkey.hex(),
-                    "parent_pid": os.getpid(),
-                    "pdeathsig": use_pdeathsig,
                 }
-                self.workers.append(WorkerHandle(rank, spawn_worker(settings)))
+                self.workers.append(WorkerHandle(rank, start_worker(settings)))
             accept_workers(self._listener, address, authkey, self.workers, time.monotonic() + timeout_s)
             self._listener = None  # closed: every worker is in
             wait_ready(self.workers, time.monotonic() + timeout_s)

@@ -1,9 +1,11 @@
 """The worker side of notebook mode: one process per rank that runs the cells the kernel sends.
 
-Started by `nanoddp.notebook.pool` as `python -m nanoddp.notebook.worker` in its own session
-(so the kernel's process-group signals do not reach it) with its settings on stdin, never in
-argv where `ps` would show the authkey. It connects back over an authenticated Unix socket,
-joins the process group, then loops: receive a cell, run it, stream its output, report.
+Started by `nanoddp.notebook.pool` as `python -m nanoddp.notebook.worker` would be, forked from
+the kernel's fork server (`worker_processes.start_worker`), in its own session (so the kernel's
+process-group signals do not reach it) with its settings on stdin, never in argv where `ps` would
+show the authkey; it dies with the kernel (`fork_server` ties a forked child to its launcher).
+It connects back over an authenticated Unix socket, joins the process group, then loops: receive
+a cell, run it, stream its output, report.
 
 Cells run like IPython runs them: the code is parsed once, every statement but the last is
 exec'd and a final expression is eval'd separately so its value can be shown. SIGINT raises
@@ -31,12 +33,10 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from nanoddp.base.processes import die_with_parent  # `-m nanoddp.notebook.worker` has loaded the package already
 from nanoddp.notebook.recovery import Inbox, abort_collectives, comm_in_flight, rebuild_group
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 1.0
 NO_VALUE = object()  # a cell whose last statement is not an expression
 RICH_REPRS = (
     ("_repr_html_", "text/html"),
@@ -368,26 +368,6 @@ def _error_info(exc: BaseException) -> dict[str, str]:
     return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": format_user_traceback(exc)}
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the kernel is gone: the fallback where PR_SET_PDEATHSIG is not available."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)
-
-
-def _exit_with_kernel(parent_pid: int, use_pdeathsig: bool) -> None:
-    """Linux kills us when the kernel dies; a watchdog thread covers everything else.
-
-    PR_SET_PDEATHSIG fires when the *thread* that started us exits, so the kernel asks for it
-    only when it spawned us from its main thread (which lives as long as the kernel).
-    """
-    if use_pdeathsig:
-        die_with_parent()
-    if os.getppid() != parent_pid:  # the kernel died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
-
-
 def _start(settings: dict[str, Any], channel: Channel) -> Worker:
     """Join the process group described by `settings` and build the rank's namespace."""
     import torch
@@ -409,11 +389,10 @@ def _start(settings: dict[str, Any], channel: Channel) -> Worker:
     return Worker(channel, env, settings["pg_timeout_s"])
 
 
-def main() -> int:
-    """Entry point of a worker process; settings arrive as JSON on stdin."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a worker process (it takes no arguments); settings arrive as JSON on stdin."""
     settings = json.loads(sys.stdin.read())
     sys.stdin = open(os.devnull)  # noqa: SIM115  (input() in a cell gets EOF, not a hang)
-    _exit_with_kernel(settings["parent_pid"], settings["pdeathsig"])
     # The kernel's inline backend cannot work here (no kernel in this process): render headless.
     os.environ["MPLBACKEND"] = "agg"
     # plt.show() has nothing to show under agg; figures are sent when the cell ends instead.

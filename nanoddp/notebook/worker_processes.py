@@ -4,9 +4,8 @@ one, and holding SIGINT while the kernel waits on its workers."""
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nanoddp import fork_server
+from nanoddp.fork_server import ForkedModule
 from nanoddp.notebook.handshake import PoolError
 
 
@@ -22,7 +23,7 @@ class WorkerHandle:
     """The kernel's view of one worker process."""
 
     rank: int
-    process: subprocess.Popen
+    process: ForkedModule
     conn: Connection | None = None
     device: str = "?"
     busy: bool = False  # the kernel's protocol view (a request is out); %dist_status asks the worker
@@ -70,14 +71,18 @@ def catch_sigint() -> Iterator[SigintFlag]:
         signal.signal(signal.SIGINT, previous)
 
 
-def spawn_worker(settings: dict[str, Any]) -> subprocess.Popen:
-    """`python -m nanoddp.notebook.worker` in its own session, settings (and key) on stdin."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nanoddp.notebook.worker"],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # the kernel's SIGINT to its process group must not hit us
-    )
-    assert process.stdin is not None  # stdin=PIPE
+WORKER_MODULE = "nanoddp.notebook.worker"
+
+
+def start_worker(settings: dict[str, Any]) -> ForkedModule:
+    """`python -m nanoddp.notebook.worker`, forked from the kernel's fork server: a fresh
+    interpreter started at the first pool's start, that imported torch and the worker once, so a
+    worker (and every later pool's) starts in a fraction of a second, not an import of torch.
+    In a session of its own (the kernel's SIGINT to its process group must not hit it), dying
+    with the kernel, its settings (and key) on stdin, writing where the kernel writes."""
+    fork_server.start([WORKER_MODULE])
+    process = ForkedModule(WORKER_MODULE, [], dict(os.environ), stdin_pipe=True, output_pipes=False)
+    assert process.stdin is not None  # stdin_pipe
     process.stdin.write(json.dumps(settings).encode())
     process.stdin.close()
     return process

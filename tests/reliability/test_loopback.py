@@ -29,6 +29,7 @@ import psutil
 import pytest
 import torch
 
+from nanoddp.bench.training_run import forked_child
 from nanoddp.env import DistEnv, all_ranks_here, pin_gloo_to_loopback
 from nanoddp.run import bootstrap
 
@@ -51,15 +52,9 @@ dist.destroy_process_group()
 
 
 def _nanoddp_run(args: list[str], timeout: float) -> tuple[int, str]:
-    """`python -m nanoddp.run ARGS` in its own session; every descendant killed at the end."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanoddp.run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    """`python -m nanoddp.run ARGS` in its own session, forked from the tests' fork server (its
+    workers are torchrun's fresh interpreters); every descendant killed at the end."""
+    proc = forked_child([sys.executable, "-m", "nanoddp.run", *args], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -157,15 +152,18 @@ if __name__ == "__main__":
     nanoddp.LAUNCHER(rank_main, 2, args=(sys.argv[1],), backend="gloo", timeout=300)
 """
 
-# What `%dist_init 2` starts: the pool returns once both workers have joined the group.
+# What `%dist_init 2` starts: the pool returns once both workers have joined the group. (Under the
+# main guard: its workers come from a fork server, and multiprocessing's children import the
+# main module, as with `launch`; a kernel's main module is ipykernel's launcher, guarded too.)
 POOL_SCRIPT = f"""
 import os, sys, time
 from nanoddp.notebook.pool import WorkerPool
-pool = WorkerPool(2, "gloo", ["cpu", "cpu"], num_threads=1, pg_timeout_s=60)
-pool.start(timeout_s=120)
-for rank in range(2):
-    open(os.path.join(sys.argv[1], f"rank{{rank}}"), "w").close()
-time.sleep({HOLD_S})
+if __name__ == "__main__":
+    pool = WorkerPool(2, "gloo", ["cpu", "cpu"], num_threads=1, pg_timeout_s=60)
+    pool.start(timeout_s=120)
+    for rank in range(2):
+        open(os.path.join(sys.argv[1], f"rank{{rank}}"), "w").close()
+    time.sleep({HOLD_S})
 """
 
 
