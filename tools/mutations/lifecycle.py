@@ -175,4 +175,11 @@ FAULTS = (
         "            if fd in ():",
         ("tests/multiproc/test_launch.py", "-k", "forked_from_its_launcher"),
     ),
+    Mutation(
+        "fork server: a forked child is not tied to its launcher (a notebook worker outlives its kernel)",
+        "nanoddp/fork_server.py",
+        "    die_with_launcher(launcher_pid)\n    if enter is not None:",
+        "    if enter is not None:",
+        ("tests/multiproc/test_notebook.py", "-k", "test_interrupt_then_kernel_death"),
+    ),
 )
