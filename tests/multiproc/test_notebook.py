@@ -243,6 +243,10 @@ def test_interrupt_then_kernel_death(tmp_path):
             assert f"[rank {rank}] after True" in text
         pids = [int(p) for p in re.findall(r"\[rank \d\] (\d+)\n", text)]
         assert len(pids) == WORLD_SIZE and all(_alive(p) for p in pids)
+        # The kernel dies while a cell runs: a worker in a cell reads no channel, so only its tie
+        # to the kernel (not the connection's end) can stop it before the cell would end.
+        sleeping = "%%distributed\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+        run_cell(kc, sleeping, until=lambda t: all(f"[rank {r}] sleeping" in t for r in range(WORLD_SIZE)))
     finally:
         kc.stop_channels()
         # SIGKILL: no atexit, no shutdown message; the workers must notice on their own.
