@@ -66,7 +66,6 @@ from rounds_replay import replay_rounds_run
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
-from nanoddp.fork_server import ForkedModule
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
@@ -155,10 +154,14 @@ def run(tmp_path_factory):
                  "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
                  "--collective-timeout", str(HELD_MAX_S)]  # fmt: skip
 
-        def launch(host: int) -> ForkedModule:
-            return hosts.fork(host, [*train, "--node-rank", str(host)])
+        def launch(host: int) -> subprocess.Popen:
+            """A fresh interpreter, not `hosts.fork`: forked launchers start in milliseconds, and
+            the holds below were tuned to launchers that take seconds (forked, a busy run once
+            left replicas out of quorums in a way the checks do not allow for)."""
+            argv = hosts.command(host, [*train, "--node-rank", str(host)])
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-        procs: list[ForkedModule] = []
+        procs: list[subprocess.Popen] = []
         outputs: list[OutputReader] = []
         helper = hosts.popen(0, [sys.executable, "-c", HEARTBEATS, f"http://{endpoint}"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, RUST_LOG="error"))  # fmt: skip
@@ -168,14 +171,14 @@ def run(tmp_path_factory):
             helper.stdin.flush()
             return helper.stdout.readline().strip()
 
-        def start_again(host: int) -> ForkedModule:
+        def start_again(host: int) -> subprocess.Popen:
             started = launch(host)  # the same command, on that host
             procs.append(started)
             outputs.append(OutputReader(started))
             assert tell("wait 0") == "ASKED"  # the new host's replica waits for a quorum
             return started
 
-        def kill_host(host: int, launcher: ForkedModule) -> str:
+        def kill_host(host: int, launcher: subprocess.Popen) -> str:
             """Every process of `host` SIGKILLed at once (the host is gone); its launcher's output."""
             hosts.kill(host)
             assert launcher.wait(timeout=30) == -signal.SIGKILL and not hosts.pids(host)
