@@ -237,16 +237,16 @@ class ForkedModule:
         ours: list[int] = []  # the ends this process keeps
         theirs: dict[int, int] = {}  # the child's ends, by the stream they become
         made: set[int] = set()  # the pipes' child ends, closed here once the child has its copies
-        for target in ((1,) if stderr_to_stdout else (1, 2)) if output_pipes else ():
-            read, write = os.pipe()
-            ours.append(read)
-            theirs[target] = write
-            made.add(write)
-        if stderr_to_stdout and output_pipes:
-            theirs[2] = theirs[1]
-        for target in () if output_pipes else (1, 2):  # Popen's stdout=None: what the launcher writes to
-            if _is_open(target):
-                theirs[target] = target
+        if output_pipes:
+            for target in (1,) if stderr_to_stdout else (1, 2):
+                read, write = os.pipe()
+                ours.append(read)
+                theirs[target] = write
+                made.add(write)
+            if stderr_to_stdout:
+                theirs[2] = theirs[1]
+        else:  # Popen's stdout=None: where the launcher writes
+            theirs.update({target: target for target in (1, 2) if _is_open(target)})
         stdin_write = None
         if stdin_pipe:
             theirs[0], stdin_write = os.pipe()

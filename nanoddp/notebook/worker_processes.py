@@ -76,10 +76,10 @@ WORKER_MODULE = "nanoddp.notebook.worker"
 
 def start_worker(settings: dict[str, Any]) -> ForkedModule:
     """`python -m nanoddp.notebook.worker`, forked from the kernel's fork server: a fresh
-    interpreter started at the first pool's start, that imported torch and the worker once, so a
-    worker (and every later pool's) starts in a fraction of a second, not an import of torch.
-    In a session of its own (the kernel's SIGINT to its process group must not hit it), dying
-    with the kernel, its settings (and key) on stdin, writing where the kernel writes."""
+    interpreter started at the first pool's start, that imported torch and the worker once, so no
+    worker of this or a later pool imports torch itself. In a session of its own (the kernel's
+    SIGINT to its process group must not hit it), dying with the kernel, its settings (and key)
+    on stdin, writing where the kernel writes."""
     fork_server.start([WORKER_MODULE])
     process = ForkedModule(WORKER_MODULE, [], dict(os.environ), stdin_pipe=True, output_pipes=False)
     assert process.stdin is not None  # stdin_pipe

@@ -210,7 +210,8 @@ def run(tmp_path_factory):
         try:
             started = time.monotonic()
             deadline = started + RUN_TIMEOUT_S
-            # the helper's imports take seconds on a busy machine; a forked launcher starts at once
+            # the helper's imports take seconds on a busy machine: the launchers start once they are
+            # done, so that the run cannot get far before the helper reaches the quorum service
             assert helper.stdout.readline().strip() == "IMPORTED"
             for host in (1, 0):  # host 1 first: it reads the quorum service before host 0's replica forms a group
                 procs.append(launch(host))
