@@ -49,6 +49,7 @@ from nanoddp.fork_server import ForkedModule
 logger = logging.getLogger(__name__)
 
 NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
+BRIDGE_PREFIX = "ndb"  # bridges: ndb<token> (a link's name has 15 characters at most)
 KILL_WAIT_S = 10.0
 CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) into a network namespace
 THIS_HOSTS_NETWORK = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
@@ -112,7 +113,7 @@ class NetnsHosts:
         remove_stale()
         token = secrets.token_hex(3)
         self.names = [f"{NAME_PREFIX}{os.getpid()}-{token}-{i}" for i in range(count)]
-        self.bridge = f"ndb{token}"
+        self.bridge = f"{BRIDGE_PREFIX}{token}"
         self._veths = [f"nd{token}v{i}" for i in range(count)]  # the bridge's ends (15 chars at most)
         subnet = ipaddress.ip_network(f"10.{200 + secrets.randbelow(55)}.{secrets.randbelow(256)}.0/24")
         self.addresses = [str(subnet.network_address + 1 + i) for i in range(count)]
@@ -251,16 +252,37 @@ def _kill_netns(name: str) -> None:
 
 
 def remove_stale() -> None:
-    """Remove the fabrics of makers that are gone (SIGKILLed before their `close()`)."""
+    """Remove the fabrics of makers that are gone (SIGKILLed before their `close()`): namespaces
+    named by a dead pid, then bridges with no namespace of their token left (a maker killed in
+    `close()` between deleting its namespaces and its bridge; a bridge's name has room for no pid)."""
+    bridges = _bridge_tokens()  # listed first: a maker adds its namespaces before its bridge
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    live_tokens = set()
     for line in done.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         parts = name[len(NAME_PREFIX) :].split("-") if name.startswith(NAME_PREFIX) else []
         if len(parts) != 3 or not parts[0].isdigit() or psutil.pid_exists(int(parts[0])):
+            live_tokens.update(parts[1:2])
             continue
         logger.info("removing namespace host %s left by a dead process", name)
         with contextlib.suppress(RuntimeError):
             _kill_netns(name)
         subprocess.run(["ip", "link", "del", f"nd{parts[1]}v{parts[2]}"], capture_output=True, timeout=30)
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", f"ndb{parts[1]}"], capture_output=True, timeout=30)
+    for token in bridges - live_tokens:
+        logger.info("removing bridge %s%s left by a dead process", BRIDGE_PREFIX, token)
+        subprocess.run(["ip", "link", "del", f"{BRIDGE_PREFIX}{token}"], capture_output=True, timeout=30)
+
+
+def _bridge_tokens() -> set[str]:
+    """The tokens of the fabric bridges on this machine (`ndb<6 hex digits>`)."""
+    done = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True, timeout=30)
+    names = [line.split(":")[1].strip().split("@")[0] for line in done.stdout.splitlines() if line.count(":") >= 2]
+    token_chars = set("0123456789abcdef")
+    return {
+        name[len(BRIDGE_PREFIX) :]
+        for name in names
+        if name.startswith(BRIDGE_PREFIX)
+        and len(name) == len(BRIDGE_PREFIX) + 6
+        and set(name[len(BRIDGE_PREFIX) :]) <= token_chars
+    }

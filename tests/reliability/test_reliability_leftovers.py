@@ -1,5 +1,5 @@
-"""No leftovers: the notebook's socket dir, `launch`'s and the agent's temp dirs do not outlive a
-killed process for longer than the next start. (That `bench restarts` and the runs it starts
+"""No leftovers: the notebook's socket dir, `launch`'s and the agent's temp dirs and namespace
+hosts do not outlive a killed process for longer than the next start. (That `bench restarts` and the runs it starts
 remove every temp dir, theirs and torchelastic's, is checked by tests/multiproc/test_torchrun.py's
 kill trial.)"""
 
@@ -154,3 +154,37 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 def _netns() -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return [line.split()[0] for line in listed.splitlines() if line.split()]
+
+
+@pytest.mark.timeout(120)
+def test_namespace_hosts_left_by_a_killed_maker_are_removed_by_the_next_one():
+    """A maker SIGKILLed mid-`close()` can leave a namespace named by its (dead) pid, or only its
+    bridge (namespaces deleted, bridge not yet): the next `NetnsHosts()` removes both, and leaves
+    a live maker's fabric alone."""
+    from nanoddp.bench.netns_hosts import BRIDGE_PREFIX, NAME_PREFIX, NetnsHosts, unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"namespace hosts: {unavailable_reason()}")
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale_netns, stale_bridge, orphan_bridge = f"{NAME_PREFIX}{dead.pid}-d0d0d0-0", "ndbd0d0d0", "ndbe1e1e1"
+    subprocess.run(["ip", "netns", "add", stale_netns], check=True, timeout=30)
+    try:
+        for bridge in (stale_bridge, orphan_bridge):
+            subprocess.run(["ip", "link", "add", "name", bridge, "type", "bridge"], check=True, timeout=30)
+        with NetnsHosts(1) as live, NetnsHosts(1) as next_one:  # its start sweeps
+            assert not {stale_netns} & set(_netns()) and live.names[0] in _netns()
+            assert _bridges() & {stale_bridge, orphan_bridge, live.bridge, next_one.bridge} == {
+                live.bridge,
+                next_one.bridge,
+            }
+        assert live.bridge.startswith(BRIDGE_PREFIX) and live.bridge not in _bridges()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale_netns], capture_output=True, timeout=30)
+        for bridge in (stale_bridge, orphan_bridge):
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
+
+
+def _bridges() -> set[str]:
+    listed = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True, timeout=30)
+    return {line.split(":")[1].strip() for line in listed.stdout.splitlines()}

@@ -90,4 +90,11 @@ FAULTS = (
         "enter=None",
         ("tests/multiproc/test_multinode_hosts.py", "-k", "static_backend"),
     ),
+    Mutation(
+        "netns hosts: a bridge whose namespaces are gone is never swept",
+        "nanoddp/bench/netns_hosts.py",
+        "    for token in bridges - live_tokens:\n",
+        "    for token in set():\n",
+        ("tests/reliability/test_reliability_leftovers.py", "-k", "namespace_hosts_left"),
+    ),
 )
