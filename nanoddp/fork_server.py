@@ -220,7 +220,8 @@ class ForkedModule:
     `enter`, a picklable callable, is the child's first act after its session: what a command
     prefix such as `ip netns exec NAME` would have done before the program (`NetnsHosts.fork`).
     `output_pipes=False` is Popen's `stdout=None, stderr=None`: the child writes where this
-    process writes, and `stdout` and `stderr` are None."""
+    process writes, and `stdout` and `stderr` are None. The fork server starts here if none runs
+    (`start`, `module` imported by it); one that runs already forks the child as it is."""
 
     def __init__(
         self,
@@ -234,6 +235,7 @@ class ForkedModule:
         enter: Callable[[], None] | None = None,
         output_pipes: bool = True,
     ) -> None:
+        start([module])
         ours: list[int] = []  # the ends this process keeps
         theirs: dict[int, int] = {}  # the child's ends, by the stream they become
         made: set[int] = set()  # the pipes' child ends, closed here once the child has its copies

@@ -84,6 +84,5 @@ def forked_child(
     if module is None:
         raise ValueError(f"forked=True runs `python -m MODULE ...`, got {list(argv)[:3]}")
     module = "nanoddp.cli" if module == "nanoddp" else module  # what nanoddp/__main__.py runs
-    fork_server.start([module])
     return fork_server.ForkedModule(module, argv[3:], dict(os.environ) if env is None else env, stdin_pipe=False,
                                     stderr_to_stdout=True, text=True, enter=enter)  # fmt: skip

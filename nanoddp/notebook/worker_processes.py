@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nanoddp import fork_server
 from nanoddp.fork_server import ForkedModule
 from nanoddp.notebook.handshake import PoolError
 
@@ -80,7 +79,6 @@ def start_worker(settings: dict[str, Any]) -> ForkedModule:
     worker of this or a later pool imports torch itself. In a session of its own (the kernel's
     SIGINT to its process group must not hit it), dying with the kernel, its settings (and key)
     on stdin, writing where the kernel writes."""
-    fork_server.start([WORKER_MODULE])
     process = ForkedModule(WORKER_MODULE, [], dict(os.environ), stdin_pipe=True, output_pipes=False)
     assert process.stdin is not None  # stdin_pipe
     process.stdin.write(json.dumps(settings).encode())
