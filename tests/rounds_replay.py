@@ -232,14 +232,15 @@ def replay_rounds_run(
     fragments: int = 1,
     mix: float = 0.0,
     sync_delay: int = 0,
+    model: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run on one gloo rank: the run whose `sync` records are `syncs` (the module doc), for the
-    tiny GPT of `FT_TINY_GPT` with the run's engine options. Returns the final model's state."""
+    tiny GPT of `FT_TINY_GPT` (`model` overrides its fields, as flags after it do) with the run's
+    engine options. Returns the final model's state."""
     streaming = {"fragments": fragments, "mix": mix, "sync_delay": sync_delay} if engine == "diloco" else {}
-    config = TrainConfig(
-        engine=engine, sync_every=sync_every, text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2, n_heads=2,
-        d_ff=64, batch_size=BATCH, warmup_steps=2, seed=0, steps=steps, **streaming,
-    )  # fmt: skip
+    tiny = {"text_max_bytes": 1900, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
+    config = TrainConfig(engine=engine, sync_every=sync_every, **{**tiny, **(model or {})}, batch_size=BATCH,
+                         warmup_steps=2, seed=0, steps=steps, **streaming)  # fmt: skip
     torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
     replay = RoundsReplay(env, engine, config, replicas, compress)
     for record in syncs:
