@@ -82,12 +82,14 @@ def launched(request, tmp_path_factory):
     return engine, out, run
 
 
-def _wait_for_record(proc, out, deadline: float, wanted) -> bool:
+def _wait_for_record(proc, out, deadline: float, wanted) -> dict | None:
+    """The first record `wanted` accepts, once written; None if the run ends or `deadline` passes first."""
     while proc.poll() is None and time.monotonic() < deadline:
-        if any(wanted(r) for r in _records(out)):
-            return True
+        found = [r for r in _records(out) if wanted(r)]
+        if found:
+            return found[0]
         time.sleep(0.002)
-    return False
+    return None
 
 
 def _records(out) -> list[dict]:
@@ -217,7 +219,7 @@ def lost_during_a_sync(tmp_path_factory):
                 for survivor in survivors:
                     os.kill(survivor, signal.SIGCONT)
             joined = lambda r: r.get("event") == "sync" and GROWER in r["replicas"]  # noqa: E731
-            return _wait_for_record(proc, out, deadline, joined)
+            return _wait_for_record(proc, out, deadline, joined) is not None
 
     try:
         run = run_training(command, out, timeout_s=240, during=kill_in_the_sync_then_grow, env=slow_link, forked=True)
@@ -386,13 +388,8 @@ def straggler(tmp_path_factory):
 
 
 def _sync_record(proc, out, step: int, deadline: float) -> dict | None:
-    """The record of the sync at `step`, once written; None if the run ends or `deadline` passes first."""
-    while proc.poll() is None and time.monotonic() < deadline:
-        found = [r for r in _records(out) if r.get("event") == "sync" and r["step"] == step]
-        if found:
-            return found[0]
-        time.sleep(0.002)
-    return None
+    """The record of the sync at `step` (`_wait_for_record`)."""
+    return _wait_for_record(proc, out, deadline, lambda r: r.get("event") == "sync" and r["step"] == step)
 
 
 def test_a_straggler_left_out_of_a_sync_heals_at_the_next_and_goes_on(straggler):
