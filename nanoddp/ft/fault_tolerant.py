@@ -54,7 +54,6 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,6 +69,7 @@ from nanoddp.ft.live_state import LiveState
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.replica_group import ReplicaGroup, own_world
+from nanoddp.ft.replica_members import group_store
 from nanoddp.ft.stopped import RunStopped, first_line
 
 logger = logging.getLogger(__name__)
@@ -109,11 +109,15 @@ class FaultTolerant:
         self._sum_pieces = WeightedPieceSum()
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
-        own_world(timedelta(seconds=self.env.timeout_s))  # the replica's default group, if none yet
+        own_world(self.env)  # the replica's default group, if none yet
         self.world = ReplicaGroup(self.env.timeout_s)
-        # torchft keeps a replica group's own address book in a store; ours is a group of one, on
-        # the address the run gave this replica (the quorum hands it to the others: `ReplicaEnv.address`).
-        self._store = bound_store(self.env.address, 0, rank=0, world_size=1)
+        # torchft keeps a replica group's own address book in a store, on the address the run gave
+        # this replica (the quorum hands it to the others: `ReplicaEnv.address`): a group of one's
+        # own, or the one its G members share (`replica_members`).
+        if self.env.group_size == 1:
+            self._store = bound_store(self.env.address, 0, rank=0, world_size=1)
+        else:
+            self._store = group_store(self.env)
         self.metrics = RecordWriter(self.env.out)
         state = LiveState(model, optimizer, self.history, extra_state)
         state.holds_state = not self.env.joiner  # a first process built or resumed it; a joiner has nothing yet
@@ -156,9 +160,20 @@ class FaultTolerant:
         return self.world.group()
 
     @property
-    def is_master(self) -> bool:
-        """Rank 0 of the current group: the one that writes step records."""
+    def first_replica(self) -> bool:
+        """This process is in the replica of rank 0 in the current group (every member of it, with
+        `--group-size`): the replica that writes the run's files (a sharded snapshot is theirs)."""
         return self.rank == 0
+
+    @property
+    def is_master(self) -> bool:
+        """The first replica's rank 0: the one process that writes step records and says the lines."""
+        return self.rank == 0 and self.env.group_rank == 0
+
+    def replica_piece(self, step: int) -> torch.Tensor:
+        """The dataset indices of this replica's piece of step `step`'s global batch (all its
+        members', with `--group-size`: the trainer splits it among them)."""
+        return self.batches.indices(step)[share(self.batches.batch_size, self.rank, self.world_size)]
 
     def resume_at(self, step: int, history: list[int]) -> None:
         """Start at `step` (a snapshot's): `history` is the world size of each step before it.
@@ -321,11 +336,14 @@ class FaultTolerant:
             time.sleep(0.05)
             self.manager.start_quorum()
         self._started = True
-        logger.info("group of %d replicas formed", self.world_size)
+        if self.env.group_rank == 0:
+            logger.info("group of %d replicas formed", self.world_size)
 
     def _note_membership(self) -> None:
         """One log line and one record per change, from the first survivor (a joiner knows no
         previous group, so it never writes)."""
+        if self.env.group_rank:  # each member sees the change in its own group across the replicas
+            return
         now = self.world.processes
         survivors = [p for p in now if p in self._members]
         if not survivors or survivors[0] != self.world.process:
@@ -342,7 +360,7 @@ class FaultTolerant:
     # -- 2. the data --------------------------------------------------------------------------
     def batch_for(self, step: int) -> torch.Tensor:
         """The dataset indices of this rank's piece of step `step`'s global batch."""
-        return self.batches.indices(step)[share(self.batches.batch_size, self.rank, self.world_size)]
+        return self.replica_piece(step)
 
     # -- 4. the average -----------------------------------------------------------------------
     def average_gradients(self, loss: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> float | None:

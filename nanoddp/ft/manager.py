@@ -1,10 +1,12 @@
 """torchft's Manager as both fault-tolerant step loops make it: `nanoddp.ft.FaultTolerant` and
 the torchft-DDP loop `nanoddp bench restarts` compares it with (`nanoddp.bench.torchft_ddp`).
 
-One replica group is one process, so each Manager is rank 0 of a group of one, with a store of
-its own on the replica's address (`ReplicaEnv.address`: loopback on one node, the host's own
-address across hosts); what differs between the two loops (the process group, the state,
-whether a replica heals before the step) is passed in.
+Each process of a replica group has a Manager of its rank in the group: one process per replica
+by default (rank 0 of a group of one), G with `--group-size G`, whose rank 0's Manager alone talks
+to the quorum service for the group. Its store is the group's, on the replica's address
+(`ReplicaEnv.address`: loopback on one node, the host's own address across hosts); what differs
+between the two loops (the process group, the state, whether a replica heals before the step) is
+passed in.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ def make_manager(
             timeout=timeout,
             quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=env.group_rank,  # its replica group's members: one Manager each, one quorum for them all
+            world_size=env.group_size,
             store_addr=env.address,  # the group store listens there (`FaultTolerant`)
             hostname=url_host(env.address),  # the address its server gives the others: where it listens
             store_port=store_port,

@@ -52,7 +52,7 @@ class Placement:
     """This launcher's replicas and addresses (see the module docstring). Immutable."""
 
     nproc: int
-    """Replicas this launcher plays (one process each)."""
+    """Replicas this launcher plays (one process each, or a group of `--group-size` processes)."""
     min_replicas: int
     """The fewest replicas a quorum (and so a step) may have."""
     nnodes: int = 1
@@ -112,15 +112,19 @@ def _hosts(nnodes_text: str) -> tuple[int, int | None]:
 
 def placement_for(args: argparse.Namespace, nproc: int, group_size: int | None = None) -> Placement:
     """This launcher's `Placement` from the launch flags (`--nnodes`, `--node-rank`,
-    `--rdzv-endpoint`, `--lighthouse`, `--min-replicas`, `--max-replicas`; `group_size`:
-    `nanoddp train`'s `--group-size`); a one-line ValueError for the first flag that does not fit."""
+    `--rdzv-endpoint`, `--lighthouse`, `--min-replicas`, `--max-replicas`; `nproc`: the processes
+    of each host; `group_size`: `nanoddp train`'s `--group-size`, the processes of each replica,
+    default 1); a one-line ValueError for the first flag that does not fit. The replica counts
+    (`--min-replicas`, `--max-replicas`) count replica groups."""
     nnodes, most_hosts = _hosts(str(args.nnodes))
     node_rank = args.node_rank
-    if group_size not in (None, 1):
+    group_size = group_size or 1
+    if group_size < 1 or nproc % group_size:
         raise ValueError(
-            f"--on-failure continue runs one-rank replicas (--group-size 1), got --group-size {group_size}; "
-            "replica groups of several ranks (HSDP inside a host) come later: drop --group-size"
+            f"--group-size {group_size} (processes per replica group) must divide --nproc {nproc} (the processes "
+            f"of each host) into whole groups; use a divisor of {nproc}, e.g. {nproc} (a host is one replica group)"
         )
+    nproc //= group_size  # from here on: the replicas of each host
     replicas = nnodes * nproc
     max_replicas = _max_replicas(getattr(args, "max_replicas", None), most_hosts, nnodes, nproc)
     if not 0 <= node_rank < max_replicas // nproc:

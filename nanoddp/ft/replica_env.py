@@ -65,10 +65,17 @@ class ReplicaEnv:
     join: bool = False
     """Its host's launcher started while the run was under way (a host lost and started again):
     a joiner from its first process on."""
+    group_rank: int = 0
+    """This process's rank in its replica group (`--group-size`; set in the process by
+    `nanoddp.ft.replica_members.start_members`, not by the launcher)."""
+    group_size: int = 1
+    """The processes of this replica group: 1, or G under `--group-size G`."""
+    store_port: int = 0
+    """The port of the replica group's store on `address` (G > 1; its rank 0 serves it)."""
 
     def beat_path(self) -> str | None:
-        """The file this replica touches at every step boundary, or None."""
-        return None if self.beats is None else os.path.join(self.beats, f"replica-{self.replica}")
+        """The file this replica touches at every step boundary (its group's rank 0), or None."""
+        return None if self.beats is None or self.group_rank else os.path.join(self.beats, f"replica-{self.replica}")
 
     def __post_init__(self) -> None:
         if self.max_replicas and self.max_replicas < self.replicas:

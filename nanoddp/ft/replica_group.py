@@ -29,17 +29,26 @@ from nanoddp.comm.transport.runner import forget_group
 from nanoddp.comm.transport.transport import Waitable, send_on
 from nanoddp.env import pin_gloo_to_loopback
 from nanoddp.ft.manager import torchft_modules
+from nanoddp.ft.replica_env import ReplicaEnv
+from nanoddp.ft.replica_members import group_store
 
 logger = logging.getLogger(__name__)
 
 
-def own_world(timeout: timedelta) -> None:
+def own_world(env: ReplicaEnv) -> None:
     """This replica's default group, made once per process and never rebuilt: a one-rank gloo
-    world over an in-memory store (one rank has nobody to meet: nothing listens for it). A
+    world over an in-memory store (one rank has nobody to meet: nothing listens for it), or with
+    `--group-size G` the G members' world over their group's store (`replica_members`). A
     default group the process made itself is kept."""
-    if not dist.is_initialized():
-        pin_gloo_to_loopback()  # loopback on one node; across hosts the launcher set the host's interface
+    if dist.is_initialized():
+        return
+    pin_gloo_to_loopback()  # loopback on one node; across hosts the launcher set the host's interface
+    timeout = timedelta(seconds=env.timeout_s)
+    if env.group_size == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    store = dist.PrefixStore("nanoddp/world", group_store(env))
+    dist.init_process_group("gloo", store=store, rank=env.group_rank, world_size=env.group_size, timeout=timeout)
 
 
 class ReplicaGroup:

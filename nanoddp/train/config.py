@@ -247,10 +247,11 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
             f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp or hsdp"
         )
     if config.group_size is not None:
-        if config.engine != "hsdp":
+        groups_under_continue = config.on_failure == "continue" and config.engine in ("nanoddp", "zero1", "zero2")
+        if config.engine != "hsdp" and not groups_under_continue:
             raise ValueError(
-                f"--group-size (ranks per replica group) applies to --engine hsdp, not {config.engine!r}: "
-                "drop --group-size or use --engine hsdp"
+                f"--group-size (ranks per replica group) applies to --engine hsdp (and, under --on-failure "
+                f"continue, nanoddp, zero1 and zero2), not {config.engine!r}: drop --group-size or use --engine hsdp"
             )
         check_group_size(config.group_size, world_size)
     _validate_engine_options(config)

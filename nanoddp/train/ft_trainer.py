@@ -46,7 +46,6 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +53,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from nanoddp.base.limits import STOP_GRACE_S
 from nanoddp.base.rng import restore_rng_state
+from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
 from nanoddp.dataclass_cli import add_dataclass_args, config_from_args
 from nanoddp.env import DistEnv
 from nanoddp.ft import FaultTolerant, ReplicaEnv
 from nanoddp.ft.global_batches import share
 from nanoddp.ft.replica_env import become_replica
 from nanoddp.ft.replica_group import own_world
+from nanoddp.ft.replica_members import start_members, wait_for_members
 from nanoddp.ft.rounds import FaultTolerantRounds
 from nanoddp.ft.stopped import RunStopped, run_replica
 from nanoddp.train import step_check
@@ -69,56 +71,15 @@ from nanoddp.train.config import TrainConfig, filled, threads_per_rank
 from nanoddp.train.data.batch_rules import batch_loss_for
 from nanoddp.train.data.sampler import ResumableDistributedSampler
 from nanoddp.train.engines import prepare_model
+from nanoddp.train.ft_checks import LOWCOMM_ENGINES
 from nanoddp.train.metrics import MetricsLogger, format_log_line
 from nanoddp.train.recipe import build_job
 from nanoddp.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_trainer"  # what the supervisor runs once per replica
-CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "hsdp", "localsgd", "diloco")
-LOWCOMM_ENGINES = ("localsgd", "diloco")  # a quorum per round of --sync-every steps (`nanoddp.ft.rounds`)
 CPU = torch.device("cpu")
-
-
-def check_continue(config: TrainConfig) -> None:
-    """What `--on-failure continue` covers today; anything else is refused with the way out."""
-    if config.engine == "fsdp":
-        raise ValueError(
-            "--engine fsdp shards the model over every replica, so a lost replica takes weights that exist "
-            "nowhere else and --on-failure continue could not go on without them: use --engine hsdp (sharded "
-            "inside each replica, whole across replicas), or --on-failure restart"
-        )
-    if config.engine not in CONTINUE_ENGINES:
-        raise ValueError(
-            f"--on-failure continue supports --engine {', '.join(CONTINUE_ENGINES)}, got {config.engine!r}; "
-            "use one of those, or --on-failure restart"
-        )
-    if config.group_size not in (None, 1):
-        raise ValueError(
-            f"--group-size {config.group_size}: under --on-failure continue each replica is one process "
-            "(--group-size 1); drop it, or use --on-failure restart"
-        )
-    if config.engine in LOWCOMM_ENGINES:
-        check_continue_rounds(config)
-    unsupported = {"compile": config.compile, "trace": config.trace is not None}
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        flags = ", ".join("--" + name.replace("_", "-") for name in named)
-        raise ValueError(f"--on-failure continue does not support {flags} yet: drop them or use --on-failure restart")
-
-
-def check_continue_rounds(config: TrainConfig) -> None:
-    """localsgd and diloco under continue: a quorum per sync (`nanoddp.ft.rounds`: Streaming
-    DiLoCo's fragments, delay and mix, any `--pseudo-grad-dtype`), and the boundary work at the
-    syncs that end a round."""
-    sync_every = filled(config.sync_every)
-    for flag, every in (("--snapshot-every", config.snapshot_every), ("--eval-every", config.eval_every)):
-        if every > 0 and every % sync_every:
-            raise ValueError(
-                f"{flag} {every} with --engine {config.engine} --sync-every {sync_every} under --on-failure continue: "
-                f"snapshots and evaluations happen at syncs, where the replicas agree; use a multiple of {sync_every} "
-                "(or 0)"
-            )
+MEMBER_GONE_S = 2.0  # how long a failed group's rank 0 waits to learn that a member died first
 
 
 class FaultTolerantTrainer(Trainer):
@@ -130,13 +91,16 @@ class FaultTolerantTrainer(Trainer):
     @classmethod
     def for_replica(cls, config: TrainConfig, replica: ReplicaEnv) -> FaultTolerantTrainer:
         """The replica's trainer: `nanoddp train`'s job, resumed per `--resume` unless a joiner."""
-        # FT: the replica's own one-rank default group first: zero1's optimizer and every engine
-        # are built over it, as the restart path builds them over torchrun's world.
-        own_world(timedelta(seconds=replica.timeout_s))
+        # FT: the replica's own default group first (one process, or its --group-size members,
+        # forked here): zero1's optimizer and every engine are built over it, as the restart path
+        # builds them over torchrun's world.
+        replica = start_members(replica, config.group_size or 1)
+        own_world(replica)
         job = build_job(config)  # identical weights on every replica (init_sync makes sure)
         trainer = cls.__new__(cls)
         trainer._lock_fd, trainer.replica = None, replica  # the launcher holds the run directory
-        env = DistEnv(0, 0, 1, 1, 0, CPU, "gloo")
+        group_rank, group_size = replica.group_rank, replica.group_size
+        env = DistEnv(group_rank, group_rank, group_size, group_size, 0, CPU, "gloo")
         datasets = (job.train_set, job.val_set)
         trainer._setup(config, env, job.module, job.optimizer, job.scheduler, datasets, batch_loss_for(None), None)
         return trainer
@@ -146,9 +110,9 @@ class FaultTolerantTrainer(Trainer):
         # samples) and with the engine in its cross-replica form.
         self.env, self.config, self.run_dir = env, config, Path(filled(config.out))
         self.train_set, self.val_set = datasets
-        replicas = self.replica.replicas
-        self.micro_batch = filled(config.batch_size) // (replicas * config.grad_accum)  # sizes the evaluation's
-        self.threads = threads_per_rank(config, replicas)
+        processes = self.replica.replicas * env.world_size
+        self.micro_batch = filled(config.batch_size) // (processes * config.grad_accum)  # sizes the evaluation's
+        self.threads = threads_per_rank(config, processes)
         torch.set_num_threads(self.threads)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self.batch_loss, self.collate_fn = batch_loss, collate_fn or default_collate
@@ -186,14 +150,14 @@ class FaultTolerantTrainer(Trainer):
         )
         if self.resumed_from is not None:
             self.ft.resume_at(self.step, self._history)
-            if self.replica.replica == 0:
+            if self.replica.replica == 0 and env.is_master:
                 self.ft.metrics.truncate_after(self.step)  # the steps after the snapshot are redone and logged again
-        if self.replica.replica == 0 and not self.replica.joiner:
+        if self.replica.replica == 0 and env.is_master and not self.replica.joiner:
             logger.info("%s", engine_line(config.engine, self.engine))
 
     @property
     def is_master(self) -> bool:
-        return self.ft.is_master  # FT: rank 0 of the group across the replicas writes the run's files
+        return self.ft.is_master  # FT: the first replica's rank 0 writes the run's files
 
     @property
     def world_size(self) -> int:
@@ -264,21 +228,29 @@ class FaultTolerantTrainer(Trainer):
         return self.ft.last_record
 
     def _micro_batches(self, step: int) -> Iterator[tuple[Any, float]]:
-        """This replica's piece of step `step`'s global batch, cut into `--grad-accum` contiguous
-        micro-batches (`share`), each with its weight: its size over the mean micro-batch's, so
-        that the step's gradient is the piece's mean (exactly 1 when they are of one size)."""
-        piece, count = self.ft.batch_for(step), self.config.grad_accum
-        for micro in range(count):
-            indices = piece[share(len(piece), micro, count)]
-            yield default_collate([self.train_set[i] for i in indices.tolist()]), len(indices) * count / len(piece)
+        """This process's micro-batches of step `step`: its replica's piece of the global batch
+        cut into `--group-size` x `--grad-accum` contiguous micro-batches (`share`), member g taking
+        the g-th run of `--grad-accum`, each with its weight: its size over the mean micro-batch's,
+        so that the replica's gradient, averaged over its members by the engine, is the piece's
+        mean (every weight exactly 1 when they are of one size)."""
+        piece, count = self.ft.replica_piece(step), self.config.grad_accum
+        units, first = self.env.world_size * count, self.env.rank * count
+        for micro in range(first, first + count):
+            indices = piece[share(len(piece), micro, units)]
+            yield default_collate([self.train_set[i] for i in indices.tolist()]), len(indices) * units / len(piece)
 
     def _piece_loss(self, micro_batches: list) -> torch.Tensor:
-        """Forward and backward over this replica's piece (the Trainer's micro-steps, the engine's
-        own sync on the last); returns the piece's mean loss."""
+        """Forward and backward over this process's micro-batches (the Trainer's micro-steps, the
+        engine's own sync on the last); returns the replica's piece's mean loss (its members'
+        means averaged, summed in rank order: the same bits on every member)."""
         loss = torch.zeros(())
         for micro, (batch, weight) in enumerate(micro_batches):
             loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
-        return loss / len(micro_batches)
+        loss /= len(micro_batches)
+        if self.env.world_size > 1:
+            all_reduce_in_rank_order(loss.view(1), None)
+            loss /= self.env.world_size
+        return loss
 
     def _run_step(self, batches: Iterator) -> torch.Tensor | None:
         # FT: forward and backward are the Trainer's (its micro-steps, the engine's own sync); then
@@ -340,15 +312,16 @@ class FaultTolerantTrainer(Trainer):
         group (a collective: a failure in it is a failed step), when due."""
         ft = self.ft
         self.step = step  # a joiner arrives here healed to its peers' step
-        self.metrics = self._metrics if ft.is_master else None
+        self.metrics = self._metrics if self.is_master else None
         if step <= self._start_step:
             return
         final = step >= self.config.steps
         if final or _every(step, self.config.snapshot_every):
             self._place_sampler()
-            if ft.is_master:
+            if ft.first_replica:  # every member of it: a sharded replica's snapshot is a collective
                 self._save_snapshot()
-                logger.info("snapshot %s", snapshot.snapshot_path(self.run_dir / "snapshots", step))
+                if self.is_master:
+                    logger.info("snapshot %s", snapshot.snapshot_path(self.run_dir / "snapshots", step))
             elif self._last_step_finite:  # what the writer keeps from pruning, should this replica write next
                 self._newest_finite_snapshot = step
         if final or _every(step, self.config.eval_every):
@@ -416,7 +389,15 @@ def start_replica(argv: list[str] | None, module: str) -> tuple[TrainConfig, Rep
 def main(argv: list[str] | None = None) -> int:
     """One replica: `python -m nanoddp.train.ft_trainer FLAGS...` (`nanoddp train`'s flags); a
     stopped run is one line and `STOPPED_EXIT_CODE` (`nanoddp.ft.stopped`)."""
-    return run_replica(lambda: FaultTolerantTrainer.for_replica(*start_replica(argv, WORKER_MODULE)).train())
+    try:
+        code = run_replica(lambda: FaultTolerantTrainer.for_replica(*start_replica(argv, WORKER_MODULE)).train())
+    except BaseException:
+        # A member lost under a collective of the group fails it here first: its watch says so in
+        # one line (and ends this process) once it has seen the member gone.
+        wait_for_members(MEMBER_GONE_S)
+        raise
+    wait_for_members(STOP_GRACE_S)  # a replica group's rank 0 ends after its members
+    return code
 
 
 if __name__ == "__main__":

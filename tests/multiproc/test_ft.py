@@ -404,7 +404,7 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
 
 def test_train_continue_refuses_what_it_does_not_cover():
     from nanoddp.train.config import TrainConfig
-    from nanoddp.train.ft_trainer import check_continue
+    from nanoddp.train.ft_checks import check_continue
 
     with pytest.raises(
         ValueError, match="supports --engine nanoddp, zero1, zero2, hsdp, localsgd, diloco, got 'single'"
@@ -415,8 +415,10 @@ def test_train_continue_refuses_what_it_does_not_cover():
     # fsdp shards over every replica: a lost one takes weights that exist nowhere else
     with pytest.raises(ValueError, match="weights that exist nowhere else .*--engine hsdp .*--on-failure restart"):
         check_continue(TrainConfig(engine="fsdp", on_failure="continue"))
-    with pytest.raises(ValueError, match="--group-size 2: under --on-failure continue each replica is one process"):
-        check_continue(TrainConfig(engine="hsdp", group_size=2, on_failure="continue"))
+    # replica groups of several processes: the per-step engines, not the rounds ones
+    check_continue(TrainConfig(engine="hsdp", group_size=2, on_failure="continue"))
+    with pytest.raises(ValueError, match="--group-size 2 with --engine localsgd: .* each localsgd replica is one"):
+        check_continue(TrainConfig(engine="localsgd", group_size=2, on_failure="continue"))
     check_continue(TrainConfig(engine="hsdp", grad_accum=2, amp="bf16", on_failure="continue"))  # accepted
     # localsgd/diloco: a quorum per round (nanoddp.ft.rounds), whole-model syncs, boundary work at syncs
     check_continue(TrainConfig(engine="localsgd", sync_every=3, snapshot_every=6, eval_every=0, on_failure="continue"))

@@ -47,7 +47,7 @@ def _args(**given) -> argparse.Namespace:
          r"--min-replicas must be in 1\.\.4 \(the run's replicas: --nnodes 2 x --nproc 2\), got 5"),
         ({"min_replicas": 0}, 3, None, r"--min-replicas must be in 1\.\.3"),
         ({"nnodes": "2"}, 1, None, "needs --rdzv-endpoint HOST:PORT .* or --lighthouse HOST:PORT"),
-        ({}, 2, 2, "runs one-rank replicas .*got --group-size 2; replica groups of several ranks .* come later"),
+        ({}, 3, 2, r"^--group-size 2 \(processes per replica group\) must divide --nproc 3 \(the processes of each"),
         ({"nnodes": "2", "rdzv_endpoint": "node0:"}, 1, None, "^--rdzv-endpoint must be HOST:PORT"),
         ({"nnodes": "2", "lighthouse": "lh:http"}, 1, None, "^--lighthouse must be HOST:PORT"),
         ({"nnodes": "2", "lighthouse": "no-such-host.invalid:1"}, 1, None,
@@ -133,7 +133,8 @@ def test_the_cli_refuses_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="^--max-replicas applies to --on-failure continue"):
         check_train_argv([*tiny, "--max-replicas", "3"])
     growing = [*tiny, "--on-failure", "continue", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29513"]
-    with pytest.raises(ValueError, match=r"^batch_size=12 \(global\) cannot be split over 13 replicas x grad_accum 1"):
+    split = r"^batch_size=12 \(global\) cannot be split over 13 processes \(replicas x --group-size\) x grad_accum 1"
+    with pytest.raises(ValueError, match=split):
         check_train_argv([*growing, "--nproc", "1", "--max-replicas", "13"])
     with pytest.raises(ValueError, match=r"--node-rank must be in 0\.\.2 .*got 3"):
         check_train_argv([*growing, "--nproc", "1", "--nnodes", "2:3", "--node-rank", "3"])

@@ -222,17 +222,24 @@ def prepare_launch(
     placement = None
     if config.on_failure == "continue":  # refused here, before any process starts
         from nanoddp.ft.placement import placement_for
-        from nanoddp.train.ft_trainer import check_continue
+        from nanoddp.train.ft_checks import check_continue, continue_group_size
 
+        across_hosts = bool(args.rdzv_endpoint or getattr(args, "lighthouse", ""))
+        group_size = continue_group_size(config, nproc, across_hosts)
+        if group_size > 1:  # the replicas fork their members by it (`nanoddp.ft.replica_members`)
+            config = dataclasses.replace(config, group_size=group_size)
         check_continue(config)
-        placement = placement_for(args, nproc, config.group_size)
-        _check_growth(config, placement.most_replicas)
+        placement = placement_for(args, nproc, group_size)
+        _check_growth(config, placement.most_replicas * group_size)
     else:
         from nanoddp.ft.placement import refuse_continue_flags
 
         refuse_continue_flags(args)
     # under continue the run starts with --nnodes hosts' replicas (a grower splits the same global batch finer)
-    world_size = placement.replicas if placement is not None else nproc * _max_nodes(args.nnodes)
+    if placement is not None:  # the processes of the replicas the run starts with
+        world_size = placement.replicas * (config.group_size or 1)
+    else:
+        world_size = nproc * _max_nodes(args.nnodes)
     validate(config, world_size)
     preflight.check_worker_environ()
     if start_rank_server:
@@ -257,14 +264,16 @@ def _start_rank_server(config: TrainConfig) -> None:
         agent.start_worker_server()
 
 
-def _check_growth(config: TrainConfig, most_replicas: int) -> None:
-    """Under continue each replica's piece of a step's global batch is split into --grad-accum
-    micro-batches: at the most replicas the run may grow to, every micro-batch must hold a sample."""
-    batch_size, per_step = filled(config.batch_size), most_replicas * config.grad_accum
+def _check_growth(config: TrainConfig, most_processes: int) -> None:
+    """Under continue each replica's piece of a step's global batch is split over its processes'
+    --grad-accum micro-batches: at the most processes the run may grow to, every micro-batch must
+    hold a sample."""
+    batch_size, per_step = filled(config.batch_size), most_processes * config.grad_accum
     if batch_size < per_step:
         raise ValueError(
-            f"batch_size={batch_size} (global) cannot be split over {most_replicas} replicas x grad_accum "
-            f"{config.grad_accum} = {per_step} (the most the run may grow to); use --batch-size {per_step} or more"
+            f"batch_size={batch_size} (global) cannot be split over {most_processes} processes (replicas x "
+            f"--group-size) x grad_accum {config.grad_accum} = {per_step} (the most the run may grow to); use "
+            f"--batch-size {per_step} or more"
         )
 
 
@@ -312,7 +321,7 @@ def _run_fault_tolerant(args: argparse.Namespace, config: TrainConfig, nproc: in
     out = filled(config.out)
     shared_out = (lambda: _check_shared_out(out)) if args.node_rank > 0 and not args.lighthouse else None
     command = [sys.executable, "-m", FT_WORKER, *to_argv(config)]
-    launch = Launch(command, nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train",
+    launch = Launch(command, placement.nproc, args.max_restarts, config.collective_timeout, config.out, "nanoddp train",
                     warm_spare=config.warm_spare, placement=placement, wait_s=args.rdzv_timeout,
                     on_found=shared_out)  # fmt: skip
     return supervise(launch)
