@@ -378,15 +378,18 @@ def replay_continue_run(
 def replay_engine_run(
     env: DistEnv, history: list[int], engine: str, replicas: int, amp: str = "off", grad_accum: int = 1
 ) -> dict[str, torch.Tensor]:
-    """Run on one gloo rank (`run_on_ranks(replay_engine_run, 1, ...)`): the built-in job of
-    `FT_TINY_GPT` trained with `engine` as one process of the restart path builds it (the registry's
-    class over a one-rank world), each step as `--on-failure continue --engine ENGINE` runs it over
-    the world sizes of `history`: every replica's piece in turn (`--grad-accum` contiguous
-    micro-batches of it, each micro-loss weighted by its size over the mean micro-batch's, `--amp`
-    autocast), the engine's `cross_replica_grads()` weighted by the piece's share and added in rank
-    order, written back, `finish_cross_replica()`, the engine's clip, AdamW (through fp16's
-    GradScaler), the schedule. Returns the whole model's state."""
+    """Run on G gloo ranks (`run_on_ranks(replay_engine_run, G, ...)`, G = `--group-size`: the
+    members of one replica group, 1 by default): the built-in job of `FT_TINY_GPT` trained with
+    `engine` as the restart path builds it (the registry's class over the G-rank world), each step
+    as `--on-failure continue --engine ENGINE` runs it over the world sizes of `history`: every
+    replica's piece in turn (cut into G x `--grad-accum` contiguous micro-batches, member g taking
+    the g-th run of `--grad-accum`, each micro-loss weighted by its size over the mean
+    micro-batch's, `--amp` autocast; the engine averages over the G members as in the run), the
+    engine's `cross_replica_grads()` weighted by the piece's share and added in replica order,
+    written back, `finish_cross_replica()`, the engine's clip, AdamW (through the trainer's
+    GradScaler for fp16), the schedule. Returns the whole model's state."""
     from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
+    from nanoddp.parallel.grad_scaler import ShardedGradScaler
     from nanoddp.train.config import threads_per_rank
     from nanoddp.train.engines import AMP_DTYPES, build_engine, prepare_model
     from nanoddp.train.recipe import build_job
@@ -395,34 +398,49 @@ def replay_engine_run(
         engine=engine, amp=amp, grad_accum=grad_accum, text_max_bytes=1900, seq_len=16, d_model=32, n_layers=2,
         n_heads=2, d_ff=64, batch_size=12, warmup_steps=2, seed=0, steps=len(history),
     )  # fmt: skip
-    torch.set_num_threads(threads_per_rank(config, replicas))  # what the replicas ran with: matmuls split by it
+    group_size = env.world_size
+    torch.set_num_threads(threads_per_rank(config, replicas * group_size))  # as in the run: matmuls split by it
     job = build_job(config)
     prepare_model(config, job.module, job.optimizer, env)
     built = build_engine(engine, job.module, env)
     optimizer = built.wrap_optimizer(job.optimizer, config)
     built.use_cross_replica()
-    scaler = torch.amp.GradScaler("cpu", enabled=amp == "fp16")
+    # DDP's shards follow its buckets, which it rebuilds at its second forward: another replica's
+    # piece in the same step may have other buckets. Summing the whole averaged gradients instead
+    # adds the same elements in the same order, whatever the buckets.
+    whole_grads = group_size > 1 and getattr(built, "cross_shards", None) is not None
+
+    def summed() -> list[torch.Tensor]:  # the buffers a replica's pieces are summed in
+        return [p.grad.view(-1) for p in built.module.parameters()] if whole_grads else built.cross_replica_grads()
+
+    per_rank_grads = built.sharded or built.local_gradients  # the trainer's choice of scaler
+    scaler = (ShardedGradScaler if per_rank_grads else torch.amp.GradScaler)("cpu", enabled=amp == "fp16")
     batches = GlobalBatches(len(job.train_set), 12, 0)
     for step, world_size in enumerate(history):
         total = None
         for rank in range(world_size):
             piece = batches.indices(step)[share(12, rank, world_size)]
             optimizer.zero_grad(set_to_none=True)
-            for micro in range(grad_accum):
-                indices = piece[share(len(piece), micro, grad_accum)]
-                weight = len(indices) * grad_accum / len(piece)
+            units = group_size * grad_accum
+            for micro in range(env.rank * grad_accum, (env.rank + 1) * grad_accum):
+                indices = piece[share(len(piece), micro, units)]
+                weight = len(indices) * units / len(piece)
                 batch = torch.utils.data.default_collate([job.train_set[i] for i in indices.tolist()])
-                with built.micro_step(micro == grad_accum - 1):
+                with built.micro_step(micro == (env.rank + 1) * grad_accum - 1):
                     with torch.autocast("cpu", dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off"):
                         loss = built.model(*batch)[-1]  # GPT returns (logits, loss)
                     scaler.scale((loss if weight == 1.0 else loss * weight) / grad_accum).backward()
-            flat = torch.cat(built.cross_replica_grads()) * piece_weight(12, rank, world_size)
+            if whole_grads:  # the group's average gathered now: the same elements, in parameter order
+                built.finish_cross_replica()
+            flat = torch.cat(summed()) * piece_weight(12, rank, world_size)
             total = flat if total is None else total + flat
+            built.end_step()  # as each replica's step ends (DDP: its shards go)
         at = 0
-        for buffer in built.cross_replica_grads():
+        for buffer in summed():
             buffer.copy_(total[at : at + buffer.numel()])
             at += buffer.numel()
-        built.finish_cross_replica()
+        if not whole_grads:
+            built.finish_cross_replica()
         scaler.unscale_(optimizer)
         built.clip_grad_norm_(1.0)
         scaler.step(optimizer)

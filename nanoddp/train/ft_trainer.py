@@ -153,7 +153,7 @@ class FaultTolerantTrainer(Trainer):
             if self.replica.replica == 0 and env.is_master:
                 self.ft.metrics.truncate_after(self.step)  # the steps after the snapshot are redone and logged again
         if self.replica.replica == 0 and env.is_master and not self.replica.joiner:
-            logger.info("%s", engine_line(config.engine, self.engine))
+            logger.info("%s", engine_line(config.engine, self.engine, env.world_size))
 
     @property
     def is_master(self) -> bool:
@@ -356,13 +356,18 @@ def first_run_id(env: ReplicaEnv, out: str | None) -> str:
     return hashlib.sha256(f"{env.lighthouse}:{out}".encode()).hexdigest()[:12]
 
 
-def engine_line(name: str, engine: Any) -> str:
+def engine_line(name: str, engine: Any, group_size: int = 1) -> str:
     """The start-up line that names the engine a continue run trains with (the registry's class,
-    as under restart) and, for zero1/zero2, what one process per replica means for them."""
+    as under restart), what a replica is, and for zero1/zero2 what that means for their shards."""
     kind = type(engine)
-    line = f"--on-failure continue: engine {name} ({kind.__module__}.{kind.__qualname__}), one process per replica"
+    replica = "one process per replica" if group_size == 1 else f"replica groups of {group_size} processes"
+    line = f"--on-failure continue: engine {name} ({kind.__module__}.{kind.__qualname__}), {replica}"
     if name in ("zero1", "zero2"):
-        line += f"; {name} shards nothing across replicas: each replica holds the whole optimizer state"
+        line += (
+            f"; {name} shards nothing across replicas: each replica holds the whole optimizer state"
+            if group_size == 1
+            else f"; {name} shards over each group's {group_size} processes, and every group holds a whole copy"
+        )
     return line
 
 

@@ -129,6 +129,13 @@ class CrossReplicaShards:
         self.shards: dict[int, torch.Tensor] = {}  # bucket index -> this rank's averaged shard, (chunk,)
         self._gathers: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], Collectives]] = {}
 
+    def clear(self) -> None:
+        """Forget the last backward's shards. DDP rebuilds its buckets once, at its second forward:
+        a layout's shards left from a step before (one that failed, say) would otherwise be summed
+        and gathered with the new layout's, into gradients they no longer belong to."""
+        self.shards.clear()
+        self._gathers.clear()
+
     def finish(self) -> None:
         """All-gather every bucket's shard (summed across groups meanwhile) into its buffer, and
         the buffer into each parameter's `.grad` (a copy, unless the grad is the buffer's view)."""

@@ -50,6 +50,12 @@ class DDPEngine(Engine):
         if self.cross_shards is not None and dist.get_world_size() > 1:
             self.cross_shards.finish()
 
+    def end_step(self) -> None:
+        """The step is over, committed or not: its shards go (`CrossReplicaShards.clear`)."""
+        super().end_step()
+        if self.cross_shards is not None:
+            self.cross_shards.clear()
+
     def trace_comm(self, env, wrap_hook, wrap_sync) -> None:
         """Reduce through `hooks.allreduce_hook` (the default path's math), drawn and timed."""
         from nanoddp.parallel.ddp.comm_hooks import allreduce_hook
