@@ -376,7 +376,13 @@ def replay_continue_run(
 
 
 def replay_engine_run(
-    env: DistEnv, history: list[int], engine: str, replicas: int, amp: str = "off", grad_accum: int = 1
+    env: DistEnv,
+    history: list[int],
+    engine: str,
+    replicas: int,
+    amp: str = "off",
+    grad_accum: int = 1,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run on G gloo ranks (`run_on_ranks(replay_engine_run, G, ...)`, G = `--group-size`: the
     members of one replica group, 1 by default): the built-in job of `FT_TINY_GPT` trained with
@@ -387,7 +393,10 @@ def replay_engine_run(
     micro-batch's, `--amp` autocast; the engine averages over the G members as in the run), the
     engine's `cross_replica_grads()` weighted by the piece's share and added in replica order,
     written back, `finish_cross_replica()`, the engine's clip, AdamW (through the trainer's
-    GradScaler for fp16), the schedule. Returns the whole model's state."""
+    GradScaler for fp16), the schedule. Returns the whole model's state; `losses`, if given,
+    receives each step's loss as its record holds it (each replica's, its members' averaged in rank
+    order, weighted and summed in replica order: `FaultTolerantTrainer._piece_loss`, `WeightedPieceSum`)."""
+    from nanoddp.comm.api.rank_order import all_reduce_in_rank_order
     from nanoddp.ft.global_batches import GlobalBatches, piece_weight, share
     from nanoddp.parallel.grad_scaler import ShardedGradScaler
     from nanoddp.train.config import threads_per_rank
@@ -417,10 +426,11 @@ def replay_engine_run(
     scaler = (ShardedGradScaler if per_rank_grads else torch.amp.GradScaler)("cpu", enabled=amp == "fp16")
     batches = GlobalBatches(len(job.train_set), 12, 0)
     for step, world_size in enumerate(history):
-        total = None
+        total, loss_sum = None, None
         for rank in range(world_size):
             piece = batches.indices(step)[share(12, rank, world_size)]
             optimizer.zero_grad(set_to_none=True)
+            member = torch.zeros(())
             units = group_size * grad_accum
             for micro in range(env.rank * grad_accum, (env.rank + 1) * grad_accum):
                 indices = piece[share(len(piece), micro, units)]
@@ -430,6 +440,13 @@ def replay_engine_run(
                     with torch.autocast("cpu", dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off"):
                         loss = built.model(*batch)[-1]  # GPT returns (logits, loss)
                     scaler.scale((loss if weight == 1.0 else loss * weight) / grad_accum).backward()
+                member += loss.detach().float() * weight
+            member /= grad_accum
+            if group_size > 1:
+                all_reduce_in_rank_order(member.view(1), None)
+                member /= group_size
+            weighted = member.reshape(1) * piece_weight(12, rank, world_size)
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
             if whole_grads:  # the group's average gathered now: the same elements, in parameter order
                 built.finish_cross_replica()
             flat = torch.cat(summed()) * piece_weight(12, rank, world_size)
@@ -441,6 +458,8 @@ def replay_engine_run(
             at += buffer.numel()
         if not whole_grads:
             built.finish_cross_replica()
+        if losses is not None:
+            losses.append(float(loss_sum))
         scaler.unscale_(optimizer)
         built.clip_grad_norm_(1.0)
         scaler.step(optimizer)

@@ -62,3 +62,16 @@ def check_continue_rounds(config: TrainConfig) -> None:
                 f"snapshots and evaluations happen at syncs, where the replicas agree; use a multiple of {sync_every} "
                 "(or 0)"
             )
+
+
+def check_growth(config: TrainConfig, most_processes: int) -> None:
+    """Under continue each replica's piece of a step's global batch is split over its processes'
+    --grad-accum micro-batches: at the most processes the run may grow to, every micro-batch must
+    hold a sample."""
+    batch_size, per_step = filled(config.batch_size), most_processes * config.grad_accum
+    if batch_size < per_step:
+        raise ValueError(
+            f"batch_size={batch_size} (global) cannot be split over {most_processes} processes (replicas x "
+            f"--group-size) x grad_accum {config.grad_accum} = {per_step} (the most the run may grow to); use "
+            f"--batch-size {per_step} or more"
+        )

@@ -1,14 +1,17 @@
 """`--on-failure continue` across real hosts: every host a network namespace with its own address
-on one bridge (`nanoddp.bench.netns_hosts`), one-rank replicas (`--nproc 1` per host).
+on one bridge (`nanoddp.bench.netns_hosts`), each host one replica group of 2 processes (`--nproc
+2`, the default `--group-size` across hosts) training `--engine hsdp`: FSDP over the host's two
+processes, replicated across the hosts.
 
-One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes 2 --max-replicas 3
---min-replicas 1`, a tiny GPT, lives through, in order:
+One launch (the module fixture) of `nanoddp train --on-failure continue --engine hsdp --nproc 2
+--nnodes 2 --max-replicas 3 --min-replicas 1`, a tiny GPT, lives through, in order:
 - both hosts train together (world size 2); every host's listening sockets are read meanwhile;
-- host 1 is killed whole (its launcher and its replica, SIGKILL to every process of its
-  namespace): host 0 goes on alone at once, no restart, no snapshot read (world size 1);
+- host 1 is killed whole (its launcher and its replica's processes, SIGKILL to every process of
+  its namespace): host 0 goes on alone at once, no restart, no snapshot read (world size 1);
 - host 1's launcher is started again with the same command: it finds the run under way, and
-  its replica joins at a step boundary, takes its state from host 0's replica, without resuming
-  from the snapshots OUT holds or waiting for the run's first full group (world size 2 again);
+  its replica group joins at a step boundary, each process taking its shard of the state from
+  the process of host 0 that holds the same shard, without resuming from the snapshots OUT holds
+  or waiting for the run's first full group (world size 2 again);
 - host 2, node rank 2 of a run of two hosts, grows it: its replica joins alike, and every step
   after is split over three (world size 3);
 - two hosts lost in a row at 3 hosts: host 1 killed whole (hosts 0 and 2 go on, world size 2),
@@ -17,21 +20,22 @@ One launch (the module fixture) of `nanoddp train --on-failure continue --nnodes
 
 [Note: holding the running replicas] A host spends seconds starting (imports, data, model), while
 the running replicas' tiny steps take milliseconds: they would finish the run first. So they are
-held (SIGSTOP) while a host starts, until its replica has asked the quorum service for a group,
-as replicas in a long step (released any earlier, their steps of a few milliseconds could finish
-the run while the joiner is still making its Manager); and likewise while a host is killed, so
-that the run cannot end before the kill, nor the others form a group without a held one. The
-collective timeout is longer than a hold, so a replica held inside a collective does not time
-its peer out. A held process cannot send the heartbeats a busy replica sends, so a helper in
-host 0's namespace sends them for it (torchft's LighthouseClient, the replica's own id): the
-quorum service then sees what it sees of busy replicas, and the joiner, which asks first, waits
-for them (torchft forms no group of half the healthy replicas or fewer) instead of forming a
-group without them. A replica held while it was asking for a quorum would be grouped with the
-joiner without the other: such a hold is released and made again.
+held (SIGSTOP to every process of the replica group, its session) while a host starts, until its
+replica has asked the quorum service for a group, as replicas in a long step (released any earlier,
+their steps of a few milliseconds could finish the run while the joiner is still making its
+Manager); and likewise while a host is killed, so that the run cannot end before the kill, nor the
+others form a group without a held one. The collective timeout is longer than a hold, so a replica
+held inside a collective does not time its peer out. A held process cannot send the heartbeats a
+busy replica sends, so a helper in host 0's namespace sends them for it (torchft's
+LighthouseClient, the replica's own id): the quorum service then sees what it sees of busy
+replicas, and the joiner, which asks first, waits for them (torchft forms no group of half the
+healthy replicas or fewer) instead of forming a group without them. A replica held while it was
+asking for a quorum would be grouped with the joiner without the other: such a hold is released and
+made again.
 
 Every test but the last reads that one run; the reference for the weights and the losses is the
-single-process replay of its world-size schedule (`helpers.replay_continue_run`, the one-node
-continue tests' own). The last launches `nanoddp run --on-failure continue` across the two hosts:
+replay of its world-size schedule over one group's two processes (`helpers.replay_engine_run`,
+the engine tests' own). The last launches `nanoddp run --on-failure continue` across the two hosts:
 a user's loop placed alike (replica ids, addresses), both replicas ending with the same weights.
 And `--engine localsgd` (the low-communication loop, a quorum per sync) across two hosts, the
 quorum service a Lighthouse on a third (`--lighthouse`), loses node 0 mid-run: host 1 goes on
@@ -57,7 +61,7 @@ import torch
 from helpers import (
     FT_TINY_GPT,
     OutputReader,
-    replay_continue_run,
+    replay_engine_run,
     replica_pid,
     run_on_ranks,
     wait_for,
@@ -72,6 +76,7 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"names
 
 STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH = 50, 5, 3, 2, 2
 THREE_BEFORE_LOSS, TWO_BEFORE_LOSS = 2, 2  # steps of the grown run, then of the two left, before each loss
+GROUP = 2  # processes per host: one replica group each (--nproc 2, the default --group-size across hosts)
 PORT = 29510  # inside the namespaces this module made: nothing else listens there
 RUN_TIMEOUT_S = 240  # the hung host costs the collective timeout (HELD_MAX_S) on top
 HELD_MAX_S = 60  # the collective timeout: a replica held mid-step (a long step) must not time out its peer
@@ -149,7 +154,8 @@ def run(tmp_path_factory):
     with NetnsHosts(3) as hosts:
         endpoint = f"{hosts.addresses[0]}:{PORT}"
         train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2",
-                 "--max-replicas", "3", "--nproc", "1", "--rdzv-endpoint", endpoint, "--min-replicas", "1",
+                 "--max-replicas", "3", "--nproc", str(GROUP), "--engine", "hsdp", "--rdzv-endpoint", endpoint,
+                 "--min-replicas", "1",
                  "--max-restarts", "0", "--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY),
                  "--eval-every", "0", "--out", str(out), *FT_TINY_GPT,
                  "--collective-timeout", str(HELD_MAX_S)]  # fmt: skip
@@ -191,18 +197,19 @@ def run(tmp_path_factory):
                 os.kill(pid, signal.SIGSTOP)
 
         def hold(pids: list[int], replicas: str, action):
-            """`action()` while `pids` (replicas `replicas`) are held, their heartbeats sent for them;
+            """`action()` while `pids` (replicas `replicas`: each its group's rank 0, which leads the
+            group's session) are held, every process of their groups, their heartbeats sent for them;
             hold again while one of them was asking for a quorum when held (the module's note)."""
             for _ in range(HOLD_TRIES):
                 for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)  # their last heartbeats were at most 0.1 s ago: the helper's
+                    os.killpg(pid, signal.SIGSTOP)  # their last heartbeats were at most 0.1 s ago: the helper's
                 try:  # come well within the quorum service's heartbeat timeout (1 s)
                     assert tell(f"beat {replicas}").startswith("BEATING replica_"), "no heartbeat id"
                     if tell("count") == "COUNT 0":
                         return action()
                 finally:
                     for pid in pids:
-                        os.kill(pid, signal.SIGCONT)
+                        os.killpg(pid, signal.SIGCONT)
                     assert tell("rest") == "RESTING"
                 time.sleep(0.01)
             raise AssertionError(f"replicas {replicas} were asking for a quorum at each of {HOLD_TRIES} holds")
@@ -320,9 +327,14 @@ def _without_late_replicas(records: list[dict], history: list[int], changes: lis
 
 @pytest.fixture(scope="module")
 def replayed(run):
-    """The single-process replay of the run's world-size schedule: its weights and each step's loss."""
+    """The replay of the run's world-size schedule over one group's processes: its weights and each
+    step's loss."""
+    return run_on_ranks(_replay_hsdp, GROUP, _history(run["records"]), timeout=240)[0]
+
+
+def _replay_hsdp(env, history: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
     losses: list[float] = []
-    return replay_continue_run(_history(run["records"]), replicas=2, losses=losses), losses
+    return replay_engine_run(env, history, "hsdp", replicas=2, losses=losses), losses
 
 
 def test_a_host_lost_started_again_and_grown_equals_a_replay_bitwise(run, replayed):

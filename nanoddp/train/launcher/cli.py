@@ -222,7 +222,7 @@ def prepare_launch(
     placement = None
     if config.on_failure == "continue":  # refused here, before any process starts
         from nanoddp.ft.placement import placement_for
-        from nanoddp.train.ft_checks import check_continue, continue_group_size
+        from nanoddp.train.ft_checks import check_continue, check_growth, continue_group_size
 
         across_hosts = bool(args.rdzv_endpoint or getattr(args, "lighthouse", ""))
         group_size = continue_group_size(config, nproc, across_hosts)
@@ -230,7 +230,7 @@ def prepare_launch(
             config = dataclasses.replace(config, group_size=group_size)
         check_continue(config)
         placement = placement_for(args, nproc, group_size)
-        _check_growth(config, placement.most_replicas * group_size)
+        check_growth(config, placement.most_replicas * group_size)
     else:
         from nanoddp.ft.placement import refuse_continue_flags
 
@@ -262,19 +262,6 @@ def _start_rank_server(config: TrainConfig) -> None:
         fork_server.start_as_fork([FT_WORKER])  # replicas get the launcher's environment at their start
     else:
         agent.start_worker_server()
-
-
-def _check_growth(config: TrainConfig, most_processes: int) -> None:
-    """Under continue each replica's piece of a step's global batch is split over its processes'
-    --grad-accum micro-batches: at the most processes the run may grow to, every micro-batch must
-    hold a sample."""
-    batch_size, per_step = filled(config.batch_size), most_processes * config.grad_accum
-    if batch_size < per_step:
-        raise ValueError(
-            f"batch_size={batch_size} (global) cannot be split over {most_processes} processes (replicas x "
-            f"--group-size) x grad_accum {config.grad_accum} = {per_step} (the most the run may grow to); use "
-            f"--batch-size {per_step} or more"
-        )
 
 
 def torchrun_argv(args: argparse.Namespace, config: TrainConfig, nproc: int) -> list[str]:
