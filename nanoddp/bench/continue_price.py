@@ -2,12 +2,14 @@
 
 Fault tolerance is paid for on every step, failure or not, so the question a user asks before
 turning it on is what a step costs under it. For each engine both modes run the same job
-(`nanoddp train`'s built-in GPT at 3 ranks, no snapshot, no evaluation, a step record per step)
-without any failure:
+(`nanoddp train`'s built-in GPT at 3 ranks, or `--nproc`, no snapshot, no evaluation, a step
+record per step) without any failure:
 
-- `restart`: `--on-failure restart`, torchrun's workers, the engine over every rank;
-- `continue`: `--on-failure continue`, one replica per rank under torchft's quorum, the engine
-  over the replica and the average across replicas in rank order (`nanoddp.ft`).
+- `restart`: `--on-failure restart`, torchrun's workers, the engine over every rank (hsdp: in
+  groups of `--group-size` ranks);
+- `continue`: `--on-failure continue`, one replica per rank (or per `--group-size` ranks) under
+  torchft's quorum, the engine over the replica's processes and the average across replicas in
+  rank order (`nanoddp.ft`).
 
 Each run gives two figures read from its own step records, past the first `WARMUP_STEPS` (the
 first buckets, the allocator, torchft's first quorum): the median step time, and the median bytes
@@ -41,16 +43,23 @@ from nanoddp.bench.training_run import run_training, train_command
 ENGINES = ("nanoddp", "zero1", "zero2", "hsdp")  # what `nanoddp train --on-failure continue` runs per step
 MODES = ("restart", "continue")
 TRAIN_ARGS = [
-    "--nproc", "3", "--steps", "40", "--seq-len", "32", "--batch-size", "12", "--text-max-bytes", "200000",
+    "--steps", "40", "--seq-len", "32", "--batch-size", "12", "--text-max-bytes", "200000",
     "--log-every", "1", "--eval-every", "0", "--snapshot-every", "0", "--no-progress", "--collective-timeout", "30",
 ]  # fmt: skip
 WARMUP_STEPS = 5  # step records left out of each run's medians
 RUN_TIMEOUT_S = 600
 
 
-def _run(engine: str, mode: str, out: Path) -> dict[str, Any]:
+def layout_args(engine: str, mode: str, nproc: int, group_size: int) -> list[str]:
+    """The processes, and the replica groups: `--group-size` under continue (hsdp's mesh rows under
+    restart too, where the other engines reduce over every rank)."""
+    grouped = group_size > 1 and (mode == "continue" or engine == "hsdp")
+    return ["--nproc", str(nproc), *(["--group-size", str(group_size)] if grouped else [])]
+
+
+def _run(engine: str, mode: str, out: Path, layout: list[str]) -> dict[str, Any]:
     """One run of `engine` under `mode`: its medians of step time and bytes per step."""
-    argv = train_command(*TRAIN_ARGS, "--engine", engine, "--on-failure", mode, "--out", str(out))
+    argv = train_command(*TRAIN_ARGS, *layout, "--engine", engine, "--on-failure", mode, "--out", str(out))
     run = run_training(argv, out, timeout_s=RUN_TIMEOUT_S)
     steps = [r for r in step_records(run.records) if r["step"] > WARMUP_STEPS]
     if run.returncode != 0 or not steps:
@@ -64,18 +73,24 @@ def _run(engine: str, mode: str, out: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def measure(trials: int, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
-    """`trials` interleaved runs of every engine in both modes; every run directory is removed."""
+def measure(trials: int, engines: tuple[str, ...] = ENGINES, nproc: int = 3, group_size: int = 1) -> dict[str, Any]:
+    """`trials` interleaved runs of every engine in both modes, `nproc` processes each (under
+    continue in replicas of `group_size`); every run directory is removed."""
+    if nproc % group_size:
+        raise ValueError(f"--group-size {group_size} must divide --nproc {nproc} into whole replica groups")
     load_before = list(os.getloadavg())
     results = []
     with tempfile.TemporaryDirectory(prefix="nanoddp-continue-price-") as root:
         for trial in range(trials):
             for engine in engines:
                 for mode in MODES if trial % 2 == 0 else MODES[::-1]:
-                    results.append({"trial": trial, **_run(engine, mode, Path(root) / f"{engine}-{mode}-{trial}")})
+                    layout = layout_args(engine, mode, nproc, group_size)
+                    out = Path(root) / f"{engine}-{mode}-{trial}"
+                    results.append({"trial": trial, **_run(engine, mode, out, layout)})
     return {
         "meta": {
-            "train_args": TRAIN_ARGS, "engines": list(engines), "trials": trials, "warmup_steps": WARMUP_STEPS,
+            "train_args": TRAIN_ARGS, "nproc": nproc, "group_size": group_size, "engines": list(engines),
+            "trials": trials, "warmup_steps": WARMUP_STEPS,
             "machine": machine_description(), "load_average_before": load_before,
             "load_average_after": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
         },
@@ -133,6 +148,11 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
         "--engines", default=",".join(ENGINES), type=_engines,
         help=f"comma-separated, from {','.join(ENGINES)} (the engines continue runs per step)",
     )  # fmt: skip
+    parser.add_argument("--nproc", type=count(1), default=3, help="processes per run (default 3)")
+    parser.add_argument(
+        "--group-size", type=count(1), default=1,
+        help="processes per replica under continue (default 1: a replica per process)",
+    )  # fmt: skip
     add_output_args(parser)
     parser.set_defaults(run=_main)
 
@@ -148,7 +168,7 @@ def _engines(text: str) -> tuple[str, ...]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    report = measure(args.trials, args.engines)
+    report = measure(args.trials, args.engines, args.nproc, args.group_size)
     print(markdown_table(report))
     if args.json:
         write_json(args.json, report)

@@ -2,16 +2,20 @@
 
 Machines, not processes, are what fail in a cluster, so here a failure is a host: N network
 namespace hosts (`nanoddp.bench.netns_hosts`: each its own address on one bridge, the traffic
-crossing a real interface), one rank each, `nanoddp train` on every host with `--nnodes N
---node-rank K --rdzv-endpoint HOST0:PORT`. The last host is killed whole (SIGKILL to every process
-in its namespace: its launcher, its rank, anything they started) once the run has logged step
+crossing a real interface), P processes each (`--host-nproc`, default 1) training one engine
+(`--host-engine`, default nanoddp; hsdp shards over a host's P processes in both modes),
+`nanoddp train` on every host with `--nnodes N --node-rank K --rdzv-endpoint HOST0:PORT`. The
+last host is killed whole (SIGKILL to every process in its namespace: its launcher, its ranks,
+anything they started) once the run has logged step
 `KILL_AT_STEP` (after its first snapshot), and its launcher is started again at once with the
 same command, as a replaced machine would be. The modes:
 
 - `restart`: `--on-failure restart`; every host's torchrun agent restarts its worker, they meet
   again with the restarted host and resume from the newest snapshot;
 - `continue`: `--on-failure continue --min-replicas 1`; the other hosts go on without the lost
-  one at once, and the restarted host joins at a step boundary, healed live from a peer.
+  one at once, and the restarted host joins at a step boundary, healed live from a peer (each of
+  its processes from the peer host's process that holds the same shard: a host is one replica
+  group, `--group-size`'s default across hosts).
 
 As in `failure_cost` (one machine, one rank lost), each trial runs every mode once untouched and
 once with the kill, interleaved, and the cost is the difference of the two wall times; for
@@ -37,10 +41,10 @@ from nanoddp.bench.common import ChildFailed
 from nanoddp.bench.failure_cost import interleaved_trials, mode_summary, seen_by_survivors
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 
-# failure_cost's job (the built-in GPT, a snapshot every 20), one rank per host, with room after
-# the kill for the restarted host to start (seconds of imports, data and model) and join
+# failure_cost's job (the built-in GPT, a snapshot every 20), with room after the kill for the
+# restarted host to start (seconds of imports, data and model) and join
 TRAIN_ARGS = [
-    "--nproc", "1", "--steps", "200", "--snapshot-every", "20", "--seq-len", "32", "--batch-size", "12",
+    "--steps", "200", "--snapshot-every", "20", "--seq-len", "32", "--batch-size", "12",
     "--text-max-bytes", "200000", "--log-every", "10", "--eval-every", "0", "--no-progress",
     "--max-restarts", "1", "--collective-timeout", "30",
 ]  # fmt: skip
@@ -51,22 +55,29 @@ RUN_TIMEOUT_S = 600
 POLL_S = 0.02
 
 
-def _command(hosts: NetnsHosts, mode: str, host: int, out: Path) -> list[str]:
+def layout_args(nproc: int, engine: str) -> list[str]:
+    """What every host runs besides `TRAIN_ARGS`: its processes and the engine."""
+    return ["--nproc", str(nproc), "--engine", engine]
+
+
+def _command(hosts: NetnsHosts, layout: list[str], mode: str, host: int, out: Path) -> list[str]:
     """Host `host`'s launcher of the run in `mode`, run inside its namespace."""
     endpoint = f"{hosts.addresses[0]}:{PORT}"
     node = ["--nnodes", str(len(hosts.names)), "--node-rank", str(host), "--rdzv-endpoint", endpoint]
-    argv = [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, *MODE_ARGS[mode], *node, "--out", str(out)]
+    argv = [sys.executable, "-m", "nanoddp", "train", *TRAIN_ARGS, *layout, *MODE_ARGS[mode], *node, "--out", str(out)]
     return hosts.command(host, argv)
 
 
-def _run(hosts: NetnsHosts, mode: str, kill: bool, out: Path) -> dict[str, Any]:
+def _run(hosts: NetnsHosts, layout: list[str], mode: str, kill: bool, out: Path) -> dict[str, Any]:
     """One run of `mode` on every host; with `kill`, the last host killed whole once step
     KILL_AT_STEP is logged and its launcher started again. Every launcher must exit 0."""
     last = len(hosts.names) - 1
     logs = [open(out.parent / f"{out.name}-host{h}.log", "w") for h in range(len(hosts.names))]  # noqa: SIM115
     start = time.monotonic()
     launchers = [
-        subprocess.Popen(_command(hosts, mode, h, out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(
+            _command(hosts, layout, mode, h, out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         for h, log in enumerate(logs)
     ]
     killed_after = killed_at = None
@@ -77,7 +88,7 @@ def _run(hosts: NetnsHosts, mode: str, kill: bool, out: Path) -> dict[str, Any]:
                 hosts.kill(last)
                 killed_after, killed_at = time.monotonic() - start, time.time()
                 launchers[last].wait(timeout=30)
-                launchers[last] = subprocess.Popen(_command(hosts, mode, last, out), stdout=logs[last],
+                launchers[last] = subprocess.Popen(_command(hosts, layout, mode, last, out), stdout=logs[last],
                                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
             time.sleep(POLL_S)
         codes: list[int | None] = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in launchers]
@@ -94,8 +105,13 @@ def _run(hosts: NetnsHosts, mode: str, kill: bool, out: Path) -> dict[str, Any]:
         raise ChildFailed(f"mode {mode}: a host's launcher failed (exits {codes}):\n{tails}")
     if kill and killed_at is None:
         raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no host killed")
-    seen = seen_by_survivors(read_records(out), killed_at) if killed_at is not None else {}
-    return {"wall_s": round(wall, 2), "killed_after_s": killed_after, **seen}
+    records = read_records(out)
+    seen = seen_by_survivors(records, killed_at) if killed_at is not None else {}
+    steps = [r["step"] for r in records if "event" not in r]
+    # each step recorded once: under continue nothing is redone beyond the step in flight (which
+    # never commits); under restart the steps after the snapshot are redone, their records first dropped
+    once = steps == sorted(set(steps))
+    return {"wall_s": round(wall, 2), "killed_after_s": killed_after, "steps_recorded_once": once, **seen}
 
 
 def check(host_count: int) -> None:
@@ -107,17 +123,19 @@ def check(host_count: int) -> None:
         raise ValueError(f"--hosts {host_count}: losing a host takes at least 2 (one to lose, one to go on)")
 
 
-def measure(trials: int, host_count: int) -> dict:
-    """`trials` interleaved (clean, killed) pairs per mode on `host_count` namespace hosts; every
-    run directory and the hosts are removed."""
+def measure(trials: int, host_count: int, nproc: int = 1, engine: str = "nanoddp") -> dict:
+    """`trials` interleaved (clean, killed) pairs per mode on `host_count` namespace hosts of
+    `nproc` processes training `engine`; every run directory and the hosts are removed."""
     check(host_count)
     load_before = list(os.getloadavg())
+    layout = layout_args(nproc, engine)
     with NetnsHosts(host_count) as hosts, tempfile.TemporaryDirectory(prefix="nanoddp-host-cost-") as root:
-        run = functools.partial(_run, hosts)
+        run = functools.partial(_run, hosts, layout)
         results = interleaved_trials(trials, list(MODE_ARGS), run, Path(root))
     return {
         "meta": {
-            "train_args": TRAIN_ARGS, "mode_args": MODE_ARGS, "hosts": host_count, "kill_at_step": KILL_AT_STEP,
+            "train_args": [*TRAIN_ARGS, *layout], "mode_args": MODE_ARGS, "hosts": host_count,
+            "kill_at_step": KILL_AT_STEP,
             "victim": f"host {host_count - 1}, every process", "trials": trials, "cpus": os.cpu_count(),
             "load_average_before": load_before, "date": time.strftime("%Y-%m-%d"),
         },

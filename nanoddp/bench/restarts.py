@@ -116,8 +116,16 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--hosts", type=count(0), default=0,
-        help="N >= 2: the cost trials lose a whole host instead, on N network-namespace hosts of one rank each "
+        help="N >= 2: the cost trials lose a whole host instead, on N network-namespace hosts "
         "(restart against continue --min-replicas 1; needs root); 0: one machine (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-nproc", type=count(1), default=1,
+        help="with --hosts: processes per host (under continue a host is one replica group of them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-engine", choices=("nanoddp", "zero1", "zero2", "hsdp"), default="nanoddp",
+        help="with --hosts: the engine every host trains in both modes (hsdp: sharded over a host's processes)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for the victim and kill time")
     parser.add_argument(
@@ -133,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.hosts and (args.cost_engine != "ddp" or not args.cost_trials):
         raise ValueError("--hosts sets where the cost trials of the default engine run: give --cost-trials N "
                          "and leave --cost-engine at ddp")  # fmt: skip
+    if not args.hosts and (args.host_nproc != 1 or args.host_engine != "nanoddp"):
+        raise ValueError("--host-nproc and --host-engine shape the hosts of --hosts N: give --hosts, or drop them")
     if args.hosts:
         host_failure_cost.check(args.hosts)
     report: dict = {}
@@ -142,7 +152,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{report['passed']} of {report['trials']} kill trials restarted and ended bitwise equal")
         passed = report["passed"] == report["trials"]
     if args.hosts:
-        report["host_failure_cost"] = host_failure_cost.measure(args.cost_trials, args.hosts)
+        report["host_failure_cost"] = host_failure_cost.measure(
+            args.cost_trials, args.hosts, args.host_nproc, args.host_engine
+        )
         print(host_failure_cost.describe(report["host_failure_cost"]))
     elif args.cost_trials and args.cost_engine != "ddp":
         report["failure_cost_rounds"] = failure_cost.measure_rounds(args.cost_trials, args.cost_engine)

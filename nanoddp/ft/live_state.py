@@ -33,14 +33,22 @@ def _local(value: Any) -> Any:
 
 
 def take_model(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's state on this rank: a DTensor's local shard in its place."""
-    return {name: _local(value) for name, value in model.state_dict().items()}
+    """The model's state on this rank: a DTensor's local shard in its place, ZeRO-2's piece of a
+    parameter in its place.
+
+    [Note: no collective in take] The registered tensors themselves (`keep_vars=True`), not
+    `state_dict()`'s whole ones: ZeRO-2's are gathered within the replica group on the way, a
+    collective, and torchft asks each rank of a joiner's group to heal from the same rank of any
+    up-to-date group (it spreads the sources by rank), so the ranks of one source group do not
+    all send: a gather among them would wait for a peer that never comes."""
+    return {name: _local(value).detach() for name, value in model.state_dict(keep_vars=True).items()}
 
 
 @torch.no_grad()
 def put_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    """`take_model`'s state copied in place into this rank's tensors (same engine, same layout)."""
-    own = model.state_dict()
+    """`take_model`'s state copied in place into this rank's tensors (same engine, same layout; an
+    in-place copy marks ZeRO-2's whole tensors stale, so the next forward gathers them again)."""
+    own = model.state_dict(keep_vars=True)
     if own.keys() != state.keys():
         raise ValueError(f"the received model state names other tensors: {sorted(own.keys() ^ state.keys())[:5]}")
     for name, value in state.items():

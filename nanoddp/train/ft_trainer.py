@@ -124,6 +124,7 @@ class FaultTolerantTrainer(Trainer):
         self._last_step_finite, self._newest_finite_snapshot = True, None
         self._evaluated: set[int] = set()  # steps this process recorded a validation loss for
         self._history: list[int] = []  # a resumed snapshot's world size per step
+        self._generation = 0  # the group across the replicas last seen at a boundary
         prepare_model(config, module, optimizer, env)  # hsdp: shard now, over this replica's own group
         self._build_engine(optimizer)
         self.engine.use_cross_replica()  # FT: the engine leaves the sum across replicas to the step
@@ -313,6 +314,9 @@ class FaultTolerantTrainer(Trainer):
         ft = self.ft
         self.step = step  # a joiner arrives here healed to its peers' step
         self.metrics = self._metrics if self.is_master else None
+        if ft.world.generation != self._generation:  # a new group: some rank may have been healed
+            self._generation = ft.world.generation
+            self.engine.weights_replaced()
         if step <= self._start_step:
             return
         final = step >= self.config.steps

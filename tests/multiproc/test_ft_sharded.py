@@ -8,9 +8,11 @@ are real runs and a replay:
 - the restart path (`nanoddp train`, the Trainer) resumes from a continue run's snapshot with the
   same engine;
 - zero1 ends bitwise equal to a single-process replay of the schedule (which engine nanoddp
-  under continue equals in tests/multiproc/test_ft.py); zero2 with a replica lost and regained
-  (one process per replica: every replica holds the whole state, so nothing is read from a
-  snapshot and the joiner heals live), to a replay of the schedule with the zero2 engine.
+  under continue equals in tests/multiproc/test_ft.py); zero2 over replica groups of 2 processes,
+  one process of a group lost (the group fails whole) and the group regained (every group holds
+  the whole state, so nothing is read from a snapshot and each joining process heals live from
+  the process of a peer group that holds the same shard), to a replay of the schedule with the
+  zero2 engine over one group's 2 ranks.
 `--engine fsdp` is refused under continue (tests/multiproc/test_ft.py).
 """
 
@@ -142,19 +144,28 @@ def _events(out: Path) -> list[str]:
     return [r["event"] for r in events(read_records(out, missing_ok=True))]
 
 
+GROUP = 2  # processes per replica of the run that loses one (--group-size)
+
+
 def _losing_run(engine: str, steps: int, out: Path) -> list[str]:
-    """The command of a 3-replica run that `_lose_and_regain` loses a rank of: a snapshot every 5
-    steps, one restart, started cold (--no-warm-spare), so the survivors step without it first."""
-    return [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "3", "--engine", engine,
+    """The command of a run of 3 replica groups of GROUP processes that `_lose_and_regain` loses a
+    process of: a snapshot every 5 steps, one restart, started cold (--no-warm-spare), so the
+    survivors step without it first."""
+    nproc = str(3 * GROUP)
+    return [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", nproc,
+            "--group-size", str(GROUP), "--engine", engine,
             "--steps", str(steps), "--snapshot-every", "5", "--eval-every", "0", "--max-restarts", "1",
             "--no-warm-spare", "--out", str(out), *TINY_GPT, "--collective-timeout", "30"]  # fmt: skip
 
 
 def _lose_and_regain(out: Path, command: list[str]) -> str:
-    """Run `command`; SIGKILL replica 1 once a snapshot exists, its replacement held back (the
+    """Run `command`; SIGKILL replica 1's rank 1 (not the process the launcher started: the one
+    that process forked) once a snapshot exists, which takes replica 1's group down; its
+    replacement held back (the
     launcher's fork server stopped: a replacement forked from its warm imports could join the very
     quorum that leaves replica 1 out, and the run would never step at world size 2); once the two
-    others have committed a step without it, hold them (SIGSTOP) and let the replacement come,
+    others have committed a step without it, hold them (SIGSTOP, every process of their groups) and
+    let the replacement come,
     until it connects to the quorum service the launcher runs (its Manager is up; a socket it
     merely listens on says less: its own default group opens one first), so that it joins while
     the run has steps left whatever the machine's load; return the output of the run, which must
@@ -167,14 +178,17 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
 
     proc = _start(out, command)
     held: list[int] = []
+    survivors: list[int] = []  # replica groups held: their rank 0s, each leading its session
     try:
         launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
         first = wait_for(lambda: _has_snapshot(out) and replica_pid(launcher, 1), deadline)
         server = psutil.Process(first).ppid()  # the launcher's fork server, which forks the replacement too
         assert server in [child.pid for child in launcher.children()], (server, launcher.children())
+        member = wait_for(lambda: [c.pid for c in psutil.Process(first).children() if c.name() == "ft-replica1.0m1"],
+                          deadline)[0]  # fmt: skip
         os.kill(server, signal.SIGSTOP)
         held = [server]
-        os.kill(first, signal.SIGKILL)
+        os.kill(member, signal.SIGKILL)
 
         def a_step_at_world_size_2() -> bool:
             records = _records(out)
@@ -184,8 +198,7 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
         wait_for(a_step_at_world_size_2, deadline)
         survivors = [pid for pid in (replica_pid(launcher, 0), replica_pid(launcher, 2)) if pid is not None]
         for pid in survivors:
-            os.kill(pid, signal.SIGSTOP)
-        held += survivors
+            os.killpg(pid, signal.SIGSTOP)  # each leads its group's session
         os.kill(server, signal.SIGCONT)
         held.remove(server)
 
@@ -201,14 +214,16 @@ def _lose_and_regain(out: Path, command: list[str]) -> str:
             return any(c.raddr and c.raddr.port in quorum_ports for c in conns)
 
         wait_for(replacement_reaches_the_quorum_service, deadline, 0.05)
-        for pid in held:
-            os.kill(pid, signal.SIGCONT)
-        held = []
+        for pid in survivors:
+            os.killpg(pid, signal.SIGCONT)
+        survivors = []
         proc.wait(timeout=120)
         output = (out.parent / "output.txt").read_text()
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
+        for pid in survivors:
+            os.killpg(pid, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-5000:]
@@ -221,11 +236,13 @@ ZERO2_STEPS = 120
 
 
 def test_zero2_loses_a_replica_heals_it_live_and_regains_it(tmp_path):
-    """zero2, replica 1 SIGKILLed once a snapshot exists (every 5 steps); its replacement joins
-    later. One process per replica, so the engine shards nothing across replicas: the survivors
-    lose no state, nothing is read from the snapshot (no record, no line says so), the joiner takes
-    its state from a peer, and the run ends equal, bitwise, to a replay of its schedule with the
-    zero2 engine (`helpers.replay_engine_run`)."""
+    """zero2 over replica groups of 2 processes, replica 1's rank 1 SIGKILLed once a snapshot
+    exists (every 5 steps): its group fails whole (its rank 0 says so and ends) and the launcher's
+    replacement group joins later. The engine shards only inside a group, so the survivors lose no
+    state, nothing is read from the snapshot (no record, no line says so), each process of the
+    joining group takes its shard from the process of a peer group that holds the same, and the run
+    ends equal, bitwise, to a replay of its schedule with the zero2 engine over one group's 2 ranks
+    (`helpers.replay_engine_run`)."""
     out = tmp_path / "run"
     output = _lose_and_regain(out, _losing_run("zero2", ZERO2_STEPS, out))
     records = _records(out)
@@ -238,9 +255,11 @@ def test_zero2_loses_a_replica_heals_it_live_and_regains_it(tmp_path):
     assert any(r["event"] == "rank_joined" and 1 in r["replicas"] for r in changes[1:]), changes
     assert {r["event"] for r in changes} == {"rank_lost", "rank_joined"}, changes  # no snapshot read
     assert "snapshot of step" not in output, output[-3000:]
+    assert "replica 1: its group's rank 1 failed (killed by signal 9): the group's processes end together" in output
+    assert "nanoddp train: replica 1 failed (exit code 1); starting replacement 1" in output, output[-3000:]
     assert history[0] == 3 and 2 in history and history[-1] == 3, history  # lost, then regained
     got = torch.load(out / "model.pt")
-    want = run_on_ranks(replay_engine_run, 1, history, "zero2", 3, timeout=240)[0]
+    want = run_on_ranks(replay_engine_run, GROUP, history, "zero2", 3, timeout=240)[0]
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: {(got[name] - want[name]).abs().max()}"
 

@@ -43,8 +43,9 @@ def test_zero1_is_the_one_way_to_zero_no_zero_flag_or_key(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--group-size", "2"], "--group-size (ranks per replica group) applies to --engine hsdp, not 'nanoddp'"),
-        (["--engine", "fsdp", "--group-size", "2"], "applies to --engine hsdp, not 'fsdp'"),
+        (["--group-size", "2"], "--group-size (ranks per replica group) applies to --engine hsdp (and, under "
+         "--on-failure continue, nanoddp, zero1 and zero2), not 'nanoddp'"),
+        (["--engine", "fsdp", "--group-size", "2"], "continue, nanoddp, zero1 and zero2), not 'fsdp'"),
         (["--engine", "hsdp", "--nproc", "4", "--group-size", "3"], "--group-size 3 (ranks per replica group) must "
          "divide the world size 4 into equal groups; use a divisor of 4"),
         (["--engine", "hsdp", "--group-size", "0"], "--group-size 0 (ranks per replica group) must divide"),

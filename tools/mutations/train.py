@@ -275,7 +275,7 @@ FAULTS = (
     ),
     Mutation(
         "ft continue: --engine fsdp accepted (a lost replica takes weights that exist nowhere else)",
-        "nanoddp/train/ft_trainer.py",
+        "nanoddp/train/ft_checks.py",
         '    if config.engine == "fsdp":\n',
         "    if False:\n",
         ("tests/multiproc/test_ft.py", "-k", "refuses_what_it_does_not_cover"),

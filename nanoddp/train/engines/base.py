@@ -130,6 +130,12 @@ class Engine:
     def after_backward(self) -> None:
         """The final micro-step's backward is done (the manual engines sync here)."""
 
+    def weights_replaced(self) -> None:
+        """Some rank's weights may have been replaced in place (a fault-tolerant heal puts a peer's
+        state into a joiner's tensors, `nanoddp.ft.live_state`): re-derive what the engine keeps
+        from them. Called on every rank of the group alike, so that a collective it implies runs
+        everywhere. Here: nothing is derived."""
+
     def end_step(self) -> None:
         """The optimizer step is done: close the step's communication window."""
         if self.comm is not None:

@@ -32,6 +32,17 @@ class Zero2Engine(Engine):
         broadcast_rank0_weights(module)
         return cls(cls.name, zero2(module), module)
 
+    def weights_replaced(self) -> None:
+        """The whole parameters each rank gathered may no longer be its pieces' (a heal put new
+        pieces on some ranks only, or the same values, which still mark them changed): every rank
+        gathers again at its next forward, so that all of them do."""
+        from nanoddp.parallel.zero.stage2 import Zero2Module
+
+        assert isinstance(self.module, Zero2Module)
+        for unit in self.module._zero2_units:
+            unit.wait_gather()
+            unit.gathered = False
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors gathered from every rank's pieces (collective: call on every rank)."""
         from nanoddp.parallel.zero.sharded_module import ShardedModule
