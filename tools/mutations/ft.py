@@ -167,4 +167,32 @@ FAULTS = (
         "            pass\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
     ),
+    Mutation(
+        "ft replica groups: a member that dies leaves its group running without it",
+        "nanoddp/ft/replica_members.py",
+        "    if code in (0, STOPPED_EXIT_CODE):\n",
+        "    if True:\n",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "zero2"),
+    ),
+    Mutation(
+        "ft replica groups: a heal takes ZeRO-2's whole tensors (a gather its source group does not all join)",
+        "nanoddp/ft/live_state.py",
+        "model.state_dict(keep_vars=True).items()}",
+        "model.state_dict().items()}",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "zero2"),
+    ),
+    Mutation(
+        "ft replica groups: a new group leaves each rank's gathered weights as they were",
+        "nanoddp/train/ft_trainer.py",
+        "            self.engine.weights_replaced()\n",
+        "            pass\n",
+        ("tests/multiproc/test_ft_sharded.py", "-k", "zero2"),
+    ),
+    Mutation(
+        "ft replica groups: every member takes the whole replica's piece (samples seen G times)",
+        "nanoddp/train/ft_trainer.py",
+        "units, first = self.env.world_size * count, self.env.rank * count",
+        "units, first = count, 0",
+        ("tests/multiproc/test_ft_engines.py", "-k", "groups"),
+    ),
 )
