@@ -247,7 +247,8 @@ def validate_loop(config: TrainConfig, world_size: int) -> None:
             f"--fsdp-wrap chooses FSDP units; engine {config.engine!r} has none: use --engine fsdp or hsdp"
         )
     if config.group_size is not None:
-        groups_under_continue = config.on_failure == "continue" and config.engine in ("nanoddp", "zero1", "zero2")
+        per_replica = ("nanoddp", "zero1", "zero2", "fsdp")  # fsdp: the launcher's own, one replica of nproc
+        groups_under_continue = config.on_failure == "continue" and config.engine in per_replica
         if config.engine != "hsdp" and not groups_under_continue:
             raise ValueError(
                 f"--group-size (ranks per replica group) applies to --engine hsdp (and, under --on-failure "

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 from nanoddp.train.config import TrainConfig, filled
 
-CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "hsdp", "localsgd", "diloco")
+CONTINUE_ENGINES = ("nanoddp", "zero1", "zero2", "hsdp", "fsdp", "localsgd", "diloco")
 LOWCOMM_ENGINES = ("localsgd", "diloco")  # a quorum per round of --sync-every steps (`nanoddp.ft.rounds`)
 
 
 def check_continue(config: TrainConfig) -> None:
     """What `--on-failure continue` covers today; anything else is refused with the way out."""
-    if config.engine == "fsdp":
-        raise ValueError(
-            "--engine fsdp shards the model over every replica, so a lost replica takes weights that exist "
-            "nowhere else and --on-failure continue could not go on without them: use --engine hsdp (sharded "
-            "inside each replica, whole across replicas), or --on-failure restart"
-        )
     if config.engine not in CONTINUE_ENGINES:
         raise ValueError(
             f"--on-failure continue supports --engine {', '.join(CONTINUE_ENGINES)}, got {config.engine!r}; "
@@ -44,7 +38,21 @@ def continue_group_size(config: TrainConfig, nproc: int, across_hosts: bool) -> 
     """The processes of each replica under `--on-failure continue`: `--group-size`, else a
     host's `nproc` across hosts (machines are what fail: a host is one replica group, sharded or
     data-parallel inside, healed whole from a peer host), else 1 (one node: one process per
-    replica, so that a lost process costs only its own replica). localsgd and diloco: 1."""
+    replica, so that a lost process costs only its own replica). localsgd and diloco: 1.
+
+    fsdp shards the model over every process: one node's `nproc` are then one replica, whose lost
+    process takes shards that exist nowhere else (the run resumes from the newest snapshot:
+    `FaultTolerantTrainer` says so at start-up). A replica group lives on one host, so fsdp across
+    hosts is refused, with the way out."""
+    if config.engine == "fsdp":
+        if across_hosts or config.group_size is not None:
+            given = "across hosts" if across_hosts else f"with --group-size {config.group_size}"
+            raise ValueError(
+                f"--engine fsdp {given} under --on-failure continue: fsdp shards the model over every process, "
+                "and a replica group is one host's processes; use --engine hsdp (sharded inside each host, whole "
+                "across hosts: a lost host costs no state), or --on-failure restart"
+            )
+        return nproc
     if config.group_size is not None:
         return config.group_size
     return nproc if across_hosts and config.engine not in LOWCOMM_ENGINES else 1

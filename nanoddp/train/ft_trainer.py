@@ -8,10 +8,11 @@ the engine (`--engine`: the registry's class, built as the restart path builds i
 `--grad-accum`, `--resume`, the snapshot writer and its names, the evaluation, the `--on-nan`
 guards and the `model.pt` export are the Trainer's own code. What differs, and why:
 
-- each replica is one process whose default group is its own, a one-rank world made once
-  (`nanoddp.ft.replica_group.own_world`): the engine is built over it and never rebuilt, so
-  zero1 and zero2 shard nothing across replicas (every replica holds the whole state, and a lost
-  one loses none of it; said once at start-up), and hsdp shards over a group of one;
+- each replica's default group is its own, made once (`nanoddp.ft.replica_group.own_world`): one
+  process, or with `--group-size G` its G members (`nanoddp.ft.replica_members`, forked here
+  first); the engine is built over it and never rebuilt, so it shards only inside a replica
+  (every replica holds the whole state, and a lost one loses none of it; the start-up line says
+  what a replica is);
 - the step runs the Trainer's micro-steps on this replica's piece of the step's global batch,
   then the cross phase (`FaultTolerant`): the engine's `cross_replica_grads()` weighted by the
   piece's share and summed in rank order over the group across the replicas, which torchft's
@@ -33,9 +34,10 @@ guards and the `model.pt` export are the Trainer's own code. What differs, and w
 steps alone between syncs (`_run_inner_step`), and the sync is a sample-weighted mean over the
 replicas present, retried among the survivors if one is lost during it.
 
-`--engine fsdp` shards the model over every replica, so a lost replica would take weights that
-exist nowhere else: it is refused under continue with the way out (`--engine hsdp`, or
-`--on-failure restart`).
+`--engine fsdp` shards the model over every process: on one node they are one replica of
+`--nproc` processes, whose lost process takes shards that exist nowhere else, so the replaced
+group resumes from the newest snapshot (said at start-up); across hosts it is refused
+(`ft_checks`), with the way out (`--engine hsdp`).
 """
 
 from __future__ import annotations
@@ -366,6 +368,12 @@ def engine_line(name: str, engine: Any, group_size: int = 1) -> str:
     kind = type(engine)
     replica = "one process per replica" if group_size == 1 else f"replica groups of {group_size} processes"
     line = f"--on-failure continue: engine {name} ({kind.__module__}.{kind.__qualname__}), {replica}"
+    if name == "fsdp":
+        line += (
+            f"; fsdp shards the model over all {group_size} processes of the one replica: a lost process takes "
+            "shards that exist nowhere else, so the run goes back to the newest snapshot (--engine hsdp keeps "
+            "a whole copy in every replica group)"
+        )
     if name in ("zero1", "zero2"):
         line += (
             f"; {name} shards nothing across replicas: each replica holds the whole optimizer state"

@@ -404,17 +404,22 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
 
 def test_train_continue_refuses_what_it_does_not_cover():
     from nanoddp.train.config import TrainConfig
-    from nanoddp.train.ft_checks import check_continue
+    from nanoddp.train.ft_checks import check_continue, continue_group_size
 
     with pytest.raises(
-        ValueError, match="supports --engine nanoddp, zero1, zero2, hsdp, localsgd, diloco, got 'single'"
+        ValueError, match="supports --engine nanoddp, zero1, zero2, hsdp, fsdp, localsgd, diloco, got 'single'"
     ):
         check_continue(TrainConfig(engine="single", on_failure="continue"))
     with pytest.raises(ValueError, match="does not support --compile yet"):
         check_continue(TrainConfig(compile=True, on_failure="continue"))
-    # fsdp shards over every replica: a lost one takes weights that exist nowhere else
-    with pytest.raises(ValueError, match="weights that exist nowhere else .*--engine hsdp .*--on-failure restart"):
-        check_continue(TrainConfig(engine="fsdp", on_failure="continue"))
+    # fsdp shards over every process: one node's are one replica; across hosts (or cut in groups) refused
+    fsdp = TrainConfig(engine="fsdp", on_failure="continue")
+    check_continue(fsdp)
+    assert continue_group_size(fsdp, 4, across_hosts=False) == 4
+    with pytest.raises(ValueError, match="--engine fsdp across hosts under .*--engine hsdp .*--on-failure restart"):
+        continue_group_size(fsdp, 4, across_hosts=True)
+    with pytest.raises(ValueError, match="--engine fsdp with --group-size 2 under --on-failure continue"):
+        continue_group_size(TrainConfig(engine="fsdp", group_size=2, on_failure="continue"), 4, across_hosts=False)
     # replica groups of several processes: the per-step engines, not the rounds ones
     check_continue(TrainConfig(engine="hsdp", group_size=2, on_failure="continue"))
     with pytest.raises(ValueError, match="--group-size 2 with --engine localsgd: .* each localsgd replica is one"):

@@ -268,3 +268,48 @@ def _has_snapshot(out: Path) -> bool:
     """Any snapshot, not one by name: a test process slowed by the machine's load may look only
     after the first snapshot has been pruned."""
     return any((out / "snapshots").glob("step-*.pt")) if (out / "snapshots").is_dir() else False
+
+
+FSDP_STEPS = 60
+
+
+def test_fsdp_says_it_shards_nowhere_else_and_a_lost_process_resumes_from_the_newest_snapshot(tmp_path):
+    """fsdp under continue on one node: its processes are one replica (the start-up line says a lost
+    process takes shards that exist nowhere else). One of them SIGKILLed after a snapshot takes the
+    replica down; the launcher's replacement finds nobody holding the state and resumes from the
+    newest snapshot (one record, one line), redoes the steps after it, recorded once, and ends
+    bitwise equal to the same run uninterrupted."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nproc", "2",
+                "--engine", "fsdp", "--steps", str(FSDP_STEPS), "--snapshot-every", "5", "--eval-every", "0",
+                "--max-restarts", "1", "--no-warm-spare", "--out", str(out), *TINY_GPT]  # fmt: skip
+
+    clean = run_training(command(tmp_path / "clean"), tmp_path / "clean", timeout_s=120, forked=True)
+    assert clean.returncode == 0, clean.output[-3000:]
+    assert "fsdp shards the model over all 2 processes of the one replica: a lost process takes shards" in clean.output
+    out = tmp_path / "run"
+    proc = _start(out, command(out))
+    try:
+        launcher, deadline = psutil.Process(proc.pid), time.monotonic() + 90
+        first = wait_for(lambda: _has_snapshot(out) and replica_pid(launcher, 0), deadline)
+        member = wait_for(lambda: [c.pid for c in psutil.Process(first).children() if c.name() == "ft-replica0.0m1"],
+                          deadline)[0]  # fmt: skip
+        os.kill(member, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = (out.parent / "output.txt").read_text()
+    assert proc.returncode == 0, output[-5000:]
+    resumed = [r for r in _records(out) if r.get("event") == "resumed_from_snapshot"]
+    assert len(resumed) == 1 and resumed[0]["snapshot_step"] % 5 == 0, resumed
+    assert "resume from the snapshot of step" in output, output[-3000:]
+    steps = [r["step"] for r in _records(out) if "event" not in r]
+    assert steps == list(range(1, FSDP_STEPS + 1)), steps
+    _assert_same_model(out / "model.pt", tmp_path / "clean" / "model.pt")

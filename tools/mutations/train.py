@@ -274,10 +274,10 @@ FAULTS = (
         ("tests/multiproc/test_ft_sharded.py", "-k", "resumed_from_its_snapshot"),
     ),
     Mutation(
-        "ft continue: --engine fsdp accepted (a lost replica takes weights that exist nowhere else)",
+        "ft continue: --engine fsdp accepted across hosts (a replica group cannot span them)",
         "nanoddp/train/ft_checks.py",
-        '    if config.engine == "fsdp":\n',
-        "    if False:\n",
+        "        if across_hosts or config.group_size is not None:\n",
+        "        if False:\n",
         ("tests/multiproc/test_ft.py", "-k", "refuses_what_it_does_not_cover"),
     ),
     Mutation(
