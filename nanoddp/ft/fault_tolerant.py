@@ -332,12 +332,21 @@ class FaultTolerant:
         """The run's first step waits for all its replicas (they start one by one): re-ask for a
         quorum until it holds them all, or until STARTUP_WAIT_S, then go on with who is there."""
         deadline = time.monotonic() + STARTUP_WAIT_S
-        while self.world_size < self.env.replicas and time.monotonic() < deadline:
+        while self.world_size < self.env.replicas and not self._members_agree(time.monotonic() >= deadline):
             time.sleep(0.05)
             self.manager.start_quorum()
         self._started = True
         if self.env.group_rank == 0:
             logger.info("group of %d replicas formed", self.world_size)
+
+    def _members_agree(self, late: bool) -> bool:
+        """`late` on any member of this replica group (a MAX over its default group): every member
+        asks for the next quorum or none does (torchft's server waits for all of a group's)."""
+        if self.env.group_size == 1:
+            return late
+        flag = torch.tensor([int(late)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _note_membership(self) -> None:
         """One log line and one record per change, from the first survivor (a joiner knows no
