@@ -81,7 +81,9 @@ class TrainConfig:
     group_size: int | None = None
     """--engine hsdp: ranks per replica group; the model is sharded within a group and replicated
     across groups (default: the processes per node, so each host is a group; 1 is DDP-like, the
-    world size is fsdp). Must divide the world size."""
+    world size is fsdp). Must divide the world size. Under --on-failure continue, any per-step
+    engine: the processes of each replica, which fail and heal as one (default: a host's across
+    hosts, 1 on one node)."""
     sync_every: int | None = None
     """--engine localsgd|diloco: optimizer steps each rank takes on its own between two syncs of
     the replicas (default 50); refused with any other engine."""

@@ -14,13 +14,15 @@ from nanoddp.bench.continue_price import ENGINES, MODES, markdown_table, summari
 from nanoddp.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-MEASURED = ROOT / "docs" / "bench" / "ft" / "continue-price-2026-11-30.json"
+MEASURED = ROOT / "docs" / "bench" / "ft"
 
 
-def test_the_summary_and_report_of_the_committed_measurement():
-    """The real records of `nanoddp bench continue-price --trials 3`: every engine in both modes in
-    every trial, the mode that goes first alternating, and the summary recomputed from them."""
-    report = json.loads(MEASURED.read_text())
+@pytest.mark.parametrize("name", ["continue-price-2026-11-30.json", "continue-price-groups-2026-12-01.json"])
+def test_the_summary_and_report_of_the_committed_measurement(name):
+    """The real records of `nanoddp bench continue-price --trials 3` (and `--trials 2 --nproc 6
+    --group-size 2`): every engine in both modes in every trial, the mode that goes first
+    alternating, and the summary recomputed from them."""
+    report = json.loads((MEASURED / name).read_text())
     trials = report["meta"]["trials"]
     order = [(r["trial"], r["engine"], r["mode"]) for r in report["results"]]
     assert order == [(t, e, m) for t in range(trials) for e in ENGINES for m in (MODES if t % 2 == 0 else MODES[::-1])]
