@@ -51,9 +51,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import ReplicaEnv
 from nanoddp.ft.replica_group import ReplicaGroup, own_world
 from nanoddp.ft.replica_members import group_store
-from nanoddp.ft.stopped import RunStopped, first_line
+from nanoddp.ft.stopped import RunStopped, failure_text, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,9 @@ class FaultTolerant:
         self._boundary_failures = 0  # in a row
         self._holders_checked = -1  # the group generation whose members were asked who holds the state
         self._same_failure: tuple[tuple[Any, ...], int] = ((), 0)  # the last failure, and how often in a row
+        # A replica group's vote is counted once all its members voted; one may be a collective timeout
+        # behind (its sum with a hung peer timing out while a sibling's completed): wait for it.
+        self._vote_wait = timedelta(seconds=2 * self.env.timeout_s)
 
     # -- 1. the quorum ------------------------------------------------------------------------
     @property
@@ -246,7 +249,7 @@ class FaultTolerant:
                     "--resume auto", self.is_master,
                 ) from exc  # fmt: skip
             self._fail(exc, f"the boundary after step {step}")
-            self.manager.should_commit()  # False: a failed commit, so the next quorum makes a new group
+            self.manager.should_commit(self._vote_wait)  # False: a failed commit, so the next quorum makes a new group
             return False
         self._boundary_failures = 0
         return True
@@ -340,8 +343,7 @@ class FaultTolerant:
             logger.info("group of %d replicas formed", self.world_size)
 
     def _members_agree(self, late: bool) -> bool:
-        """`late` on any member of this replica group (a MAX over its default group): every member
-        asks for the next quorum or none does (torchft's server waits for all of a group's)."""
+        """`late` on any member of this replica group: all ask for the next quorum or none does."""
         if self.env.group_size == 1:
             return late
         flag = torch.tensor([int(late)], dtype=torch.int32)
@@ -406,7 +408,7 @@ class FaultTolerant:
         a GradScaler's step, say); it runs only once the step may commit, so a step that does not
         leaves no trace in the optimizer."""
         step, world_size = self.manager.current_step(), self.world_size
-        committed = self.manager.should_commit()
+        committed = self.manager.should_commit(self._vote_wait)
         if committed and update:
             (apply or self.optimizer.step)()
         if committed:
@@ -442,9 +444,3 @@ class FaultTolerant:
         """Leave the run: stop the Manager's servers and destroy the group."""
         self.manager.shutdown(wait=False)
         self.world.close()
-
-
-def failure_text(line: str) -> str:
-    """`line` with its memory addresses masked: the same failure on a retry names a new object
-    (each try's group is new), and must still count as the same (`_count_failure`)."""
-    return re.sub(r"0x[0-9a-fA-F]+", "0x?", line)

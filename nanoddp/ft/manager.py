@@ -109,7 +109,9 @@ def make_manager(
             min_replica_size=1 if use_async_quorum else env.min_replicas,
             use_async_quorum=use_async_quorum,
             timeout=timeout,
-            quorum_timeout=max(timeout, timedelta(seconds=STARTUP_WAIT_S)),
+            # a replica group's request is sent once all its members asked; one may be a collective
+            # timeout late (`FaultTolerant._vote_wait`)
+            quorum_timeout=max(2 * timeout, timedelta(seconds=STARTUP_WAIT_S)),
             connect_timeout=timeout,
             rank=env.group_rank,  # its replica group's members: one Manager each, one quorum for them all
             world_size=env.group_size,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -88,11 +89,12 @@ def _become_member(
 
 
 def _watch(pid: int, rank: int, env: ReplicaEnv) -> None:
-    """Rank 0's watch over member `rank`: a member that ends other than by finishing (0) or by
-    the run's stop (which every member reaches with rank 0) takes the group down."""
+    """Rank 0's watch over member `rank`: a member that ends other than by finishing (0), by the
+    run's stop (which every member reaches with rank 0) or by the launcher's SIGTERM (sent to the
+    whole group, rank 0 included: no line for that) takes the group down."""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    if code in (0, STOPPED_EXIT_CODE):
+    if code in (0, STOPPED_EXIT_CODE, -signal.SIGTERM):
         return
     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     print(

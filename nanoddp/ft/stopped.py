@@ -13,6 +13,7 @@ supervisor never replaces: it ends the run with that code.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Callable
 
@@ -47,3 +48,9 @@ def first_line(exc: BaseException) -> str:
     """An error's first line, shortened: what a log line or a stop line quotes."""
     text = str(exc)
     return text.splitlines()[0][:200] if text.strip() else type(exc).__name__
+
+
+def failure_text(line: str) -> str:
+    """`line` with its memory addresses masked: the same failure on a retry names a new object
+    (each try's group is new), and must still count as the same (`FaultTolerant._count_failure`)."""
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", line)

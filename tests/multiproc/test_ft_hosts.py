@@ -294,7 +294,11 @@ def _history(records: list[dict]) -> list[int]:
     return [r["world_size"] for r in records if "event" not in r]
 
 
-LATE_MAX_STEPS = 2  # a replica left out for lateness is back within this many steps
+# A replica left out for lateness is back within this many steps. A replica group asks for a quorum
+# once its last member has (torchft's server for the group waits for all of them), so with 2
+# processes a host beside busy cores one can be late at several quorums in a row: a busy
+# fresh-clone run once saw a group out for 6 steps, then back (bitwise the replay all the same).
+LATE_MAX_STEPS = 10
 
 
 def _without_late_replicas(records: list[dict], history: list[int], changes: list[tuple]) -> tuple[list, list]:

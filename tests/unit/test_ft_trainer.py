@@ -52,7 +52,7 @@ def test_a_failure_that_names_a_new_object_each_try_is_still_the_same_failure():
     """A retry's group is a new object, so an error that prints it (torch's "Group <... at 0x7f..>
     is not registered") differs in its address alone; the same-failure rule must still see one
     failure (before: it retried such a sync forever)."""
-    from nanoddp.ft.fault_tolerant import failure_text
+    from nanoddp.ft.stopped import failure_text
 
     first = "Group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f4f60151bb0> is not registered"
     again = "Group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f4f60c276f0> is not registered"

@@ -170,7 +170,7 @@ FAULTS = (
     Mutation(
         "ft replica groups: a member that dies leaves its group running without it",
         "nanoddp/ft/replica_members.py",
-        "    if code in (0, STOPPED_EXIT_CODE):\n",
+        "    if code in (0, STOPPED_EXIT_CODE, -signal.SIGTERM):\n",
         "    if True:\n",
         ("tests/multiproc/test_ft_sharded.py", "-k", "zero2"),
     ),
