@@ -2,9 +2,10 @@
 
 Why two groups: a replica's engine (DDP, ZeRO, HSDP) is built once over its default group and must
 never be rebuilt, while the replicas present change from step to step. So the default group stays
-the replica's own (a one-rank gloo world over an in-memory store, `own_world`: at one process per
-replica the engines shard nothing), and what torchft's Manager reconfigures on each quorum is a
-second group across the replicas, `ReplicaGroup`: torchft's own `ProcessGroupGloo` wrapper, whose
+the replica's own (`own_world`: a one-rank gloo world over an in-memory store, or a replica group's
+G members over their store, the engines sharding only among them), and what torchft's Manager
+reconfigures on each quorum is a second group across the replicas (one per group rank: rank g of
+every replica), `ReplicaGroup`: torchft's own `ProcessGroupGloo` wrapper, whose
 `configure` aborts the old c10d group and makes a new one over the quorum's store. torch's registry
 never hears of that group; `nanoddp.comm` asks the group object itself who is in it
 (`comm.transport.membership`), so every cross-replica collective takes it explicitly
