@@ -231,14 +231,24 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def pin_gloo_to_loopback(environ: MutableMapping[str, str] | None = None) -> None:
-    """Make gloo devices listen on the loopback interface, unless the user chose one.
+SOCKET_INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo's and nccl's sockets listen (nccl's for its bootstrap and its socket transport)."""
 
-    Without GLOO_SOCKET_IFNAME gloo listens on the address the hostname resolves to, which on
-    most servers is the network's: a local job would accept connections from other machines.
-    gloo reads the variable whenever it creates a group, so groups made later follow too."""
+
+def pin_sockets_to(interface: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """Make gloo and nccl listen on `interface`, unless the user chose one for either.
+
+    Without these variables gloo listens on the address the hostname resolves to and nccl on the
+    first interface that is not loopback: a local job would accept connections from other
+    machines. Both read them whenever they create a group, so groups made later follow too."""
     environ = os.environ if environ is None else environ
-    environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    for name in SOCKET_INTERFACE_VARS:
+        environ.setdefault(name, interface)
+
+
+def pin_sockets_to_loopback(environ: MutableMapping[str, str] | None = None) -> None:
+    """`pin_sockets_to` the loopback interface: every rank runs on this machine."""
+    pin_sockets_to(loopback_interface(), environ)
 
 
 def _is_loopback(host: str) -> bool:
@@ -276,9 +286,9 @@ def init(
     Private by default: a single-process env without MASTER_ADDR gets a loopback-only rendezvous
     (so code written for N ranks runs unchanged with one), and so does a torchrun job whose ranks
     all run on this node; whenever every rank runs here, gloo listens on loopback too
-    (`pin_gloo_to_loopback`). Multi-node jobs meet at MASTER_ADDR (rank 0's store bound to it when
-    it is an address, else torch's env:// rendezvous), and gloo listens on the interface towards
-    it (`hosts.route_to`) unless GLOO_SOCKET_IFNAME says otherwise.
+    (`pin_sockets_to_loopback`). Multi-node jobs meet at MASTER_ADDR (rank 0's store bound to it when
+    it is an address, else torch's env:// rendezvous), and gloo and nccl listen on the interface
+    towards it (`hosts.route_to`) unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise.
     """
     env = env or DistEnv.from_environ()
     if dist.is_initialized():
@@ -304,11 +314,11 @@ def init(
         else:
             raise ValueError(f"world_size={env.world_size} needs MASTER_ADDR/MASTER_PORT or init_method")
     if all_ranks_here(env, init_method):
-        pin_gloo_to_loopback()
+        pin_sockets_to_loopback()
     elif env.master_addr is not None and env.master_port is not None:
         # gloo would listen on the hostname's address (127.0.0.1 in many containers): the
         # interface towards rank 0's host instead, unless the user chose one
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", hosts.route_to(f"{env.master_addr}:{env.master_port}").interface)
+        pin_sockets_to(hosts.route_to(f"{env.master_addr}:{env.master_port}").interface)
     if env.backend == "nccl":
         torch.cuda.set_device(env.device)
     dist.init_process_group(

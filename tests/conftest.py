@@ -23,6 +23,16 @@ def on_ranks():
     return run_on_ranks
 
 
+@pytest.fixture(scope="module")
+def cpu_processes():
+    """The processes a module's tests start see no GPU. For runs compared bitwise with a CPU
+    replay: on a machine with one GPU, a namespace host of one process would otherwise train on
+    it over nccl (each process that can own a GPU does, as torchrun's workers do)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
 # The files that take longest (busy CI's --durations, summed per file), longest first. With the
 # suite's `--dist loadfile --no-loadscope-reorder`, xdist hands out whole files in collection
 # order, so these start at once and the many short files fill the gaps beside them, instead of

@@ -12,17 +12,21 @@
 # Steps: what the machine has; the CUDA tests (skipped on the VM); the whole suite on the
 # machine's torch (another version: which tests fail says what the torch floor in
 # pyproject.toml may be); then, one thread per rank, `bench collectives` and `bench train` at
-# 2, 4, 8 and 16 ranks, the scale two cores cannot show (docs/performance.md). The JSON goes
-# into docs/bench/ beside the 2-core files, named by the core count.
+# 2, 4, 8 and 16 ranks, the scale two cores cannot show (docs/performance.md); last, a host lost
+# under `--on-failure continue` on the GPU (`bench restarts --hosts 2`: two network-namespace
+# hosts of one process each share the GPU, NCCL_HOSTID telling nccl they are two machines, so
+# every group is nccl and the lost host's communicator is aborted; restart's cost beside it;
+# needs root). The JSON goes into docs/bench/ beside the 2-core files, named by the core count.
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 CORES=$(nproc)  # names the JSON, as docs/bench/*-2core.json
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${QUICK:-}" ]; then
-    NPROC=2 ITERS=2 STEPS=2 SIZES="64K 1M" SUITE="tests/unit" LIMIT_SUITE=240 LIMIT_BENCH=240
+    NPROC=2 ITERS=2 STEPS=2 SIZES="64K 1M" SUITE="tests/unit" LIMIT_SUITE=240 LIMIT_BENCH=240 LIMIT_FT=240
 else
-    NPROC=2,4,8,16 ITERS=10 STEPS=10 SIZES="64K 1M 4M 16M 64M" SUITE="tests" LIMIT_SUITE=180 LIMIT_BENCH=140
+    NPROC=2,4,8,16 ITERS=10 STEPS=10 SIZES="64K 1M 4M 16M 64M" SUITE="tests" LIMIT_SUITE=180 LIMIT_BENCH=120
+    LIMIT_FT=120
 fi
 PARALLEL=()  # the whole suite fits its limit only spread over the cores (pytest-xdist, if there)
 if [ -z "${QUICK:-}" ] && python -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi
@@ -49,4 +53,13 @@ step bench-collectives "$LIMIT_BENCH" python -m nanoddp bench collectives --npro
 # --memory shared: the timed launch's memory figures, not a launch per engine (device minutes)
 step bench-train "$LIMIT_BENCH" python -m nanoddp bench train --nproc "$NPROC" --global-batch 128 --steps "$STEPS" \
     --engines nanoddp,torch,zero2,fsdp,torch_fsdp --memory shared --json "$OUT/train-${CORES}core.json"
+step ft-host-kill "$LIMIT_FT" python -m nanoddp bench restarts --trials 0 --cost-trials 1 --hosts 2 --host-nproc 1 \
+    --json "$OUT/ft-host-failure-${CORES}core.json"
+# which backend continue's runs used (the start-up line, kept per run): nccl where the GPU took them
+step ft-host-kill-backend 10 python -c '
+import json, sys
+runs = json.load(open(sys.argv[1]))["host_failure_cost"]["results"]
+said = sorted({str(run.get("backend")) for run in runs if run.get("mode") == "continue"})
+print("continue ran over", said)
+sys.exit(0 if said == ["nccl"] else 1)' "$OUT/ft-host-failure-${CORES}core.json"
 echo "outputs in $OUT"

@@ -261,6 +261,7 @@ def interleaved_trials(trials: int, modes: Sequence[str], run: Callable[[str, bo
                 "mode": mode, "trial": trial, "clean_s": clean["wall_s"], "killed_s": killed["wall_s"],
                 "cost_s": round(killed["wall_s"] - clean["wall_s"], 2), "killed_after_s": killed["killed_after_s"],
                 **{key: killed[key] for key in SEEN_KEYS},
+                **({"backend": killed["backend"]} if "backend" in killed else {}),  # where a run says it
             })  # fmt: skip
     return results
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,9 @@ def _run(hosts: NetnsHosts, layout: list[str], mode: str, kill: bool, out: Path)
     if kill and killed_at is None:
         raise ChildFailed(f"mode {mode}: the run ended before step {KILL_AT_STEP} was logged; no host killed")
     seen = seen_by_survivors(read_records(out), killed_at) if killed_at is not None else {}
-    return {"wall_s": round(wall, 2), "killed_after_s": killed_after, **seen}
+    said = re.search(r"(?:per replica|processes) over (\w+)", Path(logs[0].name).read_text())
+    backend = said.group(1) if said else None  # continue's start-up line (`ft_trainer.engine_line`)
+    return {"wall_s": round(wall, 2), "killed_after_s": killed_after, "backend": backend, **seen}
 
 
 def check(host_count: int) -> None:

@@ -6,7 +6,10 @@ a port of one bridge, as machines on a switch. Processes run inside a host with 
 (`command`, `popen`), or are forked from this process's fork server and enter the host's network
 as their first act (`fork`: the same program without a fresh interpreter's imports). The
 filesystem, the process table and the hostname stay shared (the hostname resolving to 127.0.0.1
-everywhere, as in many containers). Killing a host is SIGKILL to every process in its
+everywhere, as in many containers), and so does the kernel's boot id, from which nccl tells
+machines apart: each host's processes get NCCL_HOSTID set to the host's name, so that nccl treats
+two namespaces as two machines (its socket transport between them, as gloo's; two ranks on one
+GPU are refused as duplicates only within one machine). Killing a host is SIGKILL to every process in its
 namespace (`ip netns pids`), the closest thing to pulling its power cord.
 
 The fabric is private to the process that makes it: names carry its pid and a random token, and
@@ -52,7 +55,10 @@ NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
 BRIDGE_PREFIX = "ndb"  # bridges: ndb<token> (a link's name has 15 characters at most)
 KILL_WAIT_S = 10.0
 CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) into a network namespace
-THIS_HOSTS_NETWORK = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
+THIS_HOSTS_NETWORK = (
+    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "NCCL_HOSTID",
+)  # fmt: skip
+HOST_ID_VAR = "NCCL_HOSTID"
 
 
 def unavailable_reason() -> str | None:
@@ -161,7 +167,7 @@ class NetnsHosts:
         belong to the machine that set them (a test process that pinned gloo to loopback, say),
         and another host would not have them."""
         unset = [arg for name in THIS_HOSTS_NETWORK for arg in ("-u", name)]
-        return ["ip", "netns", "exec", self.names[host], "env", *unset, *argv]
+        return ["ip", "netns", "exec", self.names[host], "env", *unset, f"{HOST_ID_VAR}={self.names[host]}", *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start `argv` inside host `host` (subprocess.Popen's keyword arguments)."""
@@ -172,9 +178,11 @@ class NetnsHosts:
         for an argv `python -m MODULE ...`, forked from this process's fork server instead
         (`bench.training_run.forked_child`: no imports of its own, seconds of CPU each on a small
         machine); the child enters the host's network before anything else, without
-        `THIS_HOSTS_NETWORK` in its environment, as `command` runs it."""
+        `THIS_HOSTS_NETWORK` in its environment and with the host's NCCL_HOSTID, as `command`
+        runs it."""
         environ = {name: value for name, value in (os.environ if env is None else env).items()
                    if name not in THIS_HOSTS_NETWORK}  # fmt: skip
+        environ[HOST_ID_VAR] = self.names[host]
         return forked_child(argv, environ, enter=functools.partial(enter_netns, self.names[host]))
 
     def pids(self, host: int) -> list[int]:

@@ -55,7 +55,7 @@ from torch.utils.data import default_collate
 
 from nanoddp.base import files
 from nanoddp.base.records import RecordWriter
-from nanoddp.env import loopback_store, pin_gloo_to_loopback
+from nanoddp.env import loopback_store, pin_sockets_to_loopback
 from nanoddp.ft.manager import STARTUP_WAIT_S, make_manager, torchft_modules
 from nanoddp.ft.replica_env import LIGHTHOUSE_VAR, ReplicaEnv
 from nanoddp.ft.supervisor import Launch, supervise
@@ -112,7 +112,8 @@ def _make_manager(torchft: Any, job: Job, pg: Any, env: ReplicaEnv, store_port: 
         job.optimizer.load_state_dict(state["optim"])
         job.scheduler.load_state_dict(state["lr"])
 
-    return make_manager(torchft, env, pg, (take, put), store_port, init_sync=False, use_async_quorum=True)
+    cpu = torch.device("cpu")  # torchft's DDP on its gloo group: the bench's CPU baseline
+    return make_manager(torchft, env, pg, (take, put), store_port, init_sync=False, use_async_quorum=True, device=cpu)
 
 
 def _wait_for_everyone(manager: Any, env: ReplicaEnv) -> None:
@@ -151,7 +152,7 @@ def train_replica(config: TrainConfig, env: ReplicaEnv) -> None:
     torchft = torchft_modules()
     torch.set_num_threads(threads_per_rank(config, env.replicas))
     job = build_job(config)
-    pin_gloo_to_loopback()  # torchft's gloo group listens where the hostname resolves otherwise
+    pin_sockets_to_loopback()  # torchft's gloo group listens where the hostname resolves otherwise
     pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=env.timeout_s))
     store = loopback_store(0, rank=0, world_size=1)  # the replica group's own store: a group of one
     manager = _make_manager(torchft, job, pg, env, store.port)

@@ -110,7 +110,8 @@ class FaultTolerant:
         self.batches = GlobalBatches(dataset_len, batch_size, seed)
         self.history: list[int] = []  # world size of each committed step: the run's schedule
         own_world(self.env)  # the replica's default group, if none yet
-        self.world = ReplicaGroup(self.env.timeout_s)
+        self.device = self.env.device  # a GPU of its own under nccl, or the CPU (`replica_group`'s note)
+        self.world = ReplicaGroup(self.env.timeout_s, self.env.backend)
         # torchft keeps a replica group's own address book in a store, on the address the run gave
         # this replica (the quorum hands it to the others: `ReplicaEnv.address`): a group of one's
         # own, or the one its G members share (`replica_members`).
@@ -125,7 +126,7 @@ class FaultTolerant:
         # A joiner's state travels over the group across the replicas (`ReplicaGroup.send/recv`); at
         # step 0 every replica takes replica rank 0's weights (init_sync).
         self.manager = make_manager(torchft_modules(), self.env, self.world, (state.take, state.put), self._store.port,
-                                    init_sync=True, use_async_quorum=False)  # fmt: skip
+                                    init_sync=True, use_async_quorum=False, device=self.device)  # fmt: skip
         self._members: tuple[str, ...] = ()  # the group this process last stepped in (its processes)
         self._started = self.env.joiner  # a joiner never waits for the run's first full group
         self._step_started = 0.0
@@ -265,14 +266,16 @@ class FaultTolerant:
         again from its start, writing its records twice. Each member knows whether it holds
         state (a first process built or resumed it; a joiner received it, with its source's
         answer), so one MAX over the group tells them all alike."""
-        held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32)
+        held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32, device=self.device)
         # The group's own all-reduce (torch's gloo), not nanoddp's collectives: a setting that breaks
         # those for one replica alone (a loop's own simulated link) must fail its steps, where the
         # same-failure rule stops it alone, not this boundary for the holders (`BOUNDARY_TRIES`).
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-        self.group.allreduce([held], options).wait()
-        if held.item():
+        with self.world.guarded():
+            self.group.allreduce([held], options).wait()
+            holds = held.item()
+        if holds:
             self._live.holds_state = True  # a member at step 0 without healing holds the step-0 state
             self._holders_checked = self.world.generation
             return
@@ -346,7 +349,7 @@ class FaultTolerant:
         """`late` on any member of this replica group: all ask for the next quorum or none does."""
         if self.env.group_size == 1:
             return late
-        flag = torch.tensor([int(late)], dtype=torch.int32)
+        flag = torch.tensor([int(late)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -387,7 +390,8 @@ class FaultTolerant:
         try:
             started = time.monotonic()
             grads = grad_buffers(self.params) if buffers is None else buffers
-            self._loss = self._sum_pieces(grads, weight, loss, self.group)
+            with self.world.guarded():
+                self._loss = self._sum_pieces(grads, weight, loss, self.group)
             self._comm_s = time.monotonic() - started
         except Exception as exc:  # a lost peer: gloo's error or timeout, on this step's group
             self._fail(exc, f"step {self.manager.current_step() + 1}")

@@ -62,8 +62,8 @@ class WeightedPieceSum:
         rank, world_size = group.rank(), group.size()
         grads_numel = sum(b.numel() for b in buffers)
         numel = grads_numel + world_size  # the gradients, then one loss slot per rank
-        if self.flat.numel() != numel or self.flat.dtype != buffers[0].dtype:
-            self.flat = torch.empty(numel, dtype=buffers[0].dtype)
+        if self.flat.numel() != numel or self.flat.dtype != buffers[0].dtype or self.flat.device != buffers[0].device:
+            self.flat = torch.empty(numel, dtype=buffers[0].dtype, device=buffers[0].device)
         losses = self.flat[grads_numel:]
         torch.cat(list(buffers), out=self.flat[:grads_numel])
         losses.zero_()
@@ -71,7 +71,7 @@ class WeightedPieceSum:
         self.flat.mul_(weight)
         all_reduce_in_rank_order(self.flat, group)
         self.nonfinite_ranks = tuple(int(r) for r in (~losses.isfinite()).nonzero().flatten())
-        total = torch.empty(1, dtype=self.flat.dtype)
+        total = torch.empty(1, dtype=self.flat.dtype, device=self.flat.device)
         reduce_in_rank_order("SUM", list(losses.split(1)), total)
         at = 0
         for buffer in buffers:

@@ -91,13 +91,15 @@ def make_manager(
     *,
     init_sync: bool,
     use_async_quorum: bool,
+    device: torch.device,
 ) -> Any:
     """This replica's Manager over `pg`: `state` is the (take, put) pair a joiner's healing
     calls on its source and on itself, moved over `pg` by torchft's PGTransport; `init_sync`:
     every replica takes replica rank 0's weights at step 0; `use_async_quorum`: False heals a
-    replica before the step (and rebuilds the group while no collective runs)."""
+    replica before the step (and rebuilds the group while no collective runs); `device`: where
+    the healing's tensors travel from and land (the group's: a GPU under nccl)."""
     timeout = timedelta(seconds=env.timeout_s)
-    transport = torchft.checkpointing.pg_transport.PGTransport(pg, timeout, torch.device("cpu"))
+    transport = torchft.checkpointing.pg_transport.PGTransport(pg, timeout, device)
     with _manager_server_bound_to(torchft, env.address):
         return torchft.Manager(
             pg=pg,

@@ -60,8 +60,8 @@ class Placement:
     address: str = LOOPBACK
     """Where this host's replicas bind their servers, and what they tell the others."""
     interface: str | None = None
-    """The interface that holds `address` (gloo's GLOO_SOCKET_IFNAME); None on one node, where
-    the replicas pin gloo to loopback themselves."""
+    """The interface that holds `address` (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); None on one
+    node, where the replicas pin gloo and nccl to loopback themselves."""
     lighthouse: tuple[str, int] | None = None
     """(address, port) of the quorum service; None on one node: loopback, a port of the OS's choice."""
     serves_lighthouse: bool = True

@@ -13,10 +13,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 
 from nanoddp.base.processes import die_with_launcher, name_this_process, named_descendants, take_descendants_along
+
+if TYPE_CHECKING:
+    import torch
 
 LIGHTHOUSE_VAR = "NANODDP_FT_LIGHTHOUSE"  # host:port of the quorum service (torchft's Lighthouse)
 REPLICA_VAR = "NANODDP_FT_REPLICA"  # this replica's id, 0 .. replicas-1, kept by its replacements
@@ -30,6 +34,8 @@ BEATS_VAR = "NANODDP_FT_BEATS"  # directory where each replica marks every step 
 ADDRESS_VAR = "NANODDP_FT_ADDRESS"  # the address this replica's servers bind and advertise
 MIN_REPLICAS_VAR = "NANODDP_FT_MIN_REPLICAS"  # the fewest replicas a step may commit with
 JOIN_VAR = "NANODDP_FT_JOIN"  # "1": the run was under way when this host's launcher started
+HOST_SLOT_VAR = "NANODDP_FT_HOST_SLOT"  # this replica's place among its host's: 0 .. HOST_REPLICAS-1
+HOST_REPLICAS_VAR = "NANODDP_FT_HOST_REPLICAS"  # the replicas on this host (its launcher's --nproc)
 LOOPBACK = "127.0.0.1"
 PROCESS_NAME = "ft-replica"  # + "<id>.<attempt>": what ps and psutil's name() show for a replica's process
 
@@ -72,6 +78,38 @@ class ReplicaEnv:
     """The processes of this replica group: 1, or G under `--group-size G`."""
     store_port: int = 0
     """The port of the replica group's store on `address` (G > 1; its rank 0 serves it)."""
+    host_slot: int = 0
+    """This replica's place among the replicas its host's launcher plays (0 .. host_replicas-1):
+    with `group_rank`, which of the host's accelerators its processes take (`local_rank`)."""
+    host_replicas: int = 1
+    """The replicas this host's launcher plays."""
+
+    @property
+    def local_rank(self) -> int:
+        """This process among every process of the run on this host, as torchrun's LOCAL_RANK."""
+        return self.host_slot * self.group_size + self.group_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """The run's processes on this host, as torchrun's LOCAL_WORLD_SIZE."""
+        return self.host_replicas * self.group_size
+
+    @property
+    def backend(self) -> str:
+        """This process's groups' backend: nccl where every process of the run on this host can
+        own a GPU, else gloo (the rule torchrun's workers follow: `nanoddp.env.default_backend`)."""
+        from nanoddp.env import default_backend  # imports torch: only when asked
+
+        return default_backend(self.local_world_size)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this process's model and the tensors its collectives move live: its `local_rank`-th
+        GPU under nccl, else the CPU. A loop of one's own puts its model there before
+        `FaultTolerant(model, ...)`."""
+        from nanoddp.env import device_for
+
+        return device_for(self.backend, self.local_rank)
 
     def beat_path(self) -> str | None:
         """The file this replica touches at every step boundary (its group's rank 0), or None."""
@@ -86,6 +124,8 @@ class ReplicaEnv:
             raise ValueError(f"the collective timeout must be > 0 seconds, got {self.timeout_s}")
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(f"min_replicas must be in [1, {self.replicas}], got {self.min_replicas}")
+        if not 0 <= self.host_slot < self.host_replicas:
+            raise ValueError(f"host_slot must be in [0, {self.host_replicas}), got {self.host_slot}")
 
     @property
     def most_replicas(self) -> int:
@@ -134,6 +174,8 @@ class ReplicaEnv:
             address=environ.get(ADDRESS_VAR) or LOOPBACK,
             min_replicas=int(environ.get(MIN_REPLICAS_VAR, "1")),
             join=environ.get(JOIN_VAR) == "1",
+            host_slot=int(environ.get(HOST_SLOT_VAR, "0")),
+            host_replicas=int(environ.get(HOST_REPLICAS_VAR, "1")),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -148,6 +190,8 @@ class ReplicaEnv:
             ADDRESS_VAR: self.address,
             MIN_REPLICAS_VAR: str(self.min_replicas),
             JOIN_VAR: "1" if self.join else "0",
+            HOST_SLOT_VAR: str(self.host_slot),
+            HOST_REPLICAS_VAR: str(self.host_replicas),
         }
         if self.out is not None:
             env[OUT_VAR] = self.out

@@ -262,15 +262,16 @@ class FaultTolerantRounds(FaultTolerant):
             return False
         compress = getattr(self.wrapper, "compress", "fp32")
         try:
-            if compress == "fp32":  # the facts ride along with the contribution
-                numel = taken.contribution.numel()
-                flat = self._facts_in(taken, numel)
-                torch.mul(taken.contribution, float(taken.samples), out=flat[:numel])
-                all_reduce_in_rank_order(flat, self.group)
-                facts, total = self._facts_of(flat[numel:])
-                return (None if total == 0 else flat[:numel].div_(total)), facts
-            facts, total = self._exchange_facts(taken)
-            return self._mean(fragment, taken, total, self.group), facts
+            with self.world.guarded():  # on nccl: aborted past the timeout (`ReplicaGroup`'s note)
+                if compress == "fp32":  # the facts ride along with the contribution
+                    numel = taken.contribution.numel()
+                    flat = self._facts_in(taken, numel)
+                    torch.mul(taken.contribution, float(taken.samples), out=flat[:numel])
+                    all_reduce_in_rank_order(flat, self.group)
+                    facts, total = self._facts_of(flat[numel:])
+                    return (None if total == 0 else flat[:numel].div_(total)), facts
+                facts, total = self._exchange_facts(taken)
+                return self._mean(fragment, taken, total, self.group), facts
         except Exception as exc:  # a lost peer: gloo's error or timeout
             self._fail(exc, f"the sync at step {self.step}")
             return False
@@ -287,14 +288,15 @@ class FaultTolerantRounds(FaultTolerant):
         if not self._quorum_ok():
             return
         try:
-            facts, total = self._exchange_facts(taken)
+            with self.world.guarded():
+                facts, total = self._exchange_facts(taken)
         except Exception as exc:  # a lost peer
             self._fail(exc, f"the start of the sync at step {self.step}")
             return
         self._record(fragment, facts)
         self._healed_from = -1  # recorded: a retry at the finish heals nobody again
         assert self._behind is not None
-        future = self._behind.submit(self._mean, fragment, taken, total, self.group)
+        future = self._behind.submit(self._mean_guarded, fragment, taken, total, self.group)
         self._in_flight = InFlight(fragment, taken, facts, future, residual)
 
     def _landed(self, in_flight: InFlight) -> torch.Tensor | None | bool:
@@ -329,10 +331,10 @@ class FaultTolerantRounds(FaultTolerant):
     def _facts_in(self, taken: Taken, numel: int) -> torch.Tensor:
         """A flat buffer of `numel` zeros, then every rank's facts: this rank's filled in."""
         world_size = self.world_size
-        flat = torch.zeros(numel + FACTS_PER_RANK * world_size)
+        flat = torch.zeros(numel + FACTS_PER_RANK * world_size, device=taken.contribution.device)
         at = numel + FACTS_PER_RANK * self.rank
         mine = [self.env.replica, taken.samples, self._healed_from, taken.nonfinite_steps]
-        flat[at : at + FACTS_PER_RANK] = torch.tensor(mine)
+        flat[at : at + FACTS_PER_RANK] = torch.tensor(mine, dtype=flat.dtype, device=flat.device)
         return flat
 
     def _facts_of(self, flat: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -344,6 +346,11 @@ class FaultTolerantRounds(FaultTolerant):
         flat = self._facts_in(taken, 0)
         all_reduce_in_rank_order(flat, self.group)
         return self._facts_of(flat)
+
+    def _mean_guarded(self, fragment: int, taken: Taken, total: float, group: Any) -> torch.Tensor | None:
+        """`_mean` behind the inner steps, aborted on nccl past the timeout as a blocking sync is."""
+        with self.world.guarded():
+            return self._mean(fragment, taken, total, group)
 
     @torch.no_grad()
     def _mean(self, fragment: int, taken: Taken, total: float, group: Any) -> torch.Tensor | None:

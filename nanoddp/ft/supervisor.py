@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from nanoddp import hosts
 from nanoddp.base import processes
 from nanoddp.base.limits import STOP_GRACE_S
+from nanoddp.env import SOCKET_INTERFACE_VARS
 from nanoddp.ft.placement import Placement
 from nanoddp.ft.quorum_service import QuorumServiceUnavailable, open_quorum_service
 from nanoddp.ft.replica_env import ReplicaEnv
@@ -78,7 +79,6 @@ BEATS_PREFIX = "nanoddp-ft-beats-"  # the launcher's private dir of step marks, 
 STARTUP_GRACE_S = 120.0  # a replica's first step mark may take this long (imports, data, joining)
 GROWER_WAIT_S = 10.0  # a grower's wait for the quorum service: the run it grows is under way, or none is
 SILENT_MARGIN_S = 2.0  # past the collective timeout: the others' quorum (join timeout) comes first
-GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass
@@ -142,8 +142,8 @@ class Supervisor:
         self.spare: Replica | None = None  # the warm spare while it waits (its `replica` is unused)
 
     def _environ(self, replica: Replica) -> dict[str, str]:
-        """The variables that make a process `replica` (`ReplicaEnv`), and across hosts gloo's
-        interface (the host's towards the quorum service) unless the user chose one."""
+        """The variables that make a process `replica` (`ReplicaEnv`), and across hosts gloo's and
+        nccl's interface (the host's towards the quorum service) unless the user chose one."""
         environ = ReplicaEnv(
             lighthouse=self.lighthouse,
             replica=replica.replica,
@@ -157,9 +157,13 @@ class Supervisor:
             address=self.where.address,
             min_replicas=self.where.min_replicas,
             join=self.join,
+            host_slot=replica.replica - self.where.first,
+            host_replicas=self.where.nproc,
         ).to_environ()
-        if self.where.interface is not None and GLOO_INTERFACE_VAR not in os.environ:
-            environ[GLOO_INTERFACE_VAR] = self.where.interface
+        if self.where.interface is not None:
+            for name in SOCKET_INTERFACE_VARS:
+                if name not in os.environ:
+                    environ[name] = self.where.interface
         return environ
 
     def _popen(self, holder: Replica, command: Sequence[str], environ: dict[str, str], spare: bool) -> None:

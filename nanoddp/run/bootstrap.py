@@ -17,11 +17,12 @@ torchrun's error file, so the launcher's one-line summary says what hung, where.
 A single-node job is private to this machine (`single_node_loopback`): torchrun hands workers
 MASTER_ADDR=<this host>, rank 0's TCPStore server listens on every interface whatever address
 it is given, and gloo's device follows the hostname's address. So, when every rank runs here,
-MASTER_ADDR becomes 127.0.0.1, gloo is pinned to the loopback interface (GLOO_SOCKET_IFNAME,
-unless the user set it), and a script's env:// `init_process_group` gets rank 0's store bound
-to loopback (`nanoddp.env.bound_store`, as `nanoddp.env.init` does). On several nodes the agent
-has chosen the addresses (`nanoddp.train.launcher.rendezvous`): MASTER_ADDR is rank 0's host's
-address, where its store is bound the same way, and gloo's interface is set.
+MASTER_ADDR becomes 127.0.0.1, gloo and nccl are pinned to the loopback interface
+(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, unless the user set them), and a script's env://
+`init_process_group` gets rank 0's store bound to loopback (`nanoddp.env.bound_store`, as
+`nanoddp.env.init` does). On several nodes the agent has chosen the addresses
+(`nanoddp.train.launcher.rendezvous`): MASTER_ADDR is rank 0's host's address, where its store is
+bound the same way, and gloo's and nccl's interface is set.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def single_node_loopback(environ: MutableMapping[str, str] | None = None) -> boo
     if not torchrun.inside_torchrun(env) or env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
         return False
     env["MASTER_ADDR"] = "127.0.0.1"
-    nd.pin_gloo_to_loopback(env)
+    nd.pin_sockets_to_loopback(env)
     return True
 
 

@@ -67,6 +67,7 @@ from nanoddp.ft.replica_group import own_world
 from nanoddp.ft.replica_members import start_members, wait_for_members
 from nanoddp.ft.rounds import FaultTolerantRounds
 from nanoddp.ft.stopped import RunStopped, run_replica
+from nanoddp.parallel.tensors import move_to
 from nanoddp.train import step_check
 from nanoddp.train.checkpoint import snapshot
 from nanoddp.train.config import TrainConfig, filled, threads_per_rank
@@ -80,7 +81,6 @@ from nanoddp.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 WORKER_MODULE = "nanoddp.train.ft_trainer"  # what the supervisor runs once per replica
-CPU = torch.device("cpu")
 MEMBER_GONE_S = 2.0  # how long a failed group's rank 0 waits to learn that a member died first
 
 
@@ -98,11 +98,11 @@ class FaultTolerantTrainer(Trainer):
         # builds them over torchrun's world.
         replica = start_members(replica, config.group_size or 1)
         own_world(replica)
-        job = build_job(config)  # identical weights on every replica (init_sync makes sure)
+        job = build_job(config, replica.device)  # identical weights on every replica (init_sync makes sure)
         trainer = cls.__new__(cls)
         trainer._lock_fd, trainer.replica = None, replica  # the launcher holds the run directory
         group_rank, group_size = replica.group_rank, replica.group_size
-        env = DistEnv(group_rank, group_rank, group_size, group_size, 0, CPU, "gloo")
+        env = DistEnv(group_rank, group_rank, group_size, group_size, 0, replica.device, replica.backend)
         datasets = (job.train_set, job.val_set)
         trainer._setup(config, env, job.module, job.optimizer, job.scheduler, datasets, batch_loss_for(None), None)
         return trainer
@@ -156,7 +156,7 @@ class FaultTolerantTrainer(Trainer):
             if self.replica.replica == 0 and env.is_master:
                 self.ft.metrics.truncate_after(self.step)  # the steps after the snapshot are redone and logged again
         if self.replica.replica == 0 and env.is_master and not self.replica.joiner:
-            logger.info("%s", engine_line(config.engine, self.engine, env.world_size))
+            logger.info("%s", engine_line(config.engine, self.engine, env.world_size, env.backend))
 
     @property
     def is_master(self) -> bool:
@@ -240,13 +240,14 @@ class FaultTolerantTrainer(Trainer):
         units, first = self.env.world_size * count, self.env.rank * count
         for micro in range(first, first + count):
             indices = piece[share(len(piece), micro, units)]
-            yield default_collate([self.train_set[i] for i in indices.tolist()]), len(indices) * units / len(piece)
+            batch = move_to(default_collate([self.train_set[i] for i in indices.tolist()]), self.env.device)
+            yield batch, len(indices) * units / len(piece)
 
     def _piece_loss(self, micro_batches: list) -> torch.Tensor:
         """Forward and backward over this process's micro-batches (the Trainer's micro-steps, the
         engine's own sync on the last); returns the replica's piece's mean loss (its members'
         means averaged, summed in rank order: the same bits on every member)."""
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.env.device)
         for micro, (batch, weight) in enumerate(micro_batches):
             loss += self._run_batch(batch, sync=micro == len(micro_batches) - 1, weight=weight) * weight
         loss /= len(micro_batches)
@@ -345,7 +346,8 @@ class FaultTolerantTrainer(Trainer):
         """The Trainer's validation loss; rank 0 logs it and writes `{"event": "eval", "step",
         "val_loss", "world_size", "eval_time_s"}`, once per step (a boundary may be redone)."""
         started = time.monotonic()
-        val_loss = self.evaluate()
+        with self.ft.world.guarded():  # over the replicas: on nccl aborted past the timeout
+            val_loss = self.evaluate()
         if val_loss is None or self.metrics is None or step in self._evaluated:
             return
         self._evaluated.add(step)
@@ -362,11 +364,13 @@ def first_run_id(env: ReplicaEnv, out: str | None) -> str:
     return hashlib.sha256(f"{env.lighthouse}:{out}".encode()).hexdigest()[:12]
 
 
-def engine_line(name: str, engine: Any, group_size: int = 1) -> str:
+def engine_line(name: str, engine: Any, group_size: int = 1, backend: str = "gloo") -> str:
     """The start-up line that names the engine a continue run trains with (the registry's class,
-    as under restart), what a replica is, and for zero1/zero2 what that means for their shards."""
+    as under restart), what a replica is and its groups' backend (`ReplicaEnv.backend`),
+    and for zero1/zero2 what that means for their shards."""
     kind = type(engine)
     replica = "one process per replica" if group_size == 1 else f"replica groups of {group_size} processes"
+    replica += f" over {backend}"
     line = f"--on-failure continue: engine {name} ({kind.__module__}.{kind.__qualname__}), {replica}"
     if name == "fsdp":
         line += (

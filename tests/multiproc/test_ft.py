@@ -42,6 +42,7 @@ from helpers import replica_pid, wait_for  # noqa: E402  (after the skip)
 from nanoddp.base.processes import named_descendants
 from nanoddp.base.records import read_records
 from nanoddp.bench.training_run import run_training
+from nanoddp.env import default_backend, device_for, loopback_interface
 from nanoddp.ft.spare import PROCESS_NAME as SPARE_NAME
 
 REPLICAS, TIMEOUT_S, BATCH, DATASET, SEED = 3, 3.0, 10, 60, 0  # 10: uneven pieces at world size 3
@@ -98,7 +99,8 @@ for step in ft.steps(10_000):
     ft.average_gradients(loss)
     ft.commit()
     time.sleep(0.05)
-torch.save({"params": [p.detach() for p in model.parameters()], "history": ft.history},
+placed = (env.local_rank, env.local_world_size, str(ft.device), os.environ["NCCL_SOCKET_IFNAME"])
+torch.save({"params": [p.detach() for p in model.parameters()], "history": ft.history, "placed": placed},
            out / f"final-{env.replica}-{env.attempt}.pt")
 ft.close()
 """
@@ -199,6 +201,20 @@ def test_survivors_and_joiners_equal_a_replay_bitwise(run):
     for name, final in finals.items():
         for got, want in zip(final["params"], reference, strict=True):
             assert torch.equal(got, want), f"{name} differs from the replay: {(got - want).abs().max()}"
+
+
+def test_each_replica_and_replacement_takes_its_own_local_rank_and_device(run):
+    """On one node replica k is the node's k-th process, its replacements too (warm or forked):
+    the GPU it would own under nccl (torchrun's LOCAL_RANK rule, `nanoddp.env`), and nccl's
+    sockets stay on loopback as gloo's do."""
+    _check_ran(run)
+    placed = {name: final["placed"] for name, final in run["finals"].items()}
+    expected = {}
+    for name in placed:
+        replica = int(name.split("-")[1])
+        device = device_for(default_backend(REPLICAS), replica)
+        expected[name] = (replica, REPLICAS, str(device), loopback_interface())
+    assert placed == expected
 
 
 def test_schedule_loses_and_regains_ranks(run):

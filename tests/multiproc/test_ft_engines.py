@@ -31,6 +31,7 @@ from helpers import FT_TINY_GPT, replay_continue_run, replay_engine_run, run_on_
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.training_run import TrainingRun, run_training
+from nanoddp.env import default_backend
 from nanoddp.train.engines import ENGINE_REGISTRY
 
 pytest.importorskip("torchft")
@@ -130,10 +131,12 @@ def test_the_replay_equals_the_plain_model_replay(engine, replays):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_engine_is_the_same_class(engine, launched):
     """The object a replica trains with is an instance of the registry's class (what restart
-    builds), and zero1/zero2 say once what one process per replica means for them."""
+    builds) over the backend torchrun's workers would have (nccl where each process can own a
+    GPU), and zero1/zero2 say once what one process per replica means for them."""
     _, output = _finished(launched, f"{engine}-plain")
     kind = ENGINE_REGISTRY[engine]
-    assert output.count(f"engine {engine} ({kind.__module__}.{kind.__qualname__})") == 1, output[-3000:]
+    said = f"engine {engine} ({kind.__module__}.{kind.__qualname__}), one process per replica over "
+    assert output.count(said + default_backend(REPLICAS)) == 1, output[-3000:]
     said = f"{engine} shards nothing across replicas: each replica holds the whole optimizer state"
     assert (said in output) == (engine in ("zero1", "zero2")), output[-3000:]
 

@@ -72,7 +72,10 @@ from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 
 pytest.importorskip("torchft")
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
+pytestmark = [
+    pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}"),
+    pytest.mark.usefixtures("cpu_processes"),  # compared with CPU replays, also where a GPU is
+]
 
 STEPS, SNAPSHOT_EVERY, BOTH_BEFORE_KILL, ALONE_BEFORE_HOLD, BOTH_BEFORE_GROWTH = 50, 5, 3, 2, 2
 THREE_BEFORE_LOSS, TWO_BEFORE_LOSS = 2, 2  # steps of the grown run, then of the two left, before each loss
@@ -441,6 +444,7 @@ def test_nothing_outlives_the_run(run):
 # ---- `nanoddp run --on-failure continue` across hosts -----------------------------------------
 
 LOOP = """
+import os
 import torch
 torch.set_num_threads(1)
 from nanoddp.ft import FaultTolerant, ReplicaEnv
@@ -459,7 +463,8 @@ for step in ft.steps(4):
     ft.average_gradients(loss)
     ft.commit()
 params = [p.detach().flatten().tolist() for p in model.parameters()]
-print("FINAL", env.replica, env.address, ft.history, params, flush=True)
+sockets = ",".join(os.environ[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))
+print("FINAL", env.replica, env.address, sockets, ft.history, params, flush=True)
 ft.close()
 """
 
@@ -467,7 +472,8 @@ ft.close()
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
     """`nanoddp run` takes the same flags: each host's replica has its id of the run's two and its
-    host's address, both step at world size 2, and end with the same weights."""
+    host's address, gloo's and nccl's sockets on the host's interface, both step at world size 2,
+    and end with the same weights."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     with NetnsHosts(2) as hosts:
@@ -487,8 +493,9 @@ def test_nanoddp_run_places_a_users_loop_across_hosts(tmp_path):
     assert [proc.returncode for proc in procs] == [0, 0], "\n".join(out[-3000:] for out in outputs)
     finals = sorted(line.split("FINAL ", 1)[1] for out in outputs for line in out.splitlines() if "FINAL " in line)
     assert len(finals) == 2, outputs
-    (zero, address0, *rest0), (one, address1, *rest1) = (final.split(" ", 2) for final in finals)
+    (zero, address0, sockets0, *rest0), (one, address1, sockets1, *rest1) = (f.split(" ", 3) for f in finals)
     assert (zero, one, address0, address1) == ("0", "1", *hosts.addresses), finals
+    assert sockets0 == sockets1 == "eth0,eth0", finals  # each host's one interface (`NetnsHosts`)
     assert rest0 == rest1 and rest0[0].startswith("[2, 2, 2, 2] "), finals  # the same history and weights
 
 

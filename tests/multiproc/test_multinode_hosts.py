@@ -37,7 +37,10 @@ from nanoddp.bench.netns_hosts import NetnsHosts, unavailable_reason
 from nanoddp.bench.training_run import forked_child
 from nanoddp.fork_server import ForkedModule
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}")
+pytestmark = [
+    pytest.mark.skipif(unavailable_reason() is not None, reason=f"namespace hosts: {unavailable_reason()}"),
+    pytest.mark.usefixtures("cpu_processes"),  # compared with CPU replays, also where a GPU is
+]
 
 # GPT tiny on 32-byte windows (~0.2 s a step on 2 busy cores, so a kill after step 5 lands mid-run);
 # logged at each snapshot step, so that a resumed run averages the same steps per record

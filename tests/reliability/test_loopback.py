@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from nanoddp.bench.training_run import forked_child
-from nanoddp.env import DistEnv, all_ranks_here, pin_gloo_to_loopback
+from nanoddp.env import DistEnv, all_ranks_here, loopback_interface, pin_sockets_to_loopback
 from nanoddp.run import bootstrap
 
 SCRIPT = """
@@ -104,8 +104,8 @@ def test_only_jobs_whose_ranks_all_run_here_are_pinned_to_loopback():
     assert not all_ranks_here(DistEnv.from_environ(environ, backend="gloo"))
     assert all_ranks_here(DistEnv.from_environ({**environ, "MASTER_ADDR": "::1"}, backend="gloo"))
     chosen = {"GLOO_SOCKET_IFNAME": "eth7"}
-    pin_gloo_to_loopback(chosen)
-    assert chosen == {"GLOO_SOCKET_IFNAME": "eth7"}  # the user's choice stands
+    pin_sockets_to_loopback(chosen)  # the user's choice for gloo stands; nccl's listeners pinned too
+    assert chosen == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": loopback_interface()}
 
 
 # ---- where the hostname resolves to the machine's network address ------------------------------

@@ -37,7 +37,7 @@ FAULTS = (
     Mutation(
         "ft continue: a group in which nobody holds the state starts over from step 0",
         "nanoddp/ft/fault_tolerant.py",
-        "        if held.item():\n",
+        "        if holds:\n",
         "        if True:\n",
         ("tests/multiproc/test_ft_guards.py", "-k", "both_replicas_lost"),
     ),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import os
 import secrets
 
 from nanoddp import env as nd
@@ -91,13 +90,13 @@ def multinode_rendezvous(torchrun_argv: list[str]) -> tuple[list[str], object | 
     - a client first waits, up to the rendezvous timeout, for the endpoint to accept a connection
       (`hosts.wait_reachable`), so that nobody serving it is one line, not the store's C++ errors;
     - `--local-addr` is this host's address towards the endpoint, so the workers' MASTER_ADDR is
-      reachable (not the hostname), and gloo listens on the interface that holds it
-      (GLOO_SOCKET_IFNAME, unless set).
+      reachable (not the hostname), and gloo and nccl listen on the interface that holds it
+      (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, unless set).
     """
     argv = list(torchrun_argv)
     endpoint, backend = _flag(argv, "--rdzv-endpoint"), _flag(argv, "--rdzv-backend")
     route = hosts.route_to(endpoint)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", route.interface)
+    nd.pin_sockets_to(route.interface)
     store = None
     if route.is_local and (backend == "c10d" or (backend == "static" and _flag(argv, "--node-rank") == "0")):
         try:
