@@ -148,12 +148,12 @@ class NetnsHosts:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def shape(self, bits_per_s: float | None) -> None:
-        """Cap what each host receives at `bits_per_s` (the module's note), replacing any cap set
-        before; None removes the caps (the veths at full speed)."""
+    def shape(self, bits_per_s: float | None, hosts: Sequence[int] | None = None) -> None:
+        """Cap what each host (of `hosts`; default every one) receives at `bits_per_s` (the
+        module's note), replacing any cap set before; None removes the caps (full speed)."""
         if bits_per_s is not None and not bits_per_s > 0:
             raise ValueError(f"a link rate must be > 0 bits/s, got {bits_per_s}")
-        for veth in self._veths:
+        for veth in [self._veths[h] for h in range(len(self._veths)) if hosts is None or h in hosts]:
             # no qdisc of ours yet is not an error: the deletion is only for replacing one
             subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True, timeout=30)
             if bits_per_s is not None:

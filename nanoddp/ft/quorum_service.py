@@ -6,13 +6,20 @@ node the launcher runs it on loopback; across hosts node 0's launcher runs it on
 endpoint (`Placement.lighthouse`), or `--lighthouse` names one already running, which the
 launcher waits for as a rendezvous client waits for its store.
 
-[Note: a host started again joins] A launcher that finds a quorum already formed at the service
+[Note: a host started again joins] A launcher that finds the run under way at the service
 (`run_under_way`) belongs to a host that was lost and is started again with the same command:
 its replicas are joiners from their first process on (`ReplicaEnv.join`), so they take their
 state from a peer at a step boundary, never resume from a snapshot of their own, and do not wait
-for the run's first full group. torchft's Lighthouse answers no such question through its
-client (asking for a quorum would make the asker a member), so it is read from the page the
-Lighthouse serves on the same port, `/status`: "Current quorum_id: N", 0 until a first quorum.
+for the run's first full group. Under way means that the run's first full group has formed
+(a quorum of every replica it starts with) or that a member of the last quorum has committed a
+step. A quorum alone is not enough: with `--min-replicas` below the starting count, the first
+host's replicas form groups of their own while they wait for the others at start-up, and a host
+started a moment later would take itself for a host started again (a joiner, holding nothing,
+in a group with nobody who holds the state: the run would stop). torchft's Lighthouse answers
+no such question through its client (asking for a quorum would make the asker a member), so it
+is read from the page the Lighthouse serves on the same port, `/status`: "Current quorum_id: N"
+(0 until a first quorum), then the last quorum's "Num participants: K" and each member's
+"Step: S".
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from nanoddp.ft.stopped import first_line
 JOIN_MS, HEARTBEAT_MS, TICK_MS = 500, 1000, 10
 STATUS_TIMEOUT_S = 10.0  # one read of the Lighthouse's status page
 QUORUM_ID = re.compile(r"Current quorum_id: (\d+)")
+PARTICIPANTS = re.compile(r"Num participants: (\d+)")  # the last quorum's
+STEP = re.compile(r"Step: (\d+)")  # each member's of the last quorum: steps it committed
 
 
 class QuorumServiceUnavailable(RuntimeError):
@@ -74,7 +83,7 @@ def open_quorum_service(where: Placement, wait_s: float) -> QuorumService:
             "that address) with the same --rdzv-endpoint, or check --lighthouse, the address and the port"
         )
     url = f"http://{endpoint}"
-    return QuorumService(url, None, run_under_way(url))
+    return QuorumService(url, None, run_under_way(url, where.replicas))
 
 
 def _start(where: Placement) -> QuorumService:
@@ -99,8 +108,9 @@ def _start(where: Placement) -> QuorumService:
     return QuorumService(f"http://{hosts.url_host(address)}:{bound_port}", server)
 
 
-def run_under_way(url: str) -> bool:
-    """Whether the Lighthouse at `url` has formed a quorum yet (the module's note)."""
+def run_under_way(url: str, replicas: int) -> bool:
+    """Whether the run whose quorum service is at `url`, starting with `replicas` replicas, is
+    under way: its first full group formed, or a step committed (the module's note)."""
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
     try:
         with direct.open(f"{url}/status", timeout=STATUS_TIMEOUT_S) as answer:
@@ -112,4 +122,9 @@ def run_under_way(url: str) -> bool:
         raise QuorumServiceUnavailable(
             f"{url}/status has no 'Current quorum_id: N': is it torchft's Lighthouse (torchft==0.2.0)?"
         )
-    return int(found.group(1)) > 0
+    if int(found.group(1)) == 0:
+        return False
+    _, _, last = page.partition("Previous quorum id:")
+    members = PARTICIPANTS.search(last)
+    steps = [int(step) for step in STEP.findall(last)]
+    return (members is not None and int(members.group(1)) >= replicas) or any(step > 0 for step in steps)

@@ -160,8 +160,10 @@ def test_replica_env_carries_address_minimum_and_join():
 
 
 def test_a_lighthouse_says_whether_a_run_is_under_way():
-    """torchft's own Lighthouse on loopback: no quorum yet is a fresh run, one quorum formed is a
-    run under way (what a host started again reads, `quorum_service.run_under_way`)."""
+    """torchft's own Lighthouse on loopback, read as a host started again reads it
+    (`quorum_service.run_under_way`), for a run of 2 replicas: no quorum yet, or a group of the
+    first replica alone at step 0 (it waits for the other at start-up, `--min-replicas 1`), is a
+    run starting; a member that committed a step, or a group of both, is a run under way."""
     pytest.importorskip("torchft")
     from torchft.coordination import LighthouseClient
 
@@ -170,11 +172,18 @@ def test_a_lighthouse_says_whether_a_run_is_under_way():
     service = open_quorum_service(Placement.one_node(1), wait_s=1)
     try:
         assert service.url.startswith("http://127.0.0.1:") and not service.under_way
-        assert not run_under_way(service.url)
+        assert not run_under_way(service.url, 2)
         client = LighthouseClient(service.url, datetime.timedelta(seconds=10))
-        client.quorum("replica_0:x", datetime.timedelta(seconds=10), address="a", store_address="s", step=0,
-                      world_size=1)  # fmt: skip
-        assert run_under_way(service.url)
+
+        def alone_at(step: int) -> None:
+            client.quorum("replica_0:x", datetime.timedelta(seconds=10), address="a", store_address="s", step=step,
+                          world_size=1)  # fmt: skip
+
+        alone_at(0)
+        assert not run_under_way(service.url, 2)  # starting: the other replica is not there yet
+        assert run_under_way(service.url, 1)  # the whole run of one replica formed its group
+        alone_at(3)
+        assert run_under_way(service.url, 2)  # a step committed: the other is a host started again
     finally:
         service.shutdown()
 
@@ -202,7 +211,7 @@ def test_a_quorum_service_that_is_not_there_or_not_a_lighthouse_is_one_line():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(QuorumServiceUnavailable, match="has no 'Current quorum_id: N': is it torchft's Lighthouse"):
-            run_under_way(f"http://127.0.0.1:{server.server_address[1]}")
+            run_under_way(f"http://127.0.0.1:{server.server_address[1]}", 2)
     finally:
         server.shutdown()
         server.server_close()
