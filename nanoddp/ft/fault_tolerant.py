@@ -16,10 +16,10 @@ The life of one step, in the order a loop calls it:
    peer lost meanwhile (dead: its socket closes; hung: the collective times out) makes it
    return None and marks the step failed.
 5. `commit()` steps the optimizer (or runs `apply`, the caller's update: a GradScaler's step,
-   say) only if the Manager says the step may commit; otherwise the
-   gradients are dropped and `steps` redoes the step in the next quorum. No update is ever
-   half-applied: a replica either applies the whole step or, if its peers moved on without it,
-   receives their state at the next quorum.
+   say) only if the Manager says the step may commit; otherwise the gradients are dropped and
+   `steps` redoes the step in the next quorum. No update is ever half-applied: a replica either
+   applies the whole step or, if its peers moved on without it, receives their state at the next
+   quorum.
 
 `boundary(step)`, if given, is work the whole group does together at a step boundary (a
 snapshot, an evaluation): it runs on every member right after each quorum, with `step` the
@@ -122,12 +122,14 @@ class FaultTolerant:
         self.metrics = RecordWriter(self.env.out)
         state = LiveState(model, optimizer, self.history, extra_state)
         state.holds_state = not self.env.joiner  # a first process built or resumed it; a joiner has nothing yet
+        state.before_send = self._note_membership  # a heal's source may be lost while it sends
         self._live, self._restore = state, restore
         # A joiner's state travels over the group across the replicas (`ReplicaGroup.send/recv`); at
         # step 0 every replica takes replica rank 0's weights (init_sync).
         self.manager = make_manager(torchft_modules(), self.env, self.world, (state.take, state.put), self._store.port,
                                     init_sync=True, use_async_quorum=False, device=self.device)  # fmt: skip
         self._members: tuple[str, ...] = ()  # the group this process last stepped in (its processes)
+        self._noted = 0  # the generation of the group whose change was last noted
         self._started = self.env.joiner  # a joiner never waits for the run's first full group
         self._step_started = 0.0
         self._bytes_at_start = 0
@@ -259,17 +261,16 @@ class FaultTolerant:
         """Collective over a new group: does any member hold the committed state? If not, every
         member loads the newest snapshot, or the run stops.
 
-        [Note: nobody holds the state] torchft heals a member that is behind from the one at the
-        highest step; a replica that started empty is at step 0. When every replica that held the
-        state is gone (two of two lost at once, a source lost while its joiner healed, a survivor
-        crashed), the members left are all at step 0 and torchft would let them train the run
-        again from its start, writing its records twice. Each member knows whether it holds
-        state (a first process built or resumed it; a joiner received it, with its source's
-        answer), so one MAX over the group tells them all alike."""
+        [Note: nobody holds the state] torchft heals a member that is behind from the one at the highest step; a
+        replica that started empty is at step 0. When every replica that held the state is gone (two of two lost
+        at once, a source lost while its joiner healed, a survivor crashed), the members left are all at step 0
+        and torchft would let them train the run again from its start, writing its records twice. Each member
+        knows whether it holds state (a first process built or resumed it; a joiner received it, with its
+        source's answer), so one MAX over the group tells them all alike."""
         held = torch.tensor([int(self._live.holds_state)], dtype=torch.int32, device=self.device)
-        # The group's own all-reduce (torch's gloo), not nanoddp's collectives: a setting that breaks
-        # those for one replica alone (a loop's own simulated link) must fail its steps, where the
-        # same-failure rule stops it alone, not this boundary for the holders (`BOUNDARY_TRIES`).
+        # The group's own all-reduce (torch's), not nanoddp's collectives: a setting that breaks those for one
+        # replica alone (a loop's own simulated link) must fail its steps, where the same-failure rule stops it alone,
+        # not this boundary for the holders (`BOUNDARY_TRIES`).
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         with self.world.guarded():
@@ -302,16 +303,14 @@ class FaultTolerant:
                                 "snapshot_step": snapshot_step, "world_size": self.world_size})  # fmt: skip
 
     def _fail(self, exc: Exception, what: str) -> None:
-        """A collective of this step failed: tell the Manager (the step will not commit) and
-        close the group (see `ReplicaGroup.close`); the next quorum rebuilds it."""
+        """A collective of this step failed: tell the Manager (no commit), close the group (`ReplicaGroup.close`)."""
         logger.info("%s failed: %s", what, first_line(exc))
         self._count_failure(what, first_line(exc))
         self.manager.report_error(exc)  # (torchft keeps the traceback as text)
-        # [Note: a failed collective's traceback] Its frames posted the call's sends and receives,
-        # and the traceback keeps them: gloo's buffers, hence the group's sockets, would stay open
-        # after the abort, and a peer waiting on this rank would wait out its whole timeout (a
-        # sum behind the inner steps fails on a worker thread and is reported later, at its
-        # finish, while its Future still holds the error). Once reported, the frames go.
+        # [Note: a failed collective's traceback] Its frames posted the call's sends and receives, and the traceback
+        # keeps them: gloo's buffers, hence the group's sockets, would stay open after the abort, and a peer waiting
+        # on this rank would wait out its whole timeout (a sum behind the inner steps fails on a worker thread and is
+        # reported later, at its finish, while its Future still holds the error). Once reported, the frames go.
         exc.__traceback__ = None
         self.world.close()
 
@@ -328,8 +327,7 @@ class FaultTolerant:
             )  # fmt: skip
 
     def _beat(self) -> None:
-        """Mark this step boundary for the launcher, which ends a replica that stops marking while
-        the others go on (a hang: `nanoddp.ft.supervisor`)."""
+        """Mark this step boundary for the launcher, which ends a replica that stops marking (a hang)."""
         if self._beat_path is not None:
             with open(self._beat_path, "a"):
                 os.utime(self._beat_path)
@@ -355,9 +353,11 @@ class FaultTolerant:
 
     def _note_membership(self) -> None:
         """One log line and one record per change, from the first survivor (a joiner knows no
-        previous group, so it never writes)."""
-        if self.env.group_rank:  # each member sees the change in its own group across the replicas
+        previous group, so it never writes): after the quorum, or before sending a joiner its state
+        inside it (`LiveState.before_send`): a source lost while sending keeps no record back."""
+        if self.env.group_rank or self._noted == self.world.generation:  # each member sees it in its own group
             return
+        self._noted = self.world.generation
         now = self.world.processes
         survivors = [p for p in now if p in self._members]
         if not survivors or survivors[0] != self.world.process:

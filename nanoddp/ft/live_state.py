@@ -116,9 +116,14 @@ class LiveState:
         # whether this replica holds the run's committed state (False: a joiner before it healed);
         # travels with the state, so a replica healed from a source that held none holds none
         self.holds_state = True
+        # called first in `take`, which torchft calls inside the quorum on a joiner's source: what
+        # must be done before seconds of sending, in which the source may be lost
+        self.before_send: Callable[[], None] | None = None
 
     def take(self) -> dict[str, Any]:
         """This replica's state at the step boundary, its tensors packed (`packed_state.pack`)."""
+        if self.before_send is not None:
+            self.before_send()
         state: dict[str, Any] = {
             "model": take_model(self.model),
             "optimizer": take_optimizer(self.optimizer),
