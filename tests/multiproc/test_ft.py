@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -408,9 +409,16 @@ def test_train_continue_survives_a_kill_bitwise(tmp_path):
     assert all(design_keys <= r.keys() and r["tokens_per_s"] > 0 for r in records if "event" not in r)
     assert len(history) == TRAIN_STEPS and history[0] == 3 and history[-1] == 3, history
     changes = [(r["event"], r["world_size"], r["replicas"]) for r in records if r.get("event", "eval") != "eval"]
-    assert changes == [("rank_lost", 2, [1]), ("rank_joined", 3, [1])], changes
+    assert changes[:2] == [("rank_lost", 2, [1]), ("rank_joined", 3, [1])], changes
+    # After the kill's pair, only lateness: a live replica late to a quorum on a loaded machine (a busy
+    # fresh-clone run saw replica 0) is left out of a step and heals back at the next, the same process
+    # (the launcher replaced none but replica 1). The replay below replays such steps too.
+    late = list(zip(changes[2::2], changes[3::2], strict=False))
+    assert len(changes) % 2 == 0 and all(
+        lost[:2] == ("rank_lost", 2) and joined == ("rank_joined", 3, lost[2]) for lost, joined in late
+    ), changes
     spare_line = "nanoddp train: replica 1 failed (killed by SIGKILL); the warm spare is replacement 1"
-    assert spare_line in output, output[-3000:]
+    assert spare_line in output and re.findall(r"replica \d+ failed", output) == ["replica 1 failed"], output[-3000:]
     got = torch.load(out / "model.pt")
     want = _replay_train(history)
     assert got.keys() == want.keys()
