@@ -497,6 +497,20 @@ class OutputReader:
         return self.text
 
 
+def lighthouse_on(hosts, host: int, port: int) -> tuple[str, subprocess.Popen]:
+    """torchft's Lighthouse started on namespace host `host` (a `NetnsHosts`) at `port`, with the
+    run's own clocks (`nanoddp.ft.quorum_service`) and `--min_replicas 1`, as docs/ft.md says to run
+    it where node 0 may be lost: (its `address:port` for `--lighthouse`, its process)."""
+    from nanoddp.ft.quorum_service import HEARTBEAT_MS, JOIN_MS, TICK_MS
+
+    address = f"{hosts.addresses[host]}:{port}"
+    service = hosts.popen(host, [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", address,
+                                 "--min_replicas", "1", "--join_timeout_ms", str(JOIN_MS), "--heartbeat_timeout_ms",
+                                 str(HEARTBEAT_MS), "--quorum_tick_ms", str(TICK_MS)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return address, service
+
+
 def wait_for(what: Callable, deadline: float, step_s: float = 0.005):
     """`what()` once it is truthy; an AssertionError at `deadline` (time.monotonic)."""
     while time.monotonic() < deadline:

@@ -9,8 +9,8 @@ filesystem, the process table and the hostname stay shared (the hostname resolvi
 everywhere, as in many containers), and so does the kernel's boot id, from which nccl tells
 machines apart: each host's processes get NCCL_HOSTID set to the host's name, so that nccl treats
 two namespaces as two machines (its socket transport between them, as gloo's; two ranks on one
-GPU are refused as duplicates only within one machine). Killing a host is SIGKILL to every process in its
-namespace (`ip netns pids`), the closest thing to pulling its power cord.
+GPU are refused as duplicates only within one machine). Killing a host is SIGKILL to every
+process in its namespace (`ip netns pids`), the closest thing to pulling its power cord.
 
 The fabric is private to the process that makes it: names carry its pid and a random token, and
 the subnet is a random /24 in 10.200-254.x.x (the namespaces' routes are their own, and the
@@ -55,10 +55,10 @@ NAME_PREFIX = "nanoddp-"  # namespaces: nanoddp-<pid>-<token>-<index>
 BRIDGE_PREFIX = "ndb"  # bridges: ndb<token> (a link's name has 15 characters at most)
 KILL_WAIT_S = 10.0
 CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2) into a network namespace
+HOST_ID_VAR = "NCCL_HOSTID"  # what tells nccl one machine from another (the module's note)
 THIS_HOSTS_NETWORK = (
-    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "NCCL_HOSTID",
+    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", HOST_ID_VAR,
 )  # fmt: skip
-HOST_ID_VAR = "NCCL_HOSTID"
 
 
 def unavailable_reason() -> str | None:
@@ -153,7 +153,7 @@ class NetnsHosts:
         module's note), replacing any cap set before; None removes the caps (full speed)."""
         if bits_per_s is not None and not bits_per_s > 0:
             raise ValueError(f"a link rate must be > 0 bits/s, got {bits_per_s}")
-        for veth in [self._veths[h] for h in range(len(self._veths)) if hosts is None or h in hosts]:
+        for veth in self._veths if hosts is None else [self._veths[h] for h in hosts]:
             # no qdisc of ours yet is not an error: the deletion is only for replacing one
             subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True, timeout=30)
             if bits_per_s is not None:

@@ -27,11 +27,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import FT_TINY_GPT, OutputReader, replay_engine_run, run_on_ranks, wait_for
+from helpers import FT_TINY_GPT, OutputReader, lighthouse_on, replay_engine_run, run_on_ranks, wait_for
 
 from nanoddp.base.records import read_records
 from nanoddp.bench.netns_hosts import NetnsHosts, shaping_unavailable_reason
@@ -70,15 +69,9 @@ def _replay(env, history: list[int]) -> tuple[dict[str, torch.Tensor], list[floa
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)  # + the replay
 def test_the_source_of_a_heal_lost_mid_heal_the_joiner_heals_from_the_survivor(tmp_path):
-    from nanoddp.ft.quorum_service import HEARTBEAT_MS, JOIN_MS, TICK_MS
-
     out = tmp_path / "run"
     with NetnsHosts(4) as hosts:
-        lighthouse = f"{hosts.addresses[3]}:{PORT}"
-        service = hosts.popen(3, [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", lighthouse,
-                                  "--min_replicas", "1", "--join_timeout_ms", str(JOIN_MS), "--heartbeat_timeout_ms",
-                                  str(HEARTBEAT_MS), "--quorum_tick_ms", str(TICK_MS)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        lighthouse, service = lighthouse_on(hosts, 3, PORT)
         hosts.shape(STEP_RATE, hosts=[0, 1])
         hosts.shape(HEAL_RATE, hosts=[2])
         train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2", "--nproc", "1",

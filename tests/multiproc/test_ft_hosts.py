@@ -61,6 +61,7 @@ import torch
 from helpers import (
     FT_TINY_GPT,
     OutputReader,
+    lighthouse_on,
     replay_engine_run,
     replica_pid,
     run_on_ranks,
@@ -512,15 +513,9 @@ def test_localsgd_across_hosts_goes_on_without_node_0_and_equals_the_replay(tmp_
     records) is killed whole once step ROUNDS_KILL_AFTER is recorded; host 1 goes on alone from the
     next sync (`--min-replicas 1`), writes the records and `model.pt` from there, and `model.pt`
     equals, bitwise, the one-process replay of the run's sync records."""
-    from nanoddp.ft.quorum_service import HEARTBEAT_MS, JOIN_MS, TICK_MS
-
     out = tmp_path / "run"
     with NetnsHosts(3) as hosts:
-        lighthouse = f"{hosts.addresses[2]}:{PORT + 2}"
-        service = hosts.popen(2, [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", lighthouse,
-                                  "--min_replicas", "1", "--join_timeout_ms", str(JOIN_MS), "--heartbeat_timeout_ms",
-                                  str(HEARTBEAT_MS), "--quorum_tick_ms", str(TICK_MS)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        lighthouse, service = lighthouse_on(hosts, 2, PORT + 2)
         train = [sys.executable, "-m", "nanoddp", "train", "--on-failure", "continue", "--nnodes", "2", "--nproc", "1",
                  "--lighthouse", lighthouse, "--min-replicas", "1", "--max-restarts", "0", "--engine", "localsgd",
                  "--sync-every", str(ROUNDS_SYNC_EVERY), "--steps", str(ROUNDS_STEPS), "--snapshot-every", "0",
